@@ -1,0 +1,39 @@
+# `make run` and `make test` do every set-up step on a fresh machine.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# Pinned so that pip takes the CPU build where it lies on disk instead of a multi-GB CUDA build.
+# On a GPU machine: make TORCH_SPEC='torch==2.13.0' EXTRAS='dev,gpu' ...
+TORCH_SPEC ?= torch==2.13.0
+EXTRAS ?= dev
+STAMP := $(VENV)/.installed-$(EXTRAS)
+PROMPT ?= What is the capital of France?
+
+.PHONY: install model run test test-fast bench-engine clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+model: $(STAMP)
+	$(PY) -m pdserve model fetch
+
+run: model
+	$(PY) -m pdserve generate "$(PROMPT)"
+
+test: model
+	$(PY) -m pytest tests
+
+test-fast: $(STAMP)
+	$(PY) -m pytest tests -m "not slow and not model"
+
+bench-engine: model
+	$(PY) -m pdserve bench engine
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,146 @@
+"""Fixed-size KV blocks with reference counts and automatic prefix caching. No torch.
+
+A full block is keyed by the hash chain of its tokens (its own tokens and the key of the
+block before it). A new sequence reuses the cached blocks of its longest cached prefix.
+Freed blocks keep their key until they are reused: the free list is ordered least recently
+freed first, so the prefix cache evicts least-recently-used blocks when free blocks run out.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from engine.sequence import Sequence
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "key", "token_ids")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.key: int | None = None
+        self.token_ids: tuple[int, ...] = ()
+
+
+def chain_key(prev_key: int | None, token_ids: tuple[int, ...]) -> int:
+    """Key of a full block: depends on its tokens and on every token before it."""
+    return hash((prev_key, token_ids))
+
+
+class BlockManager:
+    """Allocates KV blocks to sequences.
+
+    Args:
+        num_blocks: blocks in the pool.
+        block_size: tokens per block.
+        enable_prefix_caching: keep and reuse full blocks by their key.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        assert num_blocks > 0 and block_size > 0
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[int, int] = {}  # key -> block id
+        self.num_prefix_hits = 0  # tokens served from the cache, for stats
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return (num_tokens + self.block_size - 1) // self.block_size
+
+    # -- prefix lookup -----------------------------------------------------------------
+    def _cached_prefix(self, token_ids: list[int]) -> list[int]:
+        """Block ids holding the longest cached prefix; never the prompt's last token,
+        whose logits must be computed."""
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        key = None
+        bs = self.block_size
+        for start in range(0, len(token_ids) - 1 - bs + 1, bs):
+            chunk = tuple(token_ids[start:start + bs])
+            key = chain_key(key, chunk)
+            block_id = self.cached.get(key)
+            if block_id is None or self.blocks[block_id].token_ids != chunk:
+                break
+            hits.append(block_id)
+        return hits
+
+    def cached_prefix_len(self, token_ids: list[int]) -> int:
+        """Tokens of `token_ids` whose KV the prefix cache holds now."""
+        return len(self._cached_prefix(token_ids)) * self.block_size
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        hits = self._cached_prefix(seq.token_ids)
+        reusable_free = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        new = self.blocks_needed(seq.num_tokens) - len(hits)
+        return new + reusable_free <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give `seq` blocks for all its tokens, reusing cached prefix blocks."""
+        assert not seq.block_table, f"{seq.request_id} already holds blocks"
+        assert self.can_allocate(seq), f"{seq.request_id}: not enough free blocks"
+        hits = self._cached_prefix(seq.token_ids)
+        for block_id in hits:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free[block_id]
+            block.ref_count += 1
+            seq.block_table.append(block_id)
+        seq.num_cached_tokens = len(hits) * self.block_size
+        self.num_prefix_hits += seq.num_cached_tokens
+        for _ in range(self.blocks_needed(seq.num_tokens) - len(hits)):
+            seq.block_table.append(self._take_free())
+        self._register_full_blocks(seq, start=len(hits))
+
+    def can_append(self, seq: Sequence) -> bool:
+        """Whether the token appended last (whose KV the next step writes) has a slot."""
+        return len(seq.block_table) >= self.blocks_needed(seq.num_tokens) or self.num_free_blocks > 0
+
+    def append_slot(self, seq: Sequence) -> None:
+        """Make room for the KV of `seq`'s last token; key the block it fills."""
+        if len(seq.block_table) < self.blocks_needed(seq.num_tokens):
+            seq.block_table.append(self._take_free())
+        if seq.num_tokens % self.block_size == 0:
+            self._register_full_blocks(seq, start=len(seq.block_table) - 1)
+
+    def free_seq(self, seq: Sequence) -> None:
+        """Release `seq`'s blocks; cached ones stay reusable until evicted."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0
+            if block.ref_count == 0:
+                self.free[block_id] = None
+        seq.block_table = []
+        seq.num_cached_tokens = 0
+
+    # -- internals -----------------------------------------------------------------------
+    def _take_free(self) -> int:
+        block_id, _ = self.free.popitem(last=False)  # least recently freed first
+        block = self.blocks[block_id]
+        if block.key is not None and self.cached.get(block.key) == block_id:
+            del self.cached[block.key]  # evict
+        block.key, block.token_ids, block.ref_count = None, (), 1
+        return block_id
+
+    def _register_full_blocks(self, seq: Sequence, start: int) -> None:
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        key = self.blocks[seq.block_table[start - 1]].key if start > 0 else None
+        for i in range(start, seq.num_tokens // bs):
+            block = self.blocks[seq.block_table[i]]
+            chunk = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            key = chain_key(key, chunk)
+            if block.key is None:
+                block.key, block.token_ids = key, chunk
+                self.cached.setdefault(key, block.block_id)

@@ -1,0 +1,97 @@
+"""Frozen engine configuration. Facts found at start-up live in `KVLayout`, never here."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache settings.
+
+    Args:
+        block_size: tokens per KV block.
+        memory_gib: memory budget for the KV pool; the number of blocks follows from it.
+        enable_prefix_caching: reuse full blocks of earlier prompts keyed by their token hash chain.
+    """
+
+    block_size: int = 16
+    memory_gib: float = 1.0
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size > 1024:
+            raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
+        if not self.memory_gib > 0:
+            raise ValueError(f"memory_gib must be > 0, got {self.memory_gib}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the engine runs and how much work one step may take.
+
+    Args:
+        model: path of a Hugging Face causal-LM directory; None means the embedded default.
+        dtype: weights and KV dtype: float32, bfloat16 or float16 (float16 on CUDA only).
+        device: "cpu" or a CUDA device such as "cuda:0".
+        max_num_seqs: most sequences in one batch.
+        max_num_batched_tokens: most prompt tokens in one prefill batch (a single longer prompt still runs alone).
+        max_model_len: context limit; None means the model's own.
+        num_threads: torch intra-op threads on CPU; None leaves torch's default.
+        seed: seed for requests that sample without a seed of their own.
+        cache: the KV cache settings.
+    """
+
+    model: str | None = None
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None
+    num_threads: int | None = None
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.dtype == "float16" and not self.device.startswith("cuda"):
+            raise ValueError("dtype float16 needs a CUDA device; on cpu use bfloat16 or float32")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of the paged KV pool, found at start-up from the model and the memory budget."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    num_blocks: int
+    dtype_bytes: int
+
+    @property
+    def bytes_per_block(self) -> int:
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    @classmethod
+    def from_budget(cls, num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int,
+                    cache: CacheConfig) -> "KVLayout":
+        per_block = 2 * num_layers * cache.block_size * num_kv_heads * head_dim * dtype_bytes
+        num_blocks = int(cache.memory_gib * (1 << 30)) // per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"cache memory_gib={cache.memory_gib} holds no KV block; one block of "
+                f"{cache.block_size} tokens needs {per_block / (1 << 30):.6f} GiB")
+        return cls(num_layers, num_kv_heads, head_dim, cache.block_size, num_blocks, dtype_bytes)

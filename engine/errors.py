@@ -1,0 +1,9 @@
+"""User-facing errors of the engine. Each message names the field and what is allowed."""
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine cannot run as given (bad prompt or sampling field)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field

@@ -1,0 +1,193 @@
+"""The engine: one step is schedule → run → postprocess.
+
+Request lifecycle:
+1. `add_request`: validate, tokenize (chat template for messages), queue as WAITING.
+2. `step` (prefill): the scheduler admits it with blocks (reusing a cached prefix);
+   the runner computes the uncached prompt tokens; the sampler picks the first token.
+3. `step` (decode): one token per step in the running batch, sequences joining and
+   leaving between steps.
+4. The stop check finishes it (EOS, stop token or string, max_tokens, context limit),
+   or `abort` does; its blocks return to the pool in the same step.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig, KVLayout
+from engine.detokenizer import StopChecker
+from engine.errors import InvalidRequestError
+from engine.model_loader import encode_prompt, eos_token_ids, load_model, max_context
+from engine.model_runner import ModelRunner, kv_shape
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import FinishReason, Sequence
+
+Prompt = str | list[int] | list[dict]
+
+
+@dataclass
+class RequestOutput:
+    """What a step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class EngineStats:
+    """Counters since start: phase time and tokens, for the phase split users come to see."""
+
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    prefill_tokens: int = 0  # prompt tokens computed (cached prefix tokens excluded)
+    decode_tokens: int = 0
+    prefill_steps: int = 0
+    decode_steps: int = 0
+
+
+class LLMEngine:
+    """Runs requests to completion with continuous batching over a paged KV cache.
+
+    Args:
+        config: engine configuration.
+        model: an already loaded model (tests); None loads `config.model`.
+        tokenizer: its tokenizer; None with a given model means token-id prompts only.
+    """
+
+    def __init__(self, config: EngineConfig, model: PreTrainedModel | None = None,
+                 tokenizer: PreTrainedTokenizerBase | None = None) -> None:
+        self.config = config
+        if config.num_threads and config.device == "cpu":
+            torch.set_num_threads(config.num_threads)
+        if model is None:
+            model, tokenizer = load_model(config.model, config.dtype, config.device)
+        self.tokenizer = tokenizer
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.max_model_len = min(config.max_model_len or max_context(model), max_context(model))
+        layers, kv_heads, head_dim = kv_shape(model)
+        dtype_bytes = next(model.parameters()).element_size()
+        self.layout = KVLayout.from_budget(layers, kv_heads, head_dim, dtype_bytes, config.cache)
+        self.block_manager = BlockManager(self.layout.num_blocks, self.layout.block_size,
+                                          config.cache.enable_prefix_caching)
+        self.stop_checker = StopChecker(eos_token_ids(model, tokenizer), self.max_model_len, tokenizer)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.stop_checker)
+        self.runner = ModelRunner(model, self.layout)
+        self.sampler = Sampler(config.seed)
+        self.stats = EngineStats()
+        self._ids = itertools.count()
+
+    # -- requests ----------------------------------------------------------------------------
+    def tokenize(self, prompt: Prompt, chat: bool = False) -> list[int]:
+        """Token ids for a prompt given as text, chat messages, or token ids."""
+        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return list(prompt)
+        if self.tokenizer is None:
+            raise InvalidRequestError("prompt", "this engine has no tokenizer; give a list of token ids")
+        if isinstance(prompt, str) or (isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt)):
+            return encode_prompt(self.tokenizer, prompt, chat)
+        raise InvalidRequestError("prompt", "must be a string, a list of token ids, or a list of chat messages")
+
+    def add_request(self, prompt: Prompt, sampling: SamplingParams | None = None, request_id: str | None = None,
+                    chat: bool = False) -> str:
+        """Queue a request. Returns its id. Raises InvalidRequestError naming the bad field."""
+        sampling = sampling or SamplingParams()
+        ids = self.tokenize(prompt, chat)
+        self._validate(ids, sampling)
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        seq = Sequence(request_id, ids, sampling, arrival_time=time.monotonic())
+        self.stop_checker.start(seq)
+        self.scheduler.add(seq)
+        return request_id
+
+    def _validate(self, ids: list[int], sampling: SamplingParams) -> None:
+        if not ids:
+            raise InvalidRequestError("prompt", "must not be empty")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError("prompt", f"has {len(ids)} tokens; the context allows at most "
+                                                f"{self.max_model_len - 1} (max_model_len={self.max_model_len})")
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError("prompt", f"token id {bad} is outside [0, {self.vocab_size})")
+        if sampling.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop", "stop strings need a tokenizer; use stop_token_ids")
+        worst = min(len(ids) + sampling.max_tokens, self.max_model_len)
+        need, have = self.block_manager.blocks_needed(worst), self.block_manager.num_blocks
+        if need > have:
+            raise InvalidRequestError(
+                "max_tokens", f"prompt ({len(ids)} tokens) + max_tokens ({sampling.max_tokens}) needs {need} KV "
+                f"blocks; the KV budget holds {have} blocks of {self.layout.block_size} tokens "
+                f"({have * self.layout.block_size} tokens). Shorten the request or raise the KV memory budget")
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request wherever it is; its blocks are freed now. Returns whether it was found."""
+        return self.scheduler.abort(request_id) is not None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule → run → postprocess. Returns one output per sequence in the batch."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        t0 = time.perf_counter()
+        if batch.is_prefill:
+            logits = self.runner.prefill(batch.seqs)
+        else:
+            logits = self.runner.decode(batch.seqs)
+        tokens = self.sampler.sample(logits, batch.seqs)
+        self._account(batch.is_prefill, batch.num_tokens, time.perf_counter() - t0)
+        self.scheduler.update(batch, tokens)
+        return [self._output(seq, [tok]) for seq, tok in zip(batch.seqs, tokens)]
+
+    def _account(self, is_prefill: bool, num_tokens: int, seconds: float) -> None:
+        s = self.stats
+        if is_prefill:
+            s.prefill_seconds += seconds
+            s.prefill_tokens += num_tokens
+            s.prefill_steps += 1
+        else:
+            s.decode_seconds += seconds
+            s.decode_tokens += num_tokens
+            s.decode_steps += 1
+
+    def _output(self, seq: Sequence, new_ids: list[int]) -> RequestOutput:
+        text = seq.detok.take(final=seq.is_finished) if seq.detok is not None else ""
+        reason = seq.finish_reason.value if seq.finish_reason is not None else None
+        return RequestOutput(seq.request_id, new_ids, text, seq.is_finished, reason, seq.num_prompt_tokens,
+                             seq.num_cached_tokens, seq.output_token_ids if seq.is_finished else [])
+
+    def generate(self, prompts: list[Prompt], sampling: SamplingParams | list[SamplingParams] | None = None,
+                 chat: bool = False) -> list[RequestOutput]:
+        """Run prompts to completion together. Returns one final output per prompt, in order,
+        whose `new_text` holds the whole text."""
+        params = sampling if isinstance(sampling, list) else [sampling or SamplingParams()] * len(prompts)
+        ids = [self.add_request(p, sp, chat=chat) for p, sp in zip(prompts, params)]
+        texts: dict[str, list[str]] = {i: [] for i in ids}
+        final: dict[str, RequestOutput] = {}
+        while self.has_unfinished():
+            for out in self.step():
+                texts[out.request_id].append(out.new_text)
+                if out.finished:
+                    final[out.request_id] = out
+        for rid, out in final.items():
+            out.new_text = "".join(texts[rid])
+        return [final[i] for i in ids]
+
+
+__all__ = ["LLMEngine", "RequestOutput", "EngineStats", "FinishReason"]

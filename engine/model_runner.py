@@ -1,0 +1,97 @@
+"""Owns the model and the paged KV pool; turns a batch of sequences into next-token logits."""
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+
+from engine.attention import ATTN_NAME, AttnMetadata, PrefillSlice
+from engine.config import KVLayout
+from engine.sequence import Sequence
+
+
+def kv_shape(model: PreTrainedModel) -> tuple[int, int, int]:
+    """(layers, kv heads, head dim) of a decoder-only model's attention."""
+    cfg = model.config.get_text_config()
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return cfg.num_hidden_layers, kv_heads, head_dim
+
+
+class ModelRunner:
+    """Runs transformers' own model classes with attention over the paged KV pool.
+
+    Args:
+        model: a loaded causal LM (its attention implementation is switched to paged).
+        layout: the KV pool's shape.
+    """
+
+    def __init__(self, model: PreTrainedModel, layout: KVLayout) -> None:
+        self.model = model.eval()
+        self.model.set_attn_implementation(ATTN_NAME)
+        self.decoder = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
+        self.layout = layout
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        slots = layout.num_blocks * layout.block_size
+        self.kv = torch.zeros(layout.num_layers, 2, slots, layout.num_kv_heads, layout.head_dim,
+                              dtype=self.dtype, device=self.device)
+        self.num_tokens_computed = 0  # every token that went through the model, for stats
+
+    def _slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
+        bs = self.layout.block_size
+        pos = torch.arange(start, end)
+        table = torch.tensor(block_table, dtype=torch.long)
+        return table[pos // bs] * bs + pos % bs
+
+    @torch.inference_mode()
+    def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Compute each sequence's uncached tokens; return logits of each last token [B, V]."""
+        ids: list[int] = []
+        positions, slots, slices, last = [], [], [], []
+        n = 0
+        for seq in seqs:
+            start, end = seq.num_cached_tokens, seq.num_tokens
+            ids.extend(seq.token_ids[start:])
+            positions.append(torch.arange(start, end))
+            slots.append(self._slots(seq.block_table, start, end))
+            ctx_slots = mask = None
+            if start > 0:
+                ctx_slots = self._slots(seq.block_table, 0, end).to(self.device)
+                mask = (torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]).to(self.device)
+            slices.append(PrefillSlice(n, n + end - start, start, ctx_slots, mask))
+            n += end - start
+            last.append(n - 1)
+        meta = AttnMetadata(slot_mapping=torch.cat(slots).to(self.device), prefill=slices)
+        return self._forward(ids, torch.cat(positions), meta, last)
+
+    @torch.inference_mode()
+    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Compute one token per sequence (its last); return next-token logits [B, V]."""
+        bs = self.layout.block_size
+        ctx = torch.tensor([s.num_tokens for s in seqs])
+        max_ctx = int(ctx.max())
+        max_blocks = (max_ctx + bs - 1) // bs
+        table = torch.zeros(len(seqs), max_blocks, dtype=torch.long)
+        for i, seq in enumerate(seqs):
+            table[i, :len(seq.block_table)] = torch.tensor(seq.block_table[:max_blocks])
+        all_slots = (table[:, :, None] * bs + torch.arange(bs)).reshape(len(seqs), -1)[:, :max_ctx]
+        slot_mapping = all_slots[torch.arange(len(seqs)), ctx - 1]
+        mask = None
+        if int(ctx.min()) != max_ctx:
+            mask = (torch.arange(max_ctx)[None, :] < ctx[:, None])[:, None, None, :].to(self.device)
+        meta = AttnMetadata(slot_mapping=slot_mapping.to(self.device), decode_slots=all_slots.to(self.device),
+                            decode_mask=mask)
+        return self._forward([s.last_token_id for s in seqs], ctx - 1, meta, list(range(len(seqs))))
+
+    def _forward(self, ids: list[int], positions: torch.Tensor, meta: AttnMetadata,
+                 last: list[int]) -> torch.Tensor:
+        self.num_tokens_computed += len(ids)
+        input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
+        out = self.decoder(input_ids=input_ids, position_ids=positions[None].to(self.device), use_cache=False,
+                           attn_meta=meta, kv_cache=self.kv)
+        hidden = out.last_hidden_state[0]
+        if len(last) != hidden.shape[0]:
+            hidden = hidden[torch.tensor(last, device=self.device)]
+        return self.lm_head(hidden)

@@ -1,0 +1,66 @@
+"""Per-request sampling and stop settings, validated on construction."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop.
+
+    Args:
+        max_tokens: most tokens to generate, >= 1.
+        temperature: 0 means greedy; otherwise >= 0 scales logits.
+        top_k: keep the k most likely tokens; 0 disables.
+        top_p: keep the smallest set whose probability reaches top_p, in (0, 1].
+        seed: per-request seed; the same seed and prompt give the same tokens.
+        stop: strings that end generation; the text is cut before the match.
+        stop_token_ids: token ids that end generation (kept in the output, like EOS).
+        ignore_eos: keep generating past EOS (benchmarks with fixed output lengths).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InvalidRequestError("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0 or self.temperature > 100:
+            raise InvalidRequestError("temperature", f"must be in [0, 100], got {self.temperature!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidRequestError("top_k", f"must be an integer >= 0 (0 disables), got {self.top_k!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < 2**63):
+            raise InvalidRequestError("seed", f"must be an integer in [0, 2**63), got {self.seed!r}")
+        object.__setattr__(self, "stop", _as_tuple(self.stop, str, "stop"))
+        object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids, int, "stop_token_ids"))
+        if any(s == "" for s in self.stop):
+            raise InvalidRequestError("stop", "stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+def _as_tuple(value: object, kind: type, name: str) -> tuple:
+    if isinstance(value, kind):
+        value = (value,)
+    try:
+        items = tuple(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidRequestError(name, f"must be a list of {kind.__name__}, got {value!r}") from None
+    for item in items:
+        if isinstance(item, bool) or not isinstance(item, kind) or (kind is int and item < 0):
+            raise InvalidRequestError(name, f"must be a list of {'non-negative ' if kind is int else ''}"
+                                            f"{kind.__name__}, got item {item!r}")
+    return items
