@@ -120,8 +120,7 @@ class BlockManager:
             assert block.ref_count >= 0
             if block.ref_count == 0:
                 self.free[block_id] = None
-        seq.block_table = []
-        seq.num_cached_tokens = 0
+        seq.block_table = []  # num_cached_tokens stays for reporting; allocate() sets it anew
 
     # -- internals -----------------------------------------------------------------------
     def _take_free(self) -> int:

@@ -1,0 +1,48 @@
+"""Shared fixtures: fixed thread count, tiny random models, the transformers greedy oracle."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
+
+torch.set_num_threads(2)
+
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=2048, eos_token_id=None, bos_token_id=None,
+            pad_token_id=None, initializer_range=0.2)
+
+
+def tiny_model(arch: str, seed: int = 0) -> PreTrainedModel:
+    """A small randomly initialised decoder, fp32, with no EOS so lengths are exact."""
+    torch.manual_seed(seed)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**TINY))
+    elif arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**TINY))
+    else:
+        raise AssertionError(arch)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+def greedy_reference(model: PreTrainedModel, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' own greedy `generate`, one sequence at a time (no padding)."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
+                             min_new_tokens=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(params=["llama", "qwen2"])
+def tiny_pair(request: pytest.FixtureRequest) -> tuple[PreTrainedModel, PreTrainedModel]:
+    """(reference model, engine copy): the engine switches its copy's attention to the paged kernel."""
+    ref = tiny_model(request.param)
+    return ref, copy.deepcopy(ref)
+
+
+def random_prompt(n: int, seed: int, vocab: int = 512) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n,), generator=g).tolist()

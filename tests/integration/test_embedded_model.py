@@ -1,0 +1,62 @@
+"""The embedded SmolLM2 on chat prompts: greedy equals transformers `generate`, text and stops work."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
+from engine.model_loader import encode_prompt, load_model
+
+pytestmark = pytest.mark.model
+
+CHATS = ["What is the capital of France?", "Write a haiku about the sea.",
+         "List three prime numbers and explain why each is prime."]
+
+
+@pytest.fixture(scope="module")
+def smol():
+    model, tokenizer = load_model(None, "float32", "cpu")
+    ref = copy.deepcopy(model)
+    engine = LLMEngine(EngineConfig(dtype="float32", cache=CacheConfig(memory_gib=0.25)), model=model,
+                       tokenizer=tokenizer)
+    return ref, tokenizer, engine
+
+
+def reference(ref, prompt_ids: list[int], n: int, eos: int) -> list[int]:
+    with torch.no_grad():
+        out = ref.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False)[0, len(prompt_ids):]
+    ids = out.tolist()
+    return ids[:ids.index(eos) + 1] if eos in ids else ids
+
+
+def test_chat_prompts_match_generate_single_and_batched(smol):
+    ref, tok, engine = smol
+    prompts = [encode_prompt(tok, c, chat=True) for c in CHATS]
+    expected = [reference(ref, p, 32, tok.eos_token_id) for p in prompts]
+    assert engine.generate([CHATS[0]], SamplingParams(max_tokens=32), chat=True)[0].output_token_ids == expected[0]
+    outs = engine.generate(CHATS, SamplingParams(max_tokens=32), chat=True)
+    assert [o.output_token_ids for o in outs] == expected
+    assert "Paris" in outs[0].new_text
+    assert outs[0].finish_reason == "stop"  # ended on <|im_end|>, which is not in the text
+    assert "<|im_end|>" not in outs[0].new_text
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_stop_string_cuts_text(smol):
+    _, _, engine = smol
+    full = engine.generate([CHATS[0]], SamplingParams(max_tokens=32), chat=True)[0].new_text
+    assert "Paris" in full
+    out = engine.generate([CHATS[0]], SamplingParams(max_tokens=32, stop=["Paris"]), chat=True)[0]
+    assert out.finish_reason == "stop"
+    assert out.new_text == full[:full.index("Paris")]
+
+
+def test_messages_and_text_prompts(smol):
+    _, tok, engine = smol
+    msgs = [{"role": "user", "content": CHATS[0]}]
+    assert engine.tokenize(msgs) == engine.tokenize(CHATS[0], chat=True)
+    assert engine.tokenize("hello world") == tok("hello world")["input_ids"]
+    with pytest.raises(ValueError, match="^prompt: "):
+        engine.add_request(3.5)  # type: ignore[arg-type]

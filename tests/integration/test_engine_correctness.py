@@ -1,0 +1,153 @@
+"""Greedy output of the paged engine equals transformers `generate`, token for token (fp32)."""
+from __future__ import annotations
+
+import pytest
+
+from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
+from tests.conftest import greedy_reference, random_prompt
+
+
+def make_engine(model, memory_gib: float = 0.02, block_size: int = 16, **kw) -> LLMEngine:
+    cfg = EngineConfig(dtype="float32", cache=CacheConfig(block_size=block_size, memory_gib=memory_gib), **kw)
+    return LLMEngine(cfg, model=model)
+
+
+def assert_all_free(engine: LLMEngine) -> None:
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    assert all(b.ref_count == 0 for b in bm.blocks)
+
+
+def test_single_and_batched_match_generate(tiny_pair):
+    ref, model = tiny_pair
+    prompts = [random_prompt(n, seed=n) for n in (1, 7, 33, 64, 150)]
+    expected = [greedy_reference(ref, p, 24) for p in prompts]
+    engine = make_engine(model)
+    single = engine.generate([prompts[2]], SamplingParams(max_tokens=24))[0]
+    assert single.output_token_ids == expected[2]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=24))
+    for out, exp in zip(outs, expected):
+        assert out.output_token_ids == exp
+        assert out.finish_reason == "length"
+    assert_all_free(engine)
+
+
+def test_very_different_lengths_and_outputs(tiny_pair):
+    ref, model = tiny_pair
+    cases = [(random_prompt(3, 1), 60), (random_prompt(700, 2), 5), (random_prompt(40, 3), 30)]
+    expected = [greedy_reference(ref, p, n) for p, n in cases]
+    engine = make_engine(model, block_size=8)
+    outs = engine.generate([p for p, _ in cases], [SamplingParams(max_tokens=n) for _, n in cases])
+    assert [o.output_token_ids for o in outs] == expected
+    assert_all_free(engine)
+
+
+def test_sequences_join_mid_run(tiny_pair):
+    ref, model = tiny_pair
+    first, late = random_prompt(20, 10), random_prompt(90, 11)
+    exp_first, exp_late = greedy_reference(ref, first, 40), greedy_reference(ref, late, 25)
+    engine = make_engine(model)
+    engine.add_request(first, SamplingParams(max_tokens=40), request_id="first")
+    got: dict[str, list[int]] = {"first": [], "late": []}
+    for step in range(200):
+        if step == 10:
+            engine.add_request(late, SamplingParams(max_tokens=25), request_id="late")
+        for out in engine.step():
+            got[out.request_id] += out.new_token_ids
+        if step > 10 and not engine.has_unfinished():
+            break
+    assert got == {"first": exp_first, "late": exp_late}
+    assert_all_free(engine)
+
+
+def test_preemption_under_tiny_block_budget(tiny_pair):
+    ref, model = tiny_pair
+    prompts = [random_prompt(30 + 7 * i, 20 + i) for i in range(6)]
+    expected = [greedy_reference(ref, p, 40) for p in prompts]
+    # 3 layers x 2 kv heads x 16 dims x 4 bytes x 2 (k, v) = 768 B per token; 4-token blocks
+    engine = make_engine(model, memory_gib=80 * 4 * 768 / (1 << 30), block_size=4)
+    assert engine.layout.num_blocks == 80
+    outs = engine.generate(prompts, SamplingParams(max_tokens=40))
+    assert engine.scheduler.num_preemptions > 0
+    assert [o.output_token_ids for o in outs] == expected
+    assert_all_free(engine)
+
+
+def test_shared_prefix_prefills_only_the_remainder(tiny_pair):
+    ref, model = tiny_pair
+    prefix = random_prompt(512, 30)
+    a, b = prefix + random_prompt(20, 31), prefix + random_prompt(37, 32)
+    exp_a, exp_b = greedy_reference(ref, a, 12), greedy_reference(ref, b, 12)
+    engine = make_engine(model, memory_gib=0.05)
+    assert engine.generate([a], SamplingParams(max_tokens=12))[0].output_token_ids == exp_a
+    before = engine.stats.prefill_tokens
+    out = engine.generate([b], SamplingParams(max_tokens=12))[0]
+    assert out.num_cached_tokens == 512
+    assert engine.stats.prefill_tokens - before == len(b) - 512
+    assert out.output_token_ids == exp_b
+    assert_all_free(engine)  # cached blocks sit in the free list, evictable
+
+
+def test_prefix_cache_evicts_when_blocks_run_out(tiny_pair):
+    _, model = tiny_pair
+    engine = make_engine(model, memory_gib=64 * 16 * 768 / (1 << 30))
+    assert engine.layout.num_blocks == 64
+    for i in range(6):  # 6 x 20 blocks of distinct prompts through a 64-block pool
+        engine.generate([random_prompt(320, 40 + i)], SamplingParams(max_tokens=4))
+    bm = engine.block_manager
+    assert len(bm.cached) <= bm.num_blocks
+    assert_all_free(engine)
+
+
+def test_seeded_sampling_reproduces_and_top_k_1_is_greedy(tiny_pair):
+    ref, model = tiny_pair
+    prompt = random_prompt(25, 50)
+    engine = make_engine(model)
+    sp = SamplingParams(max_tokens=30, temperature=1.0, top_p=0.9, top_k=50, seed=1234)
+    a = engine.generate([prompt], sp)[0].output_token_ids
+    b = engine.generate([prompt, random_prompt(9, 51)], [sp, SamplingParams(max_tokens=5, temperature=1.0)])[0]
+    assert a == b.output_token_ids
+    other = engine.generate([prompt], SamplingParams(max_tokens=30, temperature=1.0, seed=99))[0]
+    assert other.output_token_ids != a
+    top1 = engine.generate([prompt], SamplingParams(max_tokens=30, temperature=0.8, top_k=1, seed=5))[0]
+    assert top1.output_token_ids == greedy_reference(ref, prompt, 30)
+
+
+def test_stop_token_ids_end_generation(tiny_pair):
+    ref, model = tiny_pair
+    prompt = random_prompt(12, 60)
+    expected = greedy_reference(ref, prompt, 20)
+    stop = expected[5]
+    engine = make_engine(model)
+    out = engine.generate([prompt], SamplingParams(max_tokens=20, stop_token_ids=[stop]))[0]
+    assert out.output_token_ids == expected[:expected.index(stop) + 1]
+    assert out.finish_reason == "stop"
+
+
+def test_abort_frees_blocks(tiny_pair):
+    _, model = tiny_pair
+    engine = make_engine(model)
+    engine.add_request(random_prompt(100, 70), SamplingParams(max_tokens=50), request_id="x")
+    engine.add_request(random_prompt(10, 71), SamplingParams(max_tokens=50), request_id="y")
+    engine.step()
+    engine.step()
+    assert engine.block_manager.num_free_blocks < engine.block_manager.num_blocks
+    assert engine.abort("x") and engine.abort("y")
+    assert not engine.abort("nope")
+    assert not engine.has_unfinished()
+    assert_all_free(engine)
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(prompt=[]), "prompt"),
+    (dict(prompt=list(range(3, 2100))), "prompt"),
+    (dict(prompt=[1, 2, 99999]), "prompt"),
+    (dict(prompt=[5] * 1000, max_tokens=900), "max_tokens"),
+])
+def test_bad_requests_name_the_field(tiny_pair, kwargs, field):
+    _, model = tiny_pair
+    engine = make_engine(model, memory_gib=100 * 16 * 768 / (1 << 30))
+    with pytest.raises(ValueError, match=rf"^{field}: "):
+        engine.add_request(kwargs["prompt"], SamplingParams(max_tokens=kwargs.get("max_tokens", 4)))
+    assert not engine.has_unfinished()
+    assert_all_free(engine)
