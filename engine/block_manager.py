@@ -4,9 +4,15 @@ A full block is keyed by the hash chain of its tokens (its own tokens and the ke
 block before it). A new sequence reuses the cached blocks of its longest cached prefix.
 Freed blocks keep their key until they are reused: the free list is ordered least recently
 freed first, so the prefix cache evicts least-recently-used blocks when free blocks run out.
+
+A block is keyed as soon as it is allocated full, before its KV is written. That is safe
+because a sequence that hits it in the same prefill batch reads it only after the batch's
+K/V for that layer have been written (see `engine/attention.py`).
 """
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 
 from engine.sequence import Sequence
@@ -23,8 +29,13 @@ class Block:
 
 
 def chain_key(prev_key: int | None, token_ids: tuple[int, ...]) -> int:
-    """Key of a full block: depends on its tokens and on every token before it."""
-    return hash((prev_key, token_ids))
+    """Key of a full block: depends on its tokens and on every token before it.
+
+    A cryptographic hash (blake2b), so crafted prompts cannot collide with another prefix."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update((prev_key or 0).to_bytes(16, "little"))
+    h.update(array("q", token_ids).tobytes())
+    return int.from_bytes(h.digest(), "little")
 
 
 class BlockManager:
@@ -120,6 +131,8 @@ class BlockManager:
             assert block.ref_count >= 0
             if block.ref_count == 0:
                 self.free[block_id] = None
+                if block.key is None or self.cached.get(block.key) != block_id:
+                    self.free.move_to_end(block_id, last=False)  # uncached: reuse before evicting
         seq.block_table = []  # num_cached_tokens stays for reporting; allocate() sets it anew
 
     # -- internals -----------------------------------------------------------------------

@@ -36,11 +36,10 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         start = max(0, len(self.text) - self.holdback)
         self.text += delta
-        for s in self.stop:
-            idx = self.text.find(s, start)
-            if idx >= 0:
-                self.text = self.text[:idx]
-                return True
+        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        if hits:
+            self.text = self.text[:min(hits)]  # the earliest match, so no stop string is left in the text
+            return True
         return False
 
     def take(self, final: bool) -> str:

@@ -108,6 +108,8 @@ class Scheduler:
         """Append each sequence's new token; finish those that stop. Returns the finished."""
         finished = []
         for seq, token_id in zip(batch.seqs, token_ids):
+            if seq.is_finished:  # aborted while the step ran: drop its token, keep ABORT
+                continue
             seq.token_ids.append(token_id)
             reason = self.stop_check(seq)
             if reason is not None:

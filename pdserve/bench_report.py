@@ -1,0 +1,108 @@
+"""Markdown for `pdserve bench engine`: the tables and the BENCHMARKS.md section it replaces."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+START, END = "<!-- engine-bench:start -->", "<!-- engine-bench:end -->"
+DECODE_TARGETS = {1: (0.80, 1.5), 32: (0.70, 3.0)}  # batch: (fraction of the bound, × transformers)
+
+
+def table(head: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def check(value: float, target: float | None, fmt: str) -> str:
+    if target is None:
+        return fmt.format(value)
+    return f"{fmt.format(value)} (≥ {fmt.format(target)} {'✅ met' if value >= target else '❌ missed'})"
+
+
+def max_other(*parts: Any) -> float:
+    """Largest CPU share other processes took during any workload found in `parts` (nested dicts)."""
+    found = [0.0]
+    for p in parts:
+        if isinstance(p, dict):
+            found += [v if k == "other_cpu" else max_other(v) for k, v in p.items()]
+    return max(found)
+
+
+def pct(x: float) -> str:
+    return f"{100 * x:.0f}%"
+
+
+def render_limits(r: dict[str, Any]) -> str:
+    lim, geo = r["limits"], r["geometry"]
+    return table(["limit", "value"], [
+        ["memory read bandwidth (`sum`, 256 MB)", f"{lim['read_bandwidth_gb_s']:.1f} GB/s"],
+        ["matmul 2048³ fp32", f"{lim['matmul_gflop_s_fp32']:.0f} GFLOP/s"],
+        ["matmul 2048³ bf16", f"{lim['matmul_gflop_s_bf16']:.0f} GFLOP/s"],
+        [f"weights ({geo['params'] / 1e6:.1f}M params, {r['dtype']})", f"{geo['weight_bytes'] / 1e6:.0f} MB"],
+        ["bandwidth limit, batch 1 (weights / bandwidth)", f"{r['bandwidth_limit_tok_s']:.1f} tok/s"],
+        ["compute limit (matmul FLOP/s / 2·linear params)", f"{r['compute_limit_tok_s']:.0f} tok/s"]])
+
+
+def render_decode(r: dict[str, Any]) -> str:
+    rows = []
+    for b, w in r["decode"].items():
+        pd, tf, bd = w["pdserve"], w["transformers"], r["bound"][b]
+        frac, speed = DECODE_TARGETS.get(int(b), (None, None))
+        rows.append([str(b), f"{pd['decode_tok_s']:.1f}", f"{tf['decode_tok_s']:.1f}",
+                     f"{bd['tok_s']:.1f} ({bd['linear_s'] * 1e3:.0f} ms)",
+                     check(100 * pd["decode_tok_s"] / bd["tok_s"], frac and 100 * frac, "{:.0f}%"),
+                     check(pd["decode_tok_s"] / tf["decode_tok_s"], speed, "{:.2f}×"),
+                     f"{pd['e2e_tok_s']:.1f} / {tf['e2e_tok_s']:.1f}", f"{pd['wall_s']:.1f} / {tf['wall_s']:.1f}",
+                     pct(max_other(w, bd))])
+    b1 = r["decode"][min(r["decode"])]
+    bw = f"\n\nBatch 1 vs the bandwidth limit: {pct(b1['pdserve']['decode_tok_s'] / r['bandwidth_limit_tok_s'])}"
+    return table(["batch", "pdserve decode tok/s", "transformers decode tok/s", "bound tok/s (linears)",
+                  "% of bound", "× transformers", "e2e tok/s pd / tf", "wall s pd / tf", "other CPU"], rows) + bw
+
+
+def render_prefill(r: dict[str, Any]) -> str:
+    return table(["prompt tokens (batch 1)", "pdserve tok/s", "transformers tok/s", "× transformers",
+                  "compute limit tok/s", "other CPU"],
+                 [[str(n), f"{w['pdserve']['prefill_tok_s']:.0f}", f"{w['transformers']['prefill_tok_s']:.0f}",
+                   f"{w['pdserve']['prefill_tok_s'] / w['transformers']['prefill_tok_s']:.2f}×",
+                   f"{r['compute_limit_tok_s']:.0f}", pct(max_other(w))] for n, w in r["prefill"].items()])
+
+
+def render_split(r: dict[str, Any]) -> str:
+    lw = r["long"]
+    return table(["", "prefill s", "decode s", "decode tok/s", "wall s", "decode % of wall"],
+                 [[k, f"{v['prefill_s']:.2f}", f"{v['decode_s']:.2f}", f"{v['decode_tok_s']:.1f}",
+                   f"{v['wall_s']:.2f}", f"{v['decode_pct_of_wall']:.0f}%"]
+                  for k, v in ((k, lw[k]) for k in ("pdserve", "transformers"))]
+                 ) + f"\n\nOther processes' CPU share during it: {pct(max_other(lw))}"
+
+
+def render(r: dict[str, Any]) -> str:
+    m, p = r["machine"], r["plan"]
+    noisy = max_other(r)
+    warn = (f"\n**Warning: other processes used up to {pct(noisy)} of the CPU during a workload; those timings "
+            f"are contaminated (see the 'other CPU' columns; waited {r['waited_for_quiet_s']:.0f} s for quiet, "
+            f"{r['contended_retries']} workloads re-run). "
+            "Re-run on a quiet machine.**\n" if noisy > 0.1 else "")
+    return (f"## Engine benchmark ({r['dtype']}{', quick' if r['quick'] else ''})\n\n"
+            f"Command: `{m['command']}` · {m['date']} · total {r['total_s']:.0f} s\n\n"
+            f"Machine: {m['cpu']}, {m['cores']} cores, torch threads {m['torch_threads']} · torch {m['torch']} · "
+            f"transformers {m['transformers']} (attention: {r['attn_implementation_transformers']})\n{warn}"
+            f"\n### Limits\n\n{render_limits(r)}\n\n"
+            f"### Decode: {p['prompt_len']}-token random prompts, {p['new_tokens']} new tokens\n\n"
+            f"pdserve decode tok/s = decode tokens / decode seconds (engine stats); transformers = "
+            f"{p['new_tokens'] - 1}·B / (t({p['new_tokens']} new) − t(1 new)). Bound = every nn.Linear + lm_head "
+            f"alone with `F.linear` + one read of the batch's KV cache at the measured bandwidth (average context "
+            f"{p['prompt_len'] + p['new_tokens'] / 2:.0f}); tok/s = B / time.\n\n{render_decode(r)}\n\n"
+            f"### Prefill\n\n{render_prefill(r)}\n\n"
+            f"### {p['long_in']}-in / {p['long_out']}-out request, batch 1\n\n{render_split(r)}\n")
+
+
+def write_report(path: Path, section: str) -> None:
+    block = f"{START}\n{section}{END}\n"
+    text = path.read_text() if path.exists() else "# pdserve benchmarks\n\n"
+    if START in text and END in text:
+        text = text[:text.index(START)] + block + text[text.index(END) + len(END):].lstrip("\n")
+    else:
+        text = text.rstrip("\n") + "\n\n" + block
+    path.write_text(text)

@@ -1,0 +1,259 @@
+"""Unit tests for engine.scheduler, driven with fake model outputs (token ids fed to `update`)."""
+from __future__ import annotations
+
+import itertools
+import random
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine.block_manager import BlockManager
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Batch, Scheduler
+from engine.sequence import FinishReason, Sequence, SequenceStatus
+
+BS = 4
+_ids = itertools.count()
+
+
+def stop_on_max_tokens(seq: Sequence) -> FinishReason | None:
+    return FinishReason.LENGTH if seq.num_output_tokens >= seq.sampling.max_tokens else None
+
+
+def make_seq(n: int, max_tokens: int = 8, base: int = 0) -> Sequence:
+    return Sequence(f"r{next(_ids)}", [base + i for i in range(n)], SamplingParams(max_tokens=max_tokens))
+
+
+def make(*seqs: Sequence, num_blocks: int = 64, max_num_seqs: int = 8, max_tokens: int = 1024,
+         caching: bool = True) -> Scheduler:
+    """A scheduler over a fresh pool, with `seqs` added in order."""
+    sched = Scheduler(BlockManager(num_blocks, BS, caching), max_num_seqs, max_tokens, stop_on_max_tokens)
+    for s in seqs:
+        sched.add(s)
+    return sched
+
+
+def step(sched: Scheduler, token: int = 1) -> Batch | None:
+    """One engine step; `batch.computed` keeps the tokens computed, read before `update` grows the seqs."""
+    batch = sched.schedule()
+    if batch is not None:
+        batch.computed = batch.num_tokens  # type: ignore[attr-defined]
+        batch.per_seq = [s.num_tokens - s.num_cached_tokens for s in batch.seqs]  # type: ignore[attr-defined]
+        sched.update(batch, [token] * len(batch.seqs))
+    return batch
+
+
+def test_prefill_respects_max_num_seqs() -> None:
+    seqs = [make_seq(3, base=10 * i) for i in range(3)]
+    sched = make(*seqs, max_num_seqs=2)
+    b = step(sched)
+    assert b.is_prefill and b.seqs == seqs[:2]
+    b = step(sched)  # the running set is full: decode, the third keeps waiting
+    assert not b.is_prefill and b.seqs == seqs[:2]
+    assert list(sched.waiting) == [seqs[2]] and seqs[2].status is SequenceStatus.WAITING
+
+
+def test_prefill_respects_token_budget() -> None:
+    seqs = [make_seq(4, base=10 * i) for i in range(3)]
+    sched = make(*seqs, max_tokens=10)
+    b = step(sched)
+    assert b.is_prefill and b.seqs == seqs[:2] and b.computed == 8
+    b = step(sched)  # third prompt admitted on the next step
+    assert b.is_prefill and b.seqs == [seqs[2]]
+
+
+def test_prompt_over_budget_runs_alone() -> None:
+    short1, long_, short2 = make_seq(3, base=0), make_seq(25, base=100), make_seq(3, base=200)
+    sched = make(short1, long_, short2, max_tokens=10)
+    assert step(sched).seqs == [short1]  # the long one does not fit the rest of the budget
+    b = step(sched)
+    assert b.is_prefill and b.seqs == [long_] and b.computed == 25
+    assert step(sched).seqs == [short2]
+
+
+def test_decode_batch_contains_all_running() -> None:
+    seqs = [make_seq(3 + i, base=10 * i) for i in range(4)]
+    sched = make(*seqs)
+    assert step(sched).is_prefill
+    b = step(sched)
+    assert not b.is_prefill and b.seqs == seqs and b.computed == 4
+    assert all(s.num_output_tokens == 2 for s in seqs)
+
+
+def test_sequences_join_mid_run() -> None:
+    a = make_seq(5, max_tokens=6)
+    sched = make(a)
+    step(sched)
+    step(sched)
+    b = make_seq(5, max_tokens=3, base=50)
+    sched.add(b)
+    batch = step(sched)  # the newcomer's prefill comes first
+    assert batch.is_prefill and batch.seqs == [b]
+    assert a.num_output_tokens == 2 and b.num_output_tokens == 1
+    batch = step(sched)
+    assert not batch.is_prefill and batch.seqs == [a, b]
+    while sched.has_unfinished():
+        step(sched)
+    assert a.num_output_tokens == 6 and b.num_output_tokens == 3
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
+
+
+def test_finished_sequences_free_their_blocks() -> None:
+    a = make_seq(6, max_tokens=2)
+    sched = make(a, num_blocks=8, caching=False)
+    step(sched)
+    assert sched.block_manager.num_free_blocks == 6
+    finished_batch = sched.schedule()
+    done = sched.update(finished_batch, [7])
+    assert done == [a] and a.is_finished and a.finish_reason is FinishReason.LENGTH
+    assert a.block_table == [] and not sched.running
+    assert sched.block_manager.num_free_blocks == 8 and not sched.has_unfinished()
+
+
+def test_preemption_when_blocks_run_out() -> None:
+    seqs = [make_seq(4, max_tokens=8, base=10 * i) for i in range(3)]  # 1 block each
+    sched = make(*seqs, num_blocks=5, caching=False)
+    a, b, c = seqs
+    assert step(sched).seqs == seqs  # 5 tokens each: the first decode needs 3 more blocks, 2 free
+    batch = step(sched)
+    assert batch.seqs == [a, b], "the newest running sequence is preempted"
+    assert sched.num_preemptions == 1 and c.num_preemptions == 1
+    assert c.status is SequenceStatus.WAITING and c.block_table == [] and list(sched.waiting) == [c]
+    assert sched.running == [a, b]
+    assert sched.block_manager.num_free_blocks == 5 - 4
+    generated = list(c.token_ids)
+    assert len(generated) == 5  # prompt + the token it got at prefill
+    late = make_seq(2, base=90)
+    sched.add(late)
+    while c.status is SequenceStatus.WAITING:
+        assert late.status is SequenceStatus.WAITING, "a preempted sequence goes before later arrivals"
+        batch = step(sched)
+    assert batch.is_prefill and c in batch.seqs
+    assert c.token_ids[:5] == generated and c.num_tokens == 6  # prompt + generated, then one new token
+    assert batch.per_seq[batch.seqs.index(c)] == 5  # recomputed: prompt + generated tokens, none cached
+    while sched.has_unfinished():
+        step(sched)
+    assert all(s.num_output_tokens == 8 for s in seqs + [late])
+    assert sched.num_preemptions == sum(s.num_preemptions for s in seqs + [late]) >= 1
+    assert sched.block_manager.num_free_blocks == 5
+
+
+def test_preemptions_of_several_keep_arrival_order_in_waiting() -> None:
+    seqs = [make_seq(4, max_tokens=8, base=10 * i) for i in range(3)]
+    sched = make(*seqs, num_blocks=5, caching=False)
+    while sched.num_preemptions < 2:
+        step(sched)
+    a, b, c = seqs
+    assert list(sched.waiting) == [b, c] and sched.running == [a]  # b (older) preempted after c, goes first
+
+
+def test_preempted_sequence_reuses_its_cached_prefix() -> None:
+    a, b = make_seq(8, max_tokens=8, base=0), make_seq(5, max_tokens=8, base=50)
+    sched = make(a, b, num_blocks=5)
+    step(sched)  # a: 2 blocks, b: 2 blocks, 1 free
+    while b.status is SequenceStatus.RUNNING:
+        batch = step(sched)
+    assert batch.seqs == [a] and b.num_preemptions == 1
+    while b.status is SequenceStatus.WAITING:
+        batch = step(sched)
+    assert batch.is_prefill and batch.seqs == [b]
+    assert b.num_cached_tokens == BS  # its first full block survived in the prefix cache
+    assert batch.computed == b.num_tokens - 1 - BS
+
+
+def test_abort_waiting_and_running() -> None:
+    run, wait = make_seq(6, base=0), make_seq(6, base=50)
+    sched = make(run, wait, num_blocks=8, max_num_seqs=1)
+    step(sched)
+    assert sched.block_manager.num_free_blocks == 6
+    assert sched.abort(wait.request_id) is wait
+    assert wait.finish_reason is FinishReason.ABORT and wait.is_finished and not sched.waiting
+    assert sched.abort(run.request_id) is run
+    assert run.finish_reason is FinishReason.ABORT and run.block_table == [] and not sched.running
+    assert sched.block_manager.num_free_blocks == 8
+    assert sched.abort("nope") is None and not sched.has_unfinished()
+    assert sched.schedule() is None
+
+
+def test_abort_between_schedule_and_update() -> None:
+    """An abort that lands while a step runs: the step's token must not revive the sequence."""
+    a, b = make_seq(5, max_tokens=2, base=0), make_seq(5, max_tokens=4, base=50)
+    sched = make(a, b, num_blocks=8)
+    step(sched)
+    batch = sched.schedule()
+    sched.abort(a.request_id)
+    finished = sched.update(batch, [3, 3])
+    assert a not in finished and a.finish_reason is FinishReason.ABORT
+    assert a.num_output_tokens == 1 and b.num_output_tokens == 2
+
+
+# -- randomized: a tiny pool, many sequences, prefix sharing, preemption ---------------------------
+
+class FakeRunner:
+    """Checks the KV a step reads was written for exactly these tokens, as the real pool would hold it."""
+
+    def __init__(self, bm: BlockManager) -> None:
+        self.bm = bm
+        self.pool: dict[int, tuple[int, ...]] = {}  # slot -> the token prefix whose last KV it holds
+
+    def slot(self, seq: Sequence, pos: int) -> int:
+        return seq.block_table[pos // BS] * BS + pos % BS
+
+    def run(self, batch: Batch) -> None:
+        writes = [(s, p) for s in batch.seqs
+                  for p in (range(s.num_cached_tokens, s.num_tokens) if batch.is_prefill else [s.num_tokens - 1])]
+        step: dict[int, tuple[int, ...]] = {}
+        for s, p in writes:
+            if not batch.is_prefill:  # only a prefill may fill a block another sequence already holds
+                assert self.bm.blocks[s.block_table[p // BS]].ref_count == 1, "decode writes a shared block"
+            kv = tuple(s.token_ids[:p + 1])
+            assert step.setdefault(self.slot(s, p), kv) == kv, "two different writes to one slot in a step"
+        self.pool.update(step)  # the real attention writes a layer's K/V for the whole batch, then reads
+        if batch.is_prefill:
+            assert all(s.num_cached_tokens < s.num_tokens for s in batch.seqs), "the last token must be computed"
+        for s in batch.seqs:
+            for p in range(s.num_tokens):
+                assert self.pool.get(self.slot(s, p)) == tuple(s.token_ids[:p + 1]), "stale KV read"
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1), num_blocks=st.integers(6, 14), max_num_seqs=st.integers(1, 6),
+       budget=st.integers(4, 40), caching=st.booleans(),
+       specs=st.lists(st.tuples(st.integers(1, 12), st.integers(1, 10), st.integers(0, 3)), min_size=1, max_size=12))
+def test_random_workload_runs_to_completion(seed: int, num_blocks: int, max_num_seqs: int, budget: int,
+                                            caching: bool, specs: list[tuple[int, int, int]]) -> None:
+    rng = random.Random(seed)
+    bm = BlockManager(num_blocks, BS, caching)
+    sched = Scheduler(bm, max_num_seqs, budget, stop_on_max_tokens)
+    runner = FakeRunner(bm)
+    prefixes = [[rng.randrange(4) for _ in range(2 * BS)] for _ in range(3)]
+    pending = []
+    for n, max_tokens, group in specs:
+        max_tokens = min(max_tokens, num_blocks * BS - n)  # fits the pool alone, as the engine validates
+        prompt = (prefixes[group - 1][:n] if group else []) + [rng.randrange(4) for _ in range(n)]
+        prompt = prompt[:max(1, num_blocks * BS - max_tokens)]
+        pending.append(Sequence(f"s{len(pending)}", prompt, SamplingParams(max_tokens=max(1, max_tokens))))
+    all_seqs = list(pending)
+    total = sum(s.sampling.max_tokens for s in all_seqs)
+    steps = 0
+    while pending or sched.has_unfinished():
+        if pending and (rng.random() < 0.5 or not sched.has_unfinished()):
+            sched.add(pending.pop(0))  # arrivals between steps, also while others decode
+        steps += 1
+        assert steps <= total, "every step must produce at least one token"
+        batch = sched.schedule()
+        assert batch is not None, "work left but nothing scheduled"
+        assert len(sched.running) <= max_num_seqs
+        if batch.is_prefill:
+            assert batch.num_tokens <= budget or len(batch.seqs) == 1
+        else:
+            assert batch.seqs == sched.running
+        runner.run(batch)
+        sched.update(batch, [rng.randrange(4) for _ in batch.seqs])
+        held = [b for s in sched.running for b in s.block_table]
+        assert all(b.ref_count == held.count(b.block_id) >= 0 for b in bm.blocks)
+        assert all(not s.block_table for s in sched.waiting)
+    assert bm.num_free_blocks == num_blocks and all(b.ref_count == 0 for b in bm.blocks)
+    for s in all_seqs:
+        assert s.finish_reason is FinishReason.LENGTH
+        assert s.num_output_tokens == s.sampling.max_tokens
