@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from engine import kernels
+
 ATTN_NAME = "pdserve_paged"
 
 
@@ -23,7 +25,7 @@ class PrefillSlice:
     start: int
     end: int
     num_cached: int  # keys before the first query that already sit in the pool
-    context_slots: torch.Tensor | None  # pool slots of all its keys, when num_cached > 0
+    blocks: torch.Tensor | None  # its block table, when num_cached > 0
     mask: torch.Tensor | None  # [q, ctx] bool, when num_cached > 0
 
 
@@ -31,23 +33,27 @@ class PrefillSlice:
 class AttnMetadata:
     """What every layer needs to find and place K/V for this step."""
 
-    slot_mapping: torch.Tensor  # [N] pool slot of each new token
+    slot_mapping: torch.Tensor  # [N] pool slot (block * block_size + offset) of each new token
     prefill: list[PrefillSlice] | None = None
-    decode_slots: torch.Tensor | None = None  # [B, max_ctx] pool slots of each sequence's keys
+    decode_blocks: torch.Tensor | None = None  # [B, max_blocks] block tables, padded
+    ctx_lens: torch.Tensor | None = None  # [B] context length of each decoding sequence
+    max_ctx: int = 0  # longest context in the decode batch
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_ctx] bool, None when lengths agree
+    use_kernel: bool = False  # decode with the in-place CPU kernel instead of gather + SDPA
 
 
 def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                     attn_meta: AttnMetadata | None = None, kv_cache: torch.Tensor | None = None,
                     **kwargs: object) -> tuple[torch.Tensor, None]:
-    """query [1, H, N, D], key/value [1, KVH, N, D] → output [1, N, H, D]."""
+    """query [1, H, N, D], key/value [1, KVH, N, D] → output [1, N, H, D].
+
+    `kv_cache` is the whole pool [layers, 2, KVH, blocks, block_size, D]."""
     assert attn_meta is not None and kv_cache is not None, "paged attention needs attn_meta and kv_cache"
-    k_pool, v_pool = kv_cache[module.layer_idx]  # [slots, KVH, D] each
-    k_new = key[0].transpose(0, 1)  # [N, KVH, D]
-    v_new = value[0].transpose(0, 1)
-    k_pool.index_copy_(0, attn_meta.slot_mapping, k_new)
-    v_pool.index_copy_(0, attn_meta.slot_mapping, v_new)
+    k_pool, v_pool = kv_cache[module.layer_idx]  # [KVH, blocks, block_size, D] each
+    kvh, d = k_pool.shape[0], k_pool.shape[-1]
+    k_pool.view(kvh, -1, d).index_copy_(1, attn_meta.slot_mapping, key[0])
+    v_pool.view(kvh, -1, d).index_copy_(1, attn_meta.slot_mapping, value[0])
     if attn_meta.prefill is not None:
         out = _prefill(query, key, value, k_pool, v_pool, attn_meta.prefill, scaling)
     else:
@@ -64,8 +70,9 @@ def _prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_pool
             k, v = key[:, :, s.start:s.end], value[:, :, s.start:s.end]
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
         else:
-            k = k_pool[s.context_slots].transpose(0, 1).unsqueeze(0)
-            v = v_pool[s.context_slots].transpose(0, 1).unsqueeze(0)
+            ctx = s.mask.shape[1]
+            k = _gather(k_pool, s.blocks)[:, :, :ctx]
+            v = _gather(v_pool, s.blocks)[:, :, :ctx]
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=s.mask, scale=scaling, enable_gqa=True)
         outs.append(o)
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # [1, H, N, D]
@@ -75,11 +82,23 @@ def _prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_pool
 def _decode(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttnMetadata,
             scaling: float | None) -> torch.Tensor:
     b = query.shape[2]
+    if meta.use_kernel:
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        q = query[0].transpose(0, 1).contiguous()  # [B, H, D]
+        return kernels.paged_decode(q, k_pool, v_pool, meta.decode_blocks, meta.ctx_lens, scale).unsqueeze(0)
     q = query[0].transpose(0, 1).unsqueeze(2)  # [B, H, 1, D]
-    k = k_pool[meta.decode_slots].transpose(1, 2)  # [B, KVH, ctx, D]
-    v = v_pool[meta.decode_slots].transpose(1, 2)
+    k = _gather(k_pool, meta.decode_blocks)[:, :, :meta.max_ctx]  # [B, KVH, ctx, D]
+    v = _gather(v_pool, meta.decode_blocks)[:, :, :meta.max_ctx]
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scaling, enable_gqa=True)
     return o.transpose(1, 2).reshape(1, b, o.shape[1], o.shape[3])
+
+
+def _gather(pool: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """Whole blocks of each table, in order: [B, blocks] → [B, KVH, blocks * block_size, D].
+    Copies block-sized rows, far cheaper than indexing token by token."""
+    b, nb = tables.shape
+    kvh, _, bs, d = pool.shape
+    return pool.index_select(1, tables.reshape(-1)).view(kvh, b, nb * bs, d).transpose(0, 1)
 
 
 AttentionInterface.register(ATTN_NAME, paged_attention)

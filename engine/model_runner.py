@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
+from engine import kernels
 from engine.attention import ATTN_NAME, AttnMetadata, PrefillSlice
 from engine.config import KVLayout
 from engine.sequence import Sequence
@@ -34,9 +35,10 @@ class ModelRunner:
         self.layout = layout
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        slots = layout.num_blocks * layout.block_size
-        self.kv = torch.zeros(layout.num_layers, 2, slots, layout.num_kv_heads, layout.head_dim,
-                              dtype=self.dtype, device=self.device)
+        self.kv = torch.zeros(layout.num_layers, 2, layout.num_kv_heads, layout.num_blocks, layout.block_size,
+                              layout.head_dim, dtype=self.dtype, device=self.device)
+        group = model.config.get_text_config().num_attention_heads // layout.num_kv_heads
+        self.use_kernel = kernels.supports(self.dtype, self.device, group)
         self.num_tokens_computed = 0  # every token that went through the model, for stats
 
     def _slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
@@ -56,11 +58,11 @@ class ModelRunner:
             ids.extend(seq.token_ids[start:])
             positions.append(torch.arange(start, end))
             slots.append(self._slots(seq.block_table, start, end))
-            ctx_slots = mask = None
+            blocks = mask = None
             if start > 0:
-                ctx_slots = self._slots(seq.block_table, 0, end).to(self.device)
+                blocks = torch.tensor([seq.block_table], dtype=torch.long, device=self.device)
                 mask = (torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]).to(self.device)
-            slices.append(PrefillSlice(n, n + end - start, start, ctx_slots, mask))
+            slices.append(PrefillSlice(n, n + end - start, start, blocks, mask))
             n += end - start
             last.append(n - 1)
         meta = AttnMetadata(slot_mapping=torch.cat(slots).to(self.device), prefill=slices)
@@ -76,13 +78,14 @@ class ModelRunner:
         table = torch.zeros(len(seqs), max_blocks, dtype=torch.long)
         for i, seq in enumerate(seqs):
             table[i, :len(seq.block_table)] = torch.tensor(seq.block_table[:max_blocks])
-        all_slots = (table[:, :, None] * bs + torch.arange(bs)).reshape(len(seqs), -1)[:, :max_ctx]
-        slot_mapping = all_slots[torch.arange(len(seqs)), ctx - 1]
+        last = ctx - 1
+        slot_mapping = table[torch.arange(len(seqs)), last // bs] * bs + last % bs
         mask = None
         if int(ctx.min()) != max_ctx:
             mask = (torch.arange(max_ctx)[None, :] < ctx[:, None])[:, None, None, :].to(self.device)
-        meta = AttnMetadata(slot_mapping=slot_mapping.to(self.device), decode_slots=all_slots.to(self.device),
-                            decode_mask=mask)
+        meta = AttnMetadata(slot_mapping=slot_mapping.to(self.device), decode_blocks=table.to(self.device),
+                            ctx_lens=ctx.to(self.device), max_ctx=max_ctx, decode_mask=mask,
+                            use_kernel=self.use_kernel)
         return self._forward([s.last_token_id for s in seqs], ctx - 1, meta, list(range(len(seqs))))
 
     def _forward(self, ids: list[int], positions: torch.Tensor, meta: AttnMetadata,

@@ -1,0 +1,89 @@
+/* Decode attention straight over the paged KV pool: one query token per sequence,
+ * keys and values read in place through the block table (no gather, no padding),
+ * fp32 accumulation and softmax for fp32 and bf16 caches.
+ *
+ * Layouts: q, out [B, H, D]; k, v [KVH, NB, BS, D]; tables [B, MAXNB]; ctx [B].
+ * Query head h uses kv head h / (H / KVH), as transformers' repeat_kv does. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float bf16_load(uint16_t h) {
+    uint32_t x = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &x, 4);
+    return f;
+}
+
+static inline uint16_t bf16_store(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40u); /* NaN stays NaN */
+    x += 0x7fffu + ((x >> 16) & 1u); /* round to nearest even */
+    return (uint16_t)(x >> 16);
+}
+
+static inline float f32_load(float f) { return f; }
+static inline float f32_store(float f) { return f; }
+
+#define PAGED_DECODE(NAME, T, LOAD, STORE)                                                          \
+    void NAME(const T* q, const T* k, const T* v, const int64_t* tables, const int64_t* ctx, T* out, \
+              int B, int H, int KVH, int D, int NB, int BS, int MAXNB, float scale, int nthreads) {  \
+        const int G = H / KVH;                                                                      \
+        _Pragma("omp parallel for collapse(2) schedule(dynamic, 1) num_threads(nthreads)")          \
+        for (int b = 0; b < B; b++) {                                                               \
+            for (int kh = 0; kh < KVH; kh++) {                                                      \
+                const int L = (int)ctx[b];                                                          \
+                float* qf = (float*)malloc(sizeof(float) * (size_t)(2 * G * D + G * L + D));        \
+                float* acc = qf + G * D;                                                            \
+                float* row = acc + G * D;                                                           \
+                float* sc = row + D;                                                                \
+                for (int g = 0; g < G; g++)                                                         \
+                    for (int d = 0; d < D; d++)                                                     \
+                        qf[g * D + d] = LOAD(q[((int64_t)b * H + kh * G + g) * D + d]) * scale;     \
+                float mx[64];                                                                       \
+                for (int g = 0; g < G; g++) mx[g] = -INFINITY;                                      \
+                for (int t = 0; t < L; t++) {                                                       \
+                    const int64_t blk = tables[(int64_t)b * MAXNB + t / BS];                        \
+                    const T* kr = k + (((int64_t)kh * NB + blk) * BS + t % BS) * D;                 \
+                    for (int d = 0; d < D; d++) row[d] = LOAD(kr[d]);                               \
+                    for (int g = 0; g < G; g++) {                                                   \
+                        float s = 0.f;                                                              \
+                        const float* qg = qf + g * D;                                               \
+                        for (int d = 0; d < D; d++) s += qg[d] * row[d];                            \
+                        sc[g * L + t] = s;                                                          \
+                        if (s > mx[g]) mx[g] = s;                                                   \
+                    }                                                                               \
+                }                                                                                   \
+                float sum[64];                                                                      \
+                for (int g = 0; g < G; g++) {                                                       \
+                    float z = 0.f;                                                                  \
+                    for (int t = 0; t < L; t++) {                                                   \
+                        float e = expf(sc[g * L + t] - mx[g]);                                      \
+                        sc[g * L + t] = e;                                                          \
+                        z += e;                                                                     \
+                    }                                                                               \
+                    sum[g] = z;                                                                     \
+                }                                                                                   \
+                memset(acc, 0, sizeof(float) * (size_t)(G * D));                                    \
+                for (int t = 0; t < L; t++) {                                                       \
+                    const int64_t blk = tables[(int64_t)b * MAXNB + t / BS];                        \
+                    const T* vr = v + (((int64_t)kh * NB + blk) * BS + t % BS) * D;                 \
+                    for (int d = 0; d < D; d++) row[d] = LOAD(vr[d]);                               \
+                    for (int g = 0; g < G; g++) {                                                   \
+                        const float p = sc[g * L + t];                                              \
+                        float* ag = acc + g * D;                                                    \
+                        for (int d = 0; d < D; d++) ag[d] += p * row[d];                            \
+                    }                                                                               \
+                }                                                                                   \
+                for (int g = 0; g < G; g++)                                                         \
+                    for (int d = 0; d < D; d++)                                                     \
+                        out[((int64_t)b * H + kh * G + g) * D + d] = STORE(acc[g * D + d] / sum[g]);\
+                free(qf);                                                                           \
+            }                                                                                       \
+        }                                                                                           \
+    }
+
+PAGED_DECODE(paged_decode_f32, float, f32_load, f32_store)
+PAGED_DECODE(paged_decode_bf16, uint16_t, bf16_load, bf16_store)
