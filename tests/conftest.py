@@ -5,7 +5,8 @@ import copy
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, PreTrainedModel,
+                          Qwen2Config, Qwen2ForCausalLM)
 
 torch.set_num_threads(2)
 
@@ -21,6 +22,8 @@ def tiny_model(arch: str, seed: int = 0) -> PreTrainedModel:
         model = LlamaForCausalLM(LlamaConfig(**TINY))
     elif arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**TINY))
+    elif arch == "mistral":
+        model = MistralForCausalLM(MistralConfig(**TINY))
     else:
         raise AssertionError(arch)
     model.generation_config.eos_token_id = None
@@ -36,7 +39,7 @@ def greedy_reference(model: PreTrainedModel, prompt: list[int], max_new_tokens: 
     return out[0, len(prompt):].tolist()
 
 
-@pytest.fixture(params=["llama", "qwen2"])
+@pytest.fixture(params=["llama", "qwen2", "mistral"])
 def tiny_pair(request: pytest.FixtureRequest) -> tuple[PreTrainedModel, PreTrainedModel]:
     """(reference model, engine copy): the engine switches its copy's attention to the paged kernel."""
     ref = tiny_model(request.param)

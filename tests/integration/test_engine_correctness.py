@@ -32,6 +32,16 @@ def test_single_and_batched_match_generate(tiny_pair):
     assert_all_free(engine)
 
 
+def test_torch_fallback_decode_matches_generate(tiny_pair):
+    """The gather + SDPA decode path (used where the CPU kernel is not: CUDA, no compiler)."""
+    ref, model = tiny_pair
+    prompts = [random_prompt(n, seed=n) for n in (9, 70)]
+    expected = [greedy_reference(ref, p, 20) for p in prompts]
+    engine = make_engine(model)
+    engine.runner.use_kernel = False
+    assert [o.output_token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=20))] == expected
+
+
 def test_very_different_lengths_and_outputs(tiny_pair):
     ref, model = tiny_pair
     cases = [(random_prompt(3, 1), 60), (random_prompt(700, 2), 5), (random_prompt(40, 3), 30)]
