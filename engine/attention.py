@@ -50,6 +50,11 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
 
     `kv_cache` is the whole pool [layers, 2, KVH, blocks, block_size, D]."""
     assert attn_meta is not None and kv_cache is not None, "paged attention needs attn_meta and kv_cache"
+    if attn_meta.use_kernel and attn_meta.prefill is None:
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        out = paged_decode_step(query[0].transpose(0, 1), key[0], value[0], kv_cache, module.layer_idx,
+                                attn_meta.slot_mapping, attn_meta.decode_blocks, attn_meta.ctx_lens, scale)
+        return out.unsqueeze(0), None
     k_pool, v_pool = kv_cache[module.layer_idx]  # [KVH, blocks, block_size, D] each
     kvh, d = k_pool.shape[0], k_pool.shape[-1]
     k_pool.view(kvh, -1, d).index_copy_(1, attn_meta.slot_mapping, key[0])
@@ -82,15 +87,33 @@ def _prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_pool
 def _decode(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttnMetadata,
             scaling: float | None) -> torch.Tensor:
     b = query.shape[2]
-    if meta.use_kernel:
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        q = query[0].transpose(0, 1).contiguous()  # [B, H, D]
-        return kernels.paged_decode(q, k_pool, v_pool, meta.decode_blocks, meta.ctx_lens, scale).unsqueeze(0)
     q = query[0].transpose(0, 1).unsqueeze(2)  # [B, H, 1, D]
     k = _gather(k_pool, meta.decode_blocks)[:, :, :meta.max_ctx]  # [B, KVH, ctx, D]
     v = _gather(v_pool, meta.decode_blocks)[:, :, :meta.max_ctx]
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_mask, scale=scaling, enable_gqa=True)
     return o.transpose(1, 2).reshape(1, b, o.shape[1], o.shape[3])
+
+
+@torch.library.custom_op("pdserve::paged_decode_step", mutates_args=())
+def paged_decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int,
+                      slots: torch.Tensor, tables: torch.Tensor, ctx: torch.Tensor, scale: float) -> torch.Tensor:
+    """One layer of a decode step on the CPU kernel: write the new K/V [KVH, B, D] at `slots`,
+    then attend q [B, H, D] over each sequence's blocks. Returns [B, H, D].
+
+    An opaque op, so `torch.compile` keeps it whole. Its write into `kv_cache` is not declared:
+    declaring it would make the compiled graph copy the whole pool; nothing in the graph reads
+    the pool but this op."""
+    k_pool, v_pool = kv_cache[layer]
+    kvh, d = k_pool.shape[0], k_pool.shape[-1]
+    k_pool.view(kvh, -1, d).index_copy_(1, slots, k)
+    v_pool.view(kvh, -1, d).index_copy_(1, slots, v)
+    return kernels.paged_decode(q.contiguous(), k_pool, v_pool, tables, ctx, scale)
+
+
+@paged_decode_step.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int, slots: torch.Tensor,
+      tables: torch.Tensor, ctx: torch.Tensor, scale: float) -> torch.Tensor:
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 def _gather(pool: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:

@@ -40,6 +40,8 @@ class EngineConfig:
         max_model_len: context limit; None means the model's own.
         num_threads: torch intra-op threads on CPU; None leaves torch's default.
         seed: seed for requests that sample without a seed of their own.
+        compile: run decode steps through `torch.compile`d decoder layers (CPU with the paged
+            kernel; about 15 s of compilation at start, cached on disk afterwards).
         cache: the KV cache settings.
     """
 
@@ -51,6 +53,7 @@ class EngineConfig:
     max_model_len: int | None = None
     num_threads: int | None = None
     seed: int = 0
+    compile: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
 
     def __post_init__(self) -> None:

@@ -85,7 +85,7 @@ class LLMEngine:
         self.stop_checker = StopChecker(eos_token_ids(model, tokenizer), self.max_model_len, tokenizer)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.stop_checker)
-        self.runner = ModelRunner(model, self.layout)
+        self.runner = ModelRunner(model, self.layout, compile=config.compile)
         self.sampler = Sampler(config.seed)
         self.stats = EngineStats()
         self._ids = itertools.count()

@@ -1,6 +1,8 @@
 """Owns the model and the paged KV pool; turns a batch of sequences into next-token logits."""
 from __future__ import annotations
 
+import logging
+
 import torch
 from transformers import PreTrainedModel
 
@@ -8,6 +10,8 @@ from engine import kernels
 from engine.attention import ATTN_NAME, AttnMetadata, PrefillSlice
 from engine.config import KVLayout
 from engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
 
 
 def kv_shape(model: PreTrainedModel) -> tuple[int, int, int]:
@@ -25,9 +29,10 @@ class ModelRunner:
     Args:
         model: a loaded causal LM (its attention implementation is switched to paged).
         layout: the KV pool's shape.
+        compile: compile the decoder layers for decode steps (needs the CPU kernel).
     """
 
-    def __init__(self, model: PreTrainedModel, layout: KVLayout) -> None:
+    def __init__(self, model: PreTrainedModel, layout: KVLayout, compile: bool = False) -> None:
         self.model = model.eval()
         self.model.set_attn_implementation(ATTN_NAME)
         self.decoder = model.get_decoder()
@@ -39,6 +44,27 @@ class ModelRunner:
                               layout.head_dim, dtype=self.dtype, device=self.device)
         group = model.config.get_text_config().num_attention_heads // layout.num_kv_heads
         self.use_kernel = kernels.supports(self.dtype, self.device, group)
+        self._compiled: list | None = None
+        if compile and self.use_kernel:
+            self._compiled = self._compile_layers()
+        elif compile:
+            log.warning("compile needs the CPU paged kernel (cpu, float32/bfloat16, a C compiler); running eager")
+
+    def _compile_layers(self) -> list:
+        """Regional compilation: every decoder layer shares one compiled graph (two: batch 1 and
+        batch > 1). Prefill stays eager; decode switches the layers to their compiled calls."""
+        torch._dynamo.config.allow_unspec_int_on_nn_module = True  # layer_idx: one graph for all layers
+        compiled = []
+        for layer in self.decoder.layers:
+            layer.compile(dynamic=True)
+            compiled.append(layer._compiled_call_impl)
+            layer._compiled_call_impl = None
+        return compiled
+
+    def _use_compiled(self, on: bool) -> None:
+        if self._compiled is not None:
+            for layer, impl in zip(self.decoder.layers, self._compiled):
+                layer._compiled_call_impl = impl if on else None
         self.num_tokens_computed = 0  # every token that went through the model, for stats
 
     def _slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
@@ -66,6 +92,7 @@ class ModelRunner:
             n += end - start
             last.append(n - 1)
         meta = AttnMetadata(slot_mapping=torch.cat(slots).to(self.device), prefill=slices)
+        self._use_compiled(False)
         return self._forward(ids, torch.cat(positions), meta, last)
 
     @torch.inference_mode()
@@ -86,6 +113,7 @@ class ModelRunner:
         meta = AttnMetadata(slot_mapping=slot_mapping.to(self.device), decode_blocks=table.to(self.device),
                             ctx_lens=ctx.to(self.device), max_ctx=max_ctx, decode_mask=mask,
                             use_kernel=self.use_kernel)
+        self._use_compiled(True)
         return self._forward([s.last_token_id for s in seqs], ctx - 1, meta, list(range(len(seqs))))
 
     def _forward(self, ids: list[int], positions: torch.Tensor, meta: AttnMetadata,

@@ -161,3 +161,21 @@ def test_bad_requests_name_the_field(tiny_pair, kwargs, field):
         engine.add_request(kwargs["prompt"], SamplingParams(max_tokens=kwargs.get("max_tokens", 4)))
     assert not engine.has_unfinished()
     assert_all_free(engine)
+
+
+@pytest.mark.slow
+def test_compiled_decode_matches_generate():
+    """`compile=True`: decode through torch.compile'd layers (batch 1 and batch > 1 graphs)."""
+    from engine import kernels
+    from tests.conftest import tiny_model
+
+    if kernels.load() is None:
+        pytest.skip("compile mode needs the CPU kernel, which needs a C compiler")
+    ref, model = tiny_model("llama"), tiny_model("llama")
+    prompts = [random_prompt(n, seed=n) for n in (5, 37, 80)]
+    expected = [greedy_reference(ref, p, 16) for p in prompts]
+    engine = make_engine(model, compile=True)
+    assert engine.runner._compiled is not None
+    assert engine.generate([prompts[1]], SamplingParams(max_tokens=16))[0].output_token_ids == expected[1]
+    assert [o.output_token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=16))] == expected
+    assert_all_free(engine)
