@@ -104,10 +104,7 @@ def paged_decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cach
     declaring it would make the compiled graph copy the whole pool; nothing in the graph reads
     the pool but this op."""
     k_pool, v_pool = kv_cache[layer]
-    kvh, d = k_pool.shape[0], k_pool.shape[-1]
-    k_pool.view(kvh, -1, d).index_copy_(1, slots, k)
-    v_pool.view(kvh, -1, d).index_copy_(1, slots, v)
-    return kernels.paged_decode(q.contiguous(), k_pool, v_pool, tables, ctx, scale)
+    return kernels.paged_decode(q, k, v, slots, k_pool, v_pool, tables, ctx, scale)
 
 
 @paged_decode_step.register_fake

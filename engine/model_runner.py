@@ -56,7 +56,7 @@ class ModelRunner:
         torch._dynamo.config.allow_unspec_int_on_nn_module = True  # layer_idx: one graph for all layers
         compiled = []
         for layer in self.decoder.layers:
-            layer.compile(dynamic=True)
+            layer.compile(dynamic=True, options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
             compiled.append(layer._compiled_call_impl)
             layer._compiled_call_impl = None
         return compiled

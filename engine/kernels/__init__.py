@@ -65,26 +65,29 @@ def supports(dtype: torch.dtype, device: torch.device, group: int) -> bool:
     return device.type == "cpu" and dtype in _DTYPES and group <= MAX_GROUP and load() is not None
 
 
-def paged_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
-                 ctx: torch.Tensor, scale: float) -> torch.Tensor:
-    """Decode attention over the paged pool.
+def paged_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, slots: torch.Tensor,
+                 k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor, ctx: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+    """One layer of a decode step over the paged pool: store the new K/V, then attend.
 
     Args:
-        q: [B, H, D] queries, contiguous.
-        k_pool, v_pool: [KVH, blocks, block_size, D] one layer's cache, contiguous.
-        tables: [B, max_blocks] int64 block tables; ctx: [B] int64 context lengths.
+        q: [B, H, D] queries.
+        k_new, v_new: [KVH, B, D] this step's keys and values, written at `slots` [B] int64.
+        k_pool, v_pool: [KVH, blocks, block_size, D] one layer's cache, contiguous (written in place).
+        tables: [B, max_blocks] int64 block tables; ctx: [B] int64 context lengths (new token included).
         scale: softmax scale.
     Returns:
         [B, H, D] attention output in q's dtype.
     """
     lib = load()
-    assert lib is not None and q.is_contiguous() and k_pool.is_contiguous() and v_pool.is_contiguous()
+    assert lib is not None and k_pool.is_contiguous() and v_pool.is_contiguous()
+    q, k_new, v_new = q.contiguous(), k_new.contiguous(), v_new.contiguous()
     b, h, d = q.shape
     kvh, nb, bs, _ = k_pool.shape
     out = torch.empty_like(q)
-    fn = getattr(lib, _DTYPES[q.dtype])
     p = ctypes.c_void_p
-    fn(p(q.data_ptr()), p(k_pool.data_ptr()), p(v_pool.data_ptr()), p(tables.data_ptr()), p(ctx.data_ptr()),
-       p(out.data_ptr()), b, h, kvh, d, nb, bs, tables.shape[1], ctypes.c_float(scale),
-       torch.get_num_threads())
+    getattr(lib, _DTYPES[q.dtype])(
+        p(q.data_ptr()), p(k_new.data_ptr()), p(v_new.data_ptr()), p(slots.data_ptr()), p(k_pool.data_ptr()),
+        p(v_pool.data_ptr()), p(tables.data_ptr()), p(ctx.data_ptr()), p(out.data_ptr()), b, h, kvh, d, nb, bs,
+        tables.shape[1], ctypes.c_float(scale), torch.get_num_threads())
     return out

@@ -1,8 +1,10 @@
-/* Decode attention straight over the paged KV pool: one query token per sequence,
- * keys and values read in place through the block table (no gather, no padding),
- * fp32 accumulation and softmax for fp32 and bf16 caches.
+/* One layer of a decode step straight over the paged KV pool: write each sequence's new
+ * key and value at its slot, then attend its one query token over its blocks, read in
+ * place through the block table (no gather, no padding), with fp32 accumulation and
+ * softmax for fp32 and bf16 caches.
  *
- * Layouts: q, out [B, H, D]; k, v [KVH, NB, BS, D]; tables [B, MAXNB]; ctx [B].
+ * Layouts: q, out [B, H, D]; k_new, v_new [KVH, B, D]; slots [B] (block * BS + offset);
+ * k, v [KVH, NB, BS, D]; tables [B, MAXNB]; ctx [B].
  * Query head h uses kv head h / (H / KVH), as transformers' repeat_kv does. */
 #include <math.h>
 #include <stdint.h>
@@ -28,13 +30,17 @@ static inline float f32_load(float f) { return f; }
 static inline float f32_store(float f) { return f; }
 
 #define PAGED_DECODE(NAME, T, LOAD, STORE)                                                          \
-    void NAME(const T* q, const T* k, const T* v, const int64_t* tables, const int64_t* ctx, T* out, \
-              int B, int H, int KVH, int D, int NB, int BS, int MAXNB, float scale, int nthreads) {  \
+    void NAME(const T* q, const T* k_new, const T* v_new, const int64_t* slots, T* k, T* v,         \
+              const int64_t* tables, const int64_t* ctx, T* out, int B, int H, int KVH, int D,       \
+              int NB, int BS, int MAXNB, float scale, int nthreads) {                                \
         const int G = H / KVH;                                                                      \
         _Pragma("omp parallel for collapse(2) schedule(dynamic, 1) num_threads(nthreads)")          \
         for (int b = 0; b < B; b++) {                                                               \
             for (int kh = 0; kh < KVH; kh++) {                                                      \
                 const int L = (int)ctx[b];                                                          \
+                const int64_t dst = ((int64_t)kh * NB * BS + slots[b]) * D;                         \
+                memcpy(k + dst, k_new + ((int64_t)kh * B + b) * D, sizeof(T) * (size_t)D);          \
+                memcpy(v + dst, v_new + ((int64_t)kh * B + b) * D, sizeof(T) * (size_t)D);          \
                 float* qf = (float*)malloc(sizeof(float) * (size_t)(2 * G * D + G * L + D));        \
                 float* acc = qf + G * D;                                                            \
                 float* row = acc + G * D;                                                           \
@@ -44,16 +50,20 @@ static inline float f32_store(float f) { return f; }
                         qf[g * D + d] = LOAD(q[((int64_t)b * H + kh * G + g) * D + d]) * scale;     \
                 float mx[64];                                                                       \
                 for (int g = 0; g < G; g++) mx[g] = -INFINITY;                                      \
-                for (int t = 0; t < L; t++) {                                                       \
-                    const int64_t blk = tables[(int64_t)b * MAXNB + t / BS];                        \
-                    const T* kr = k + (((int64_t)kh * NB + blk) * BS + t % BS) * D;                 \
-                    for (int d = 0; d < D; d++) row[d] = LOAD(kr[d]);                               \
-                    for (int g = 0; g < G; g++) {                                                   \
-                        float s = 0.f;                                                              \
-                        const float* qg = qf + g * D;                                               \
-                        for (int d = 0; d < D; d++) s += qg[d] * row[d];                            \
-                        sc[g * L + t] = s;                                                          \
-                        if (s > mx[g]) mx[g] = s;                                                   \
+                for (int t0 = 0, bi = 0; t0 < L; t0 += BS, bi++) {                                  \
+                    const int64_t blk = tables[(int64_t)b * MAXNB + bi];                            \
+                    const T* kb = k + ((int64_t)kh * NB + blk) * BS * D;                            \
+                    const int n = L - t0 < BS ? L - t0 : BS;                                        \
+                    for (int o = 0; o < n; o++) {                                                   \
+                        const T* kr = kb + (int64_t)o * D;                                          \
+                        for (int d = 0; d < D; d++) row[d] = LOAD(kr[d]);                           \
+                        for (int g = 0; g < G; g++) {                                               \
+                            float s = 0.f;                                                          \
+                            const float* qg = qf + g * D;                                           \
+                            for (int d = 0; d < D; d++) s += qg[d] * row[d];                        \
+                            sc[g * L + t0 + o] = s;                                                 \
+                            if (s > mx[g]) mx[g] = s;                                               \
+                        }                                                                           \
                     }                                                                               \
                 }                                                                                   \
                 float sum[64];                                                                      \
@@ -67,14 +77,18 @@ static inline float f32_store(float f) { return f; }
                     sum[g] = z;                                                                     \
                 }                                                                                   \
                 memset(acc, 0, sizeof(float) * (size_t)(G * D));                                    \
-                for (int t = 0; t < L; t++) {                                                       \
-                    const int64_t blk = tables[(int64_t)b * MAXNB + t / BS];                        \
-                    const T* vr = v + (((int64_t)kh * NB + blk) * BS + t % BS) * D;                 \
-                    for (int d = 0; d < D; d++) row[d] = LOAD(vr[d]);                               \
-                    for (int g = 0; g < G; g++) {                                                   \
-                        const float p = sc[g * L + t];                                              \
-                        float* ag = acc + g * D;                                                    \
-                        for (int d = 0; d < D; d++) ag[d] += p * row[d];                            \
+                for (int t0 = 0, bi = 0; t0 < L; t0 += BS, bi++) {                                  \
+                    const int64_t blk = tables[(int64_t)b * MAXNB + bi];                            \
+                    const T* vb = v + ((int64_t)kh * NB + blk) * BS * D;                            \
+                    const int n = L - t0 < BS ? L - t0 : BS;                                        \
+                    for (int o = 0; o < n; o++) {                                                   \
+                        const T* vr = vb + (int64_t)o * D;                                          \
+                        for (int d = 0; d < D; d++) row[d] = LOAD(vr[d]);                           \
+                        for (int g = 0; g < G; g++) {                                               \
+                            const float p = sc[g * L + t0 + o];                                     \
+                            float* ag = acc + g * D;                                                \
+                            for (int d = 0; d < D; d++) ag[d] += p * row[d];                        \
+                        }                                                                           \
                     }                                                                               \
                 }                                                                                   \
                 for (int g = 0; g < G; g++)                                                         \

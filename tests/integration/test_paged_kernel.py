@@ -27,12 +27,20 @@ def reference(q, k_pool, v_pool, tables, ctx, scale):
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1)])
 def test_kernel_matches_sdpa(dtype, tol, heads, kv_heads):
     g = torch.Generator().manual_seed(heads * 10 + kv_heads)
-    num_blocks, bs, d = 40, 16, 64
+    num_blocks, bs, d = 100, 16, 64
     k_pool = torch.randn(kv_heads, num_blocks, bs, d, generator=g).to(dtype)
     v_pool = torch.randn(kv_heads, num_blocks, bs, d, generator=g).to(dtype)
     ctx = torch.tensor([1, 17, 100, 16, 250])
-    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:16] for _ in ctx])
+    tables = torch.randperm(num_blocks, generator=g)[:16 * len(ctx)].view(len(ctx), 16)  # sequences own their blocks
     q = torch.randn(len(ctx), heads, d, generator=g).to(dtype)
-    out = kernels.paged_decode(q, k_pool, v_pool, tables, ctx, d ** -0.5)
+    k_new = torch.randn(kv_heads, len(ctx), d, generator=g).to(dtype)
+    v_new = torch.randn(kv_heads, len(ctx), d, generator=g).to(dtype)
+    last = ctx - 1
+    slots = tables[torch.arange(len(ctx)), last // bs] * bs + last % bs
+    out = kernels.paged_decode(q, k_new, v_new, slots, k_pool, v_pool, tables, ctx, d ** -0.5)
     assert out.dtype == dtype and out.shape == q.shape
+    for b, pos in enumerate(last.tolist()):  # the new K/V landed at each sequence's last slot
+        blk = int(tables[b, pos // bs])
+        assert torch.equal(k_pool[:, blk, pos % bs], k_new[:, b])
+        assert torch.equal(v_pool[:, blk, pos % bs], v_new[:, b])
     torch.testing.assert_close(out.float(), reference(q, k_pool, v_pool, tables, ctx, d ** -0.5), atol=tol, rtol=tol)
