@@ -9,6 +9,7 @@ from transformers import PreTrainedModel
 from engine import kernels
 from engine.attention import ATTN_NAME, AttnMetadata, PrefillSlice
 from engine.config import KVLayout
+from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class ModelRunner:
         self._compiled: list | None = None
         if compile and self.use_kernel:
             self._compiled = self._compile_layers()
+            self._warm_compiled()
         elif compile:
             log.warning("compile needs the CPU paged kernel (cpu, float32/bfloat16, a C compiler); running eager")
 
@@ -60,6 +62,20 @@ class ModelRunner:
             compiled.append(layer._compiled_call_impl)
             layer._compiled_call_impl = None
         return compiled
+
+    def _warm_compiled(self) -> None:
+        """Compile now rather than on a user's first requests: the batch-1 and batch > 1 graphs.
+        Dummy tokens go to the first free blocks, which nothing reads before they are rewritten."""
+        bs = self.layout.block_size
+        if self.layout.num_blocks < 6:
+            return
+        for batch in (1, 2):  # contexts over one block, so no dimension is specialised to 1
+            seqs = [Sequence(f"warmup-{i}", [0] * (2 * bs + 1 + i), SamplingParams(max_tokens=1))
+                    for i in range(batch)]
+            for i, seq in enumerate(seqs):
+                seq.block_table = [3 * i, 3 * i + 1, 3 * i + 2]
+            self.decode(seqs)
+        self.num_tokens_computed = 0
 
     def _use_compiled(self, on: bool) -> None:
         if self._compiled is not None:

@@ -245,14 +245,14 @@ def build_engine(args: argparse.Namespace, plan: Plan, geo: dict[str, int]) -> A
                plan.long_in + plan.long_out) * geo["kv_bytes_per_token"]
     cache = CacheConfig(memory_gib=max(0.25, 1.5 * need / (1 << 30)), enable_prefix_caching=False)
     return LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, num_threads=THREADS, max_num_seqs=64,
-                                  cache=cache))
+                                  compile=not args.no_compile, cache=cache))
 
 
 def measure(args: argparse.Namespace, plan: Plan, res: dict[str, Any]) -> None:
     """Fill `res` with every measurement, each tagged with the CPU share other processes took."""
     from engine.model_loader import load_model
 
-    mon = CpuMonitor(patience_s=5 if args.quick else 120, log=log)
+    mon = CpuMonitor(patience_s=5 if args.quick else 300, log=log)
     res["limits"] = lim = mon.run(lambda: measure_limits(plan.reps))
     log("limits: " + ", ".join(f"{k} {v:.2f}" for k, v in lim.items()))
     hf, tok = load_model(args.model, args.dtype, "cpu")  # transformers' own copy, default (sdpa) attention
@@ -278,7 +278,8 @@ def run_engine_bench(args: argparse.Namespace) -> dict[str, Any]:
     transformers.logging.set_verbosity_error()
     plan = QUICK if args.quick else FULL
     log(f"plan: {plan}")
-    res: dict[str, Any] = {"dtype": args.dtype, "quick": bool(args.quick), "plan": dataclasses.asdict(plan),
+    res: dict[str, Any] = {"dtype": args.dtype, "quick": bool(args.quick), "compile": not args.no_compile,
+                           "plan": dataclasses.asdict(plan),
                            "machine": machine_info()}
     measure(args, plan, res)
     res["machine"]["loadavg_end"] = os.getloadavg()

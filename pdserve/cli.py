@@ -97,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--model", default=None)
     eng.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     eng.add_argument("--quick", action="store_true", help="smaller workloads (a smoke run)")
+    eng.add_argument("--no-compile", action="store_true", help="measure the eager decode path instead")
     eng.add_argument("--out", default="bench/results/engine.json")
     eng.add_argument("--report", default="BENCHMARKS.md")
     bench.set_defaults(func=cmd_bench)

@@ -66,7 +66,7 @@ class CpuMonitor:
             if share > 2 * self.limit:
                 raise Contended(f"other processes took {100 * share:.0f}% of the CPU")
 
-    def run(self, fn: Callable[[], dict[str, Any]], max_attempts: int = 4) -> dict[str, Any]:
+    def run(self, fn: Callable[[], dict[str, Any]], max_attempts: int = 6) -> dict[str, Any]:
         """Run a workload on a quiet machine if possible, again if it was contaminated; records `other_cpu`."""
         for attempt in itertools.count(1):
             self.wait_quiet()
