@@ -58,7 +58,7 @@ class ModelRunner:
         torch._dynamo.config.allow_unspec_int_on_nn_module = True  # layer_idx: one graph for all layers
         compiled = []
         for layer in self.decoder.layers:
-            layer.compile(dynamic=True, options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
+            layer.compile(dynamic=True)
             compiled.append(layer._compiled_call_impl)
             layer._compiled_call_impl = None
         return compiled
@@ -75,13 +75,11 @@ class ModelRunner:
             for i, seq in enumerate(seqs):
                 seq.block_table = [3 * i, 3 * i + 1, 3 * i + 2]
             self.decode(seqs)
-        self.num_tokens_computed = 0
 
     def _use_compiled(self, on: bool) -> None:
         if self._compiled is not None:
             for layer, impl in zip(self.decoder.layers, self._compiled):
                 layer._compiled_call_impl = impl if on else None
-        self.num_tokens_computed = 0  # every token that went through the model, for stats
 
     def _slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
         bs = self.layout.block_size
@@ -124,7 +122,7 @@ class ModelRunner:
         last = ctx - 1
         slot_mapping = table[torch.arange(len(seqs)), last // bs] * bs + last % bs
         mask = None
-        if int(ctx.min()) != max_ctx:
+        if not self.use_kernel and int(ctx.min()) != max_ctx:
             mask = (torch.arange(max_ctx)[None, :] < ctx[:, None])[:, None, None, :].to(self.device)
         meta = AttnMetadata(slot_mapping=slot_mapping.to(self.device), decode_blocks=table.to(self.device),
                             ctx_lens=ctx.to(self.device), max_ctx=max_ctx, decode_mask=mask,
@@ -134,7 +132,6 @@ class ModelRunner:
 
     def _forward(self, ids: list[int], positions: torch.Tensor, meta: AttnMetadata,
                  last: list[int]) -> torch.Tensor:
-        self.num_tokens_computed += len(ids)
         input_ids = torch.tensor([ids], dtype=torch.long, device=self.device)
         out = self.decoder(input_ids=input_ids, position_ids=positions[None].to(self.device), use_cache=False,
                            attn_meta=meta, kv_cache=self.kv)

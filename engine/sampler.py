@@ -16,7 +16,7 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """One token per row of `logits` [B, V]."""
-        tokens = logits.argmax(dim=-1).tolist()
+        tokens = logits.max(dim=-1).indices.tolist()  # first maximum, like argmax; faster on bf16 CPU
         for i, seq in enumerate(seqs):
             if not seq.sampling.greedy:
                 tokens[i] = self._sample_one(logits[i].float().cpu(), seq)
