@@ -46,6 +46,7 @@ class ModelRunner:
         group = model.config.get_text_config().num_attention_heads // layout.num_kv_heads
         self.use_kernel = kernels.supports(self.dtype, self.device, group)
         self._compiled: list | None = None
+        self._graphs_ready = False  # compiled graphs warmed: only their distinguishing guards are checked
         if compile and self.use_kernel:
             self._compiled = self._compile_layers()
             self._warm_compiled()
@@ -56,6 +57,8 @@ class ModelRunner:
         """Regional compilation: every decoder layer shares one compiled graph (two: batch 1 and
         batch > 1). Prefill stays eager; decode switches the layers to their compiled calls."""
         torch._dynamo.config.allow_unspec_int_on_nn_module = True  # layer_idx: one graph for all layers
+        torch.fx.experimental._config.use_duck_shape = False  # sizes equal by chance stay independent
+        torch._dynamo.mark_static(self.kv)
         compiled = []
         for layer in self.decoder.layers:
             layer.compile(dynamic=True)
@@ -75,6 +78,7 @@ class ModelRunner:
             for i, seq in enumerate(seqs):
                 seq.block_table = [3 * i, 3 * i + 1, 3 * i + 2]
             self.decode(seqs)
+        self._graphs_ready = True
 
     def _use_compiled(self, on: bool) -> None:
         if self._compiled is not None:
@@ -128,7 +132,11 @@ class ModelRunner:
                             ctx_lens=ctx.to(self.device), max_ctx=max_ctx, decode_mask=mask,
                             use_kernel=self.use_kernel)
         self._use_compiled(True)
-        return self._forward([s.last_token_id for s in seqs], ctx - 1, meta, list(range(len(seqs))))
+        if not self._graphs_ready:
+            return self._forward([s.last_token_id for s in seqs], ctx - 1, meta, list(range(len(seqs))))
+        # Both graphs exist after warm-up; check only the guards that tell them apart.
+        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+            return self._forward([s.last_token_id for s in seqs], ctx - 1, meta, list(range(len(seqs))))
 
     def _forward(self, ids: list[int], positions: torch.Tensor, meta: AttnMetadata,
                  last: list[int]) -> torch.Tensor:
