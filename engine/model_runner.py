@@ -120,7 +120,8 @@ class ModelRunner:
         ctx = torch.tensor([s.num_tokens for s in seqs])
         max_ctx = int(ctx.max())
         max_blocks = (max_ctx + bs - 1) // bs
-        table = torch.zeros(len(seqs), max_blocks, dtype=torch.long)
+        # at least 2 columns: a size-1 dimension would need a graph of its own (padding is never read)
+        table = torch.zeros(len(seqs), max(max_blocks, 2), dtype=torch.long)
         for i, seq in enumerate(seqs):
             table[i, :len(seq.block_table)] = torch.tensor(seq.block_table[:max_blocks])
         last = ctx - 1
@@ -134,8 +135,15 @@ class ModelRunner:
         self._use_compiled(True)
         if not self._graphs_ready:
             return self._forward([s.last_token_id for s in seqs], ctx - 1, meta, list(range(len(seqs))))
-        # Both graphs exist after warm-up; check only the guards that tell them apart.
-        with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+        # Both graphs exist after warm-up; check only the guards that tell them apart. Should an input
+        # still need a new graph, run again with full guards (the step rewrites the same KV slots).
+        try:
+            with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+                return self._forward([s.last_token_id for s in seqs], ctx - 1, meta, list(range(len(seqs))))
+        except RuntimeError as e:
+            if "Recompilation" not in str(e):
+                raise
+            log.warning("decode step needed a new compiled graph: %s", e)
             return self._forward([s.last_token_id for s in seqs], ctx - 1, meta, list(range(len(seqs))))
 
     def _forward(self, ids: list[int], positions: torch.Tensor, meta: AttnMetadata,
