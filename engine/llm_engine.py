@@ -108,6 +108,8 @@ class LLMEngine:
         ids = self.tokenize(prompt, chat)
         self._validate(ids, sampling)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if self.scheduler.find(request_id) is not None:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already running; ids must be unique")
         seq = Sequence(request_id, ids, sampling, arrival_time=time.monotonic())
         self.stop_checker.start(seq)
         self.scheduler.add(seq)

@@ -117,14 +117,16 @@ class Scheduler:
                 finished.append(seq)
         return finished
 
+    def find(self, request_id: str) -> Sequence | None:
+        """The unfinished sequence with this id, if any."""
+        return next((s for q in (self.waiting, self.running) for s in q if s.request_id == request_id), None)
+
     def abort(self, request_id: str) -> Sequence | None:
         """Finish a request wherever it is; its blocks return to the pool."""
-        for queue in (self.waiting, self.running):
-            for seq in queue:
-                if seq.request_id == request_id:
-                    self._finish(seq, FinishReason.ABORT)
-                    return seq
-        return None
+        seq = self.find(request_id)
+        if seq is not None:
+            self._finish(seq, FinishReason.ABORT)
+        return seq
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         seq.status = SequenceStatus.FINISHED

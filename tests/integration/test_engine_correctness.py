@@ -142,6 +142,8 @@ def test_abort_frees_blocks(tiny_pair):
     engine.step()
     engine.step()
     assert engine.block_manager.num_free_blocks < engine.block_manager.num_blocks
+    with pytest.raises(ValueError, match="^request_id: 'x' is already running"):
+        engine.add_request(random_prompt(5, 72), request_id="x")
     assert engine.abort("x") and engine.abort("y")
     assert not engine.abort("nope")
     assert not engine.has_unfinished()
