@@ -95,11 +95,14 @@ class BlockManager:
         new = self.blocks_needed(seq.num_tokens) - len(hits)
         return new + reusable_free <= self.num_free_blocks
 
-    def allocate(self, seq: Sequence) -> None:
-        """Give `seq` blocks for all its tokens, reusing cached prefix blocks."""
+    def allocate(self, seq: Sequence, use_cache: bool = True) -> None:
+        """Give `seq` blocks for all its tokens, reusing cached prefix blocks.
+
+        With `use_cache=False` (KV that will arrive from elsewhere) nothing is reused and the
+        blocks are keyed only by `publish`, once their KV has landed."""
         assert not seq.block_table, f"{seq.request_id} already holds blocks"
         assert self.can_allocate(seq), f"{seq.request_id}: not enough free blocks"
-        hits = self._cached_prefix(seq.token_ids)
+        hits = self._cached_prefix(seq.token_ids) if use_cache else []
         for block_id in hits:
             block = self.blocks[block_id]
             if block.ref_count == 0:
@@ -110,7 +113,12 @@ class BlockManager:
         self.num_prefix_hits += seq.num_cached_tokens
         for _ in range(self.blocks_needed(seq.num_tokens) - len(hits)):
             seq.block_table.append(self._take_free())
-        self._register_full_blocks(seq, start=len(hits))
+        if use_cache:
+            self._register_full_blocks(seq, start=len(hits))
+
+    def publish(self, seq: Sequence) -> None:
+        """Key `seq`'s full blocks for prefix reuse (after KV allocated with use_cache=False landed)."""
+        self._register_full_blocks(seq, start=0)
 
     def can_append(self, seq: Sequence) -> bool:
         """Whether the token appended last (whose KV the next step writes) has a slot."""

@@ -7,3 +7,7 @@ class InvalidRequestError(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+
+
+class CapacityError(RuntimeError):
+    """No room right now (KV blocks or sequence slots); try another worker or later."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -21,7 +22,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, KVLayout
 from engine.detokenizer import StopChecker
-from engine.errors import InvalidRequestError
+from engine.errors import CapacityError, InvalidRequestError
 from engine.model_loader import encode_prompt, eos_token_ids, load_model, max_context
 from engine.model_runner import ModelRunner, kv_shape
 from engine.sampler import Sampler
@@ -89,6 +90,7 @@ class LLMEngine:
         self.sampler = Sampler(config.seed)
         self.stats = EngineStats()
         self._ids = itertools.count()
+        self._batch_seqs: list[Sequence] = []  # the step's batch, for the prefill layer hook
 
     # -- requests ----------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt, chat: bool = False) -> list[int]:
@@ -102,8 +104,44 @@ class LLMEngine:
         raise InvalidRequestError("prompt", "must be a string, a list of token ids, or a list of chat messages")
 
     def add_request(self, prompt: Prompt, sampling: SamplingParams | None = None, request_id: str | None = None,
-                    chat: bool = False) -> str:
-        """Queue a request. Returns its id. Raises InvalidRequestError naming the bad field."""
+                    chat: bool = False, prefill_only: bool = False) -> str:
+        """Queue a request. Returns its id. Raises InvalidRequestError naming the bad field.
+
+        `prefill_only` (prefill worker): stop after the first token and hold the prompt's blocks
+        until `release`, so their KV can be sent."""
+        seq = self._new_sequence(prompt, sampling, request_id, chat)
+        seq.prefill_only = prefill_only
+        self.scheduler.add(seq)
+        return seq.request_id
+
+    def reserve(self, prompt: list[int], sampling: SamplingParams, request_id: str) -> list[int]:
+        """Decode side of a remote prefill: reserve blocks for the prompt's KV, which arrives from
+        elsewhere. Returns the block ids to receive into. Raises CapacityError when full."""
+        seq = self._new_sequence(prompt, sampling, request_id, chat=False)
+        if not self.scheduler.reserve(seq):
+            need = self.block_manager.blocks_needed(seq.num_tokens)
+            raise CapacityError(f"no room for {request_id!r}: it needs {need} KV blocks and a sequence slot, "
+                                f"{self.block_manager.num_free_blocks} blocks free; try another worker or later")
+        return list(seq.block_table)
+
+    def activate(self, request_id: str, first_token: int) -> RequestOutput:
+        """The reserved request's KV has landed: it joins the decode batch after `first_token`."""
+        return self._output(self.scheduler.activate(request_id, first_token), [first_token])
+
+    def held_blocks(self, request_id: str) -> list[int]:
+        """Prefill side: the blocks holding a prefill-only request's prompt KV."""
+        return list(self.scheduler.held[request_id].block_table)
+
+    def release(self, request_id: str) -> None:
+        """Prefill side: the KV has been sent; free the request's blocks."""
+        self.scheduler.release(request_id)
+
+    def set_prefill_layer_hook(self, hook: Callable[[int, list[Sequence]], None]) -> None:
+        """Call `hook(layer, seqs)` after each layer of every prefill step (see ModelRunner.set_layer_hook)."""
+        self.runner.set_layer_hook(lambda layer: hook(layer, self._batch_seqs))
+
+    def _new_sequence(self, prompt: Prompt, sampling: SamplingParams | None, request_id: str | None,
+                      chat: bool) -> Sequence:
         sampling = sampling or SamplingParams()
         ids = self.tokenize(prompt, chat)
         self._validate(ids, sampling)
@@ -112,8 +150,7 @@ class LLMEngine:
             raise InvalidRequestError("request_id", f"{request_id!r} is already running; ids must be unique")
         seq = Sequence(request_id, ids, sampling, arrival_time=time.monotonic())
         self.stop_checker.start(seq)
-        self.scheduler.add(seq)
-        return request_id
+        return seq
 
     def _validate(self, ids: list[int], sampling: SamplingParams) -> None:
         if not ids:
@@ -148,6 +185,7 @@ class LLMEngine:
         if batch is None:
             return []
         t0 = time.perf_counter()
+        self._batch_seqs = batch.seqs
         if batch.is_prefill:
             logits = self.runner.prefill(batch.seqs)
         else:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import torch
 from transformers import PreTrainedModel
@@ -47,11 +48,23 @@ class ModelRunner:
         self.use_kernel = kernels.supports(self.dtype, self.device, group)
         self._compiled: list | None = None
         self._graphs_ready = False  # compiled graphs warmed: only their distinguishing guards are checked
+        self._layer_hook: Callable[[int], None] | None = None
+        self._hooked = False
+        self._prefilling = False
         if compile and self.use_kernel:
             self._compiled = self._compile_layers()
             self._warm_compiled()
         elif compile:
             log.warning("compile needs the CPU paged kernel (cpu, float32/bfloat16, a C compiler); running eager")
+
+    def set_layer_hook(self, hook: Callable[[int], None]) -> None:
+        """Call `hook(layer)` after each decoder layer of a prefill, once that layer's K/V sit in
+        the pool: the prefill worker ships layer i while layer i + 1 computes."""
+        self._layer_hook = hook
+        if not self._hooked:
+            for i, layer in enumerate(self.decoder.layers):
+                layer.register_forward_hook(lambda *_, i=i: self._prefilling and self._layer_hook(i))
+            self._hooked = True
 
     def _compile_layers(self) -> list:
         """Regional compilation: every decoder layer shares one compiled graph (two: batch 1 and
@@ -111,7 +124,11 @@ class ModelRunner:
             last.append(n - 1)
         meta = AttnMetadata(slot_mapping=torch.cat(slots).to(self.device), prefill=slices)
         self._use_compiled(False)
-        return self._forward(ids, torch.cat(positions), meta, last)
+        self._prefilling = self._layer_hook is not None
+        try:
+            return self._forward(ids, torch.cat(positions), meta, last)
+        finally:
+            self._prefilling = False
 
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:

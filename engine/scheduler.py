@@ -47,6 +47,8 @@ class Scheduler:
         self.stop_check = stop_check
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.receiving: dict[str, Sequence] = {}  # decode side of remote prefills: KV arriving
+        self.held: dict[str, Sequence] = {}  # prefill side of remote prefills: KV being sent
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -54,7 +56,33 @@ class Scheduler:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
+        """Whether a step has work: waiting or running sequences (not receiving or held ones)."""
         return bool(self.waiting or self.running)
+
+    def reserve(self, seq: Sequence) -> bool:
+        """Decode side of a remote prefill: blocks for the prompt's incoming KV. False if full."""
+        assert seq.status is SequenceStatus.WAITING and not seq.prefill_only
+        if len(self.running) + len(self.receiving) >= self.max_num_seqs or not self.block_manager.can_allocate(seq):
+            return False
+        self.block_manager.allocate(seq, use_cache=False)
+        seq.status = SequenceStatus.RECEIVING
+        self.receiving[seq.request_id] = seq
+        return True
+
+    def activate(self, request_id: str, first_token: int) -> Sequence:
+        """The KV landed: the sequence joins the decode batch with the first token sampled remotely."""
+        seq = self.receiving.pop(request_id)
+        self.block_manager.publish(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        self.update(Batch([seq], is_prefill=True), [first_token])
+        return seq
+
+    def release(self, request_id: str) -> Sequence:
+        """Prefill side: the KV has been sent; free the held blocks (cached prompt blocks stay reusable)."""
+        seq = self.held.pop(request_id)
+        self._finish(seq, seq.finish_reason or FinishReason.LENGTH)
+        return seq
 
     def schedule(self) -> Batch | None:
         """Pick the next batch: admit waiting prompts first, else decode all running."""
@@ -111,6 +139,11 @@ class Scheduler:
             if seq.is_finished:  # aborted while the step ran: drop its token, keep ABORT
                 continue
             seq.token_ids.append(token_id)
+            if seq.prefill_only:  # remote prefill: keep the blocks until the KV is sent
+                self.running.remove(seq)
+                seq.status = SequenceStatus.HELD
+                self.held[seq.request_id] = seq
+                continue
             reason = self.stop_check(seq)
             if reason is not None:
                 self._finish(seq, reason)
@@ -119,6 +152,9 @@ class Scheduler:
 
     def find(self, request_id: str) -> Sequence | None:
         """The unfinished sequence with this id, if any."""
+        for table in (self.receiving, self.held):
+            if request_id in table:
+                return table[request_id]
         return next((s for q in (self.waiting, self.running) for s in q if s.request_id == request_id), None)
 
     def abort(self, request_id: str) -> Sequence | None:
@@ -136,3 +172,5 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self.receiving.pop(seq.request_id, None)
+        self.held.pop(seq.request_id, None)

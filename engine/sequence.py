@@ -2,7 +2,10 @@
 
 Lifecycle (only the scheduler changes `status`):
 1. WAITING: added, or preempted (its blocks freed; it is recomputed on re-admission).
+   RECEIVING (decode side of a remote prefill): blocks reserved, the prompt's KV arriving.
 2. RUNNING: blocks allocated; prefilled, then one token per decode step.
+   HELD (prefill side of a remote prefill): prefilled, first token sampled, blocks kept
+   until the KV has been sent and the owner releases it.
 3. FINISHED: stopped by EOS, a stop token or string, max_tokens, the context limit, or an abort.
 """
 from __future__ import annotations
@@ -16,7 +19,9 @@ from engine.sampling_params import SamplingParams
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
+    RECEIVING = "receiving"
     RUNNING = "running"
+    HELD = "held"
     FINISHED = "finished"
 
 
@@ -40,6 +45,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     num_preemptions: int = 0
+    prefill_only: bool = False  # remote prefill: hold the blocks after the first token
     generator: Any = None  # the sampler's per-request RNG; opaque to the scheduler
     detok: Any = None  # incremental detokenizer state; opaque to the scheduler
 

@@ -1,0 +1,83 @@
+"""Remote prefill in one process: a prefill engine ships each layer's KV as it is computed to a
+decode engine's reserved blocks (local connector); the decode engine continues token for token
+as transformers `generate` would."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
+from engine.errors import CapacityError
+from kv_transfer import TransferConfig, TransferState, make_connector
+from tests.conftest import greedy_reference, random_prompt
+
+
+@pytest.fixture
+def pair(tiny_pair):
+    ref, model = tiny_pair
+    cfg = EngineConfig(dtype="float32", cache=CacheConfig(memory_gib=0.02))
+    prefill, decode = LLMEngine(cfg, model=model), LLMEngine(cfg, model=copy.deepcopy(ref))
+    tx = make_connector(TransferConfig(backend="local"), "prefill-0")
+    rx = make_connector(TransferConfig(backend="local"), "decode-0")
+    tx.register(prefill.runner.kv)
+    rx.register(decode.runner.kv)
+    layers_seen: list[int] = []
+
+    def ship(layer: int, seqs: list) -> None:  # runs after each layer of a prefill step
+        layers_seen.append(layer)
+        for seq in seqs:
+            tx.send(seq.request_id, layer, seq.block_table, rx.local_info())
+
+    prefill.set_prefill_layer_hook(ship)
+    yield ref, prefill, decode, tx, rx, layers_seen
+    tx.close()
+    rx.close()
+
+
+def run_remote(prefill, decode, tx, rx, prompts, sampling) -> dict[str, list[int]]:
+    layers = prefill.layout.num_layers
+    for i, prompt in enumerate(prompts):
+        blocks = decode.reserve(prompt, sampling, f"r{i}")
+        rx.recv(f"r{i}", blocks, layers, tx.local_info())
+        prefill.add_request(prompt, sampling, request_id=f"r{i}", prefill_only=True)
+    outputs: dict[str, list[int]] = {}
+    for out in prefill.step():  # one batched prefill of every prompt
+        assert rx.poll(out.request_id) == TransferState.DONE == tx.poll(out.request_id)
+        prefill.release(out.request_id)
+        outputs[out.request_id] = list(decode.activate(out.request_id, out.new_token_ids[0]).new_token_ids)
+    assert not prefill.has_unfinished()
+    while decode.has_unfinished():
+        for out in decode.step():
+            outputs[out.request_id] += out.new_token_ids
+    return outputs
+
+
+def test_remote_prefill_matches_generate(pair):
+    ref, prefill, decode, tx, rx, layers_seen = pair
+    prompts = [random_prompt(n, seed=100 + n) for n in (3, 40, 77)]
+    expected = [greedy_reference(ref, p, 20) for p in prompts]
+    got = run_remote(prefill, decode, tx, rx, prompts, SamplingParams(max_tokens=20))
+    assert [got[f"r{i}"] for i in range(len(prompts))] == expected
+    assert layers_seen == list(range(prefill.layout.num_layers))  # shipped layer by layer, in order
+    for engine in (prefill, decode):
+        bm = engine.block_manager
+        assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_reserve_refuses_when_full_and_abort_frees(pair):
+    ref, prefill, _, _, _, _ = pair
+    small = EngineConfig(dtype="float32", cache=CacheConfig(memory_gib=100 * 16 * 768 / (1 << 30)))
+    decode = LLMEngine(small, model=copy.deepcopy(ref))
+    assert decode.block_manager.num_blocks == 100
+    total = decode.block_manager.num_blocks * decode.layout.block_size
+    blocks = decode.reserve(random_prompt(total // 2, 1), SamplingParams(max_tokens=1), "big")
+    assert len(blocks) == decode.block_manager.num_blocks // 2
+    with pytest.raises(CapacityError, match="try another worker"):
+        decode.reserve(random_prompt(total // 2 + 50, 2), SamplingParams(max_tokens=1), "too-big")
+    assert decode.abort("big")
+    assert decode.block_manager.num_free_blocks == decode.block_manager.num_blocks
+    prefill.add_request(random_prompt(30, 3), SamplingParams(max_tokens=4), request_id="p", prefill_only=True)
+    prefill.step()
+    assert prefill.held_blocks("p") and prefill.abort("p")  # an abort frees held blocks too
+    assert prefill.block_manager.num_free_blocks == prefill.block_manager.num_blocks
