@@ -11,7 +11,8 @@ from engine.model_store import ModelError, resolve_model
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_model(model: str | Path | None, dtype: str, device: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def load_model(model: str | Path | None, dtype: str,
+               device: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
     """Load weights and tokenizer from a local directory.
 
     Args:
@@ -19,7 +20,7 @@ def load_model(model: str | Path | None, dtype: str, device: str) -> tuple[PreTr
         dtype: one of float32, bfloat16, float16.
         device: torch device string.
     Returns:
-        (model in eval mode on `device`, tokenizer).
+        (model in eval mode on `device`, tokenizer or None when the directory has no tokenizer files).
     Raises:
         ModelError: the directory is missing, incomplete, corrupt or not a causal LM.
     """
@@ -30,6 +31,8 @@ def load_model(model: str | Path | None, dtype: str, device: str) -> tuple[PreTr
         raise ModelError(f"could not load a causal LM from {path}: {e}. Pass --model PATH to a Hugging Face "
                          "causal-LM directory (config.json + *.safetensors), or re-fetch the default with "
                          "`pdserve model fetch --force`") from e
+    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return hf_model.to(device).eval(), None  # token ids only (e.g. workers behind a tokenizing router)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, KeyError) as e:

@@ -1,0 +1,126 @@
+"""`DecodeWorker`: one engine on one device; receives prompts' KV and decodes them in one batch.
+
+Request lifecycle on a decode worker:
+1. `reserve` (remote prefill): blocks reserved for the prompt (RECEIVING), the receive posted on
+   the connector; refused with CapacityError when the worker is full (the caller picks another).
+2. `start_remote`: the prefill worker's first token arrives; once every layer has landed the
+   sequence joins the running batch (RUNNING). A failed transfer ends the request with an error.
+   `submit_local` instead queues the whole request; this worker runs its prefill itself.
+3. The engine loop (its own thread) steps while there is work; each new token goes to the
+   request's stream; `stream` yields them to the caller as they come.
+4. FINISHED (EOS, stop, max_tokens) or ABORTED (`abort`, failed transfer): blocks return to the pool.
+Only the engine loop thread touches the engine; actor methods hand it commands.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Iterator
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.command_loop import CommandQueue
+from kv_transfer import PeerInfo, TransferConfig, TransferState, make_connector
+
+log = logging.getLogger(__name__)
+_IDLE_WAIT_S = 0.002
+
+
+class DecodeWorker:
+    """Args: engine_config, transfer_config, worker_id (unique; names the worker in transfers)."""
+
+    def __init__(self, engine_config: EngineConfig, transfer_config: TransferConfig, worker_id: str) -> None:
+        self.worker_id = worker_id
+        self.engine = LLMEngine(engine_config)
+        self.connector = make_connector(transfer_config, worker_id)
+        self.connector.register(self.engine.runner.kv)
+        self._commands = CommandQueue()
+        self._streams: dict[str, queue.Queue] = {}
+        self._landing: dict[str, int] = {}  # request id -> first token, waiting for its KV
+        self._stop = threading.Event()
+        self._loop = threading.Thread(target=self._run, name=f"engine-{worker_id}", daemon=True)
+        self._loop.start()
+
+    # -- actor API (any thread) --------------------------------------------------------------------
+    def peer_info(self) -> PeerInfo:
+        return self.connector.local_info()
+
+    def reserve(self, request_id: str, prompt: list[int], sampling: SamplingParams, prefill_peer: PeerInfo) -> None:
+        """Reserve blocks and post the receive. Raises CapacityError when full."""
+        def do() -> None:
+            blocks = self.engine.reserve(prompt, sampling, request_id)
+            self._streams[request_id] = queue.Queue()
+            self.connector.recv(request_id, blocks, self.engine.layout.num_layers, prefill_peer)
+        self._commands.call(do)
+
+    def start_remote(self, request_id: str, first_token: int) -> None:
+        self._commands.call(lambda: self._landing.__setitem__(request_id, first_token))
+
+    def submit_local(self, request_id: str, prompt: list[int], sampling: SamplingParams) -> None:
+        def do() -> None:
+            self.engine.add_request(prompt, sampling, request_id=request_id)
+            self._streams[request_id] = queue.Queue()
+        self._commands.call(do)
+
+    def stream(self, request_id: str) -> Iterator[dict]:
+        """Yield {"token_ids", "finished", "finish_reason", "error"} as tokens are produced."""
+        q = self._commands.call(lambda: self._streams[request_id])
+        while True:
+            item = q.get()
+            if item["finished"]:
+                self._commands.call(lambda: self._streams.pop(request_id, None))
+            yield item
+            if item["finished"]:
+                return
+
+    def abort(self, request_id: str) -> bool:
+        def do() -> bool:
+            self._landing.pop(request_id, None)
+            found = self.engine.abort(request_id)
+            if found:
+                self.connector.abort(request_id)
+                self._emit(request_id, [], "abort", error="aborted")
+            return found
+        return self._commands.call(do)
+
+    def load(self) -> dict:
+        """Free KV blocks, total blocks, running and reserved sequences."""
+        def do() -> dict:
+            bm, sched = self.engine.block_manager, self.engine.scheduler
+            return {"free_blocks": bm.num_free_blocks, "num_blocks": bm.num_blocks,
+                    "running": len(sched.running) + len(sched.waiting), "receiving": len(sched.receiving)}
+        return self._commands.call(do)
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._loop.join(timeout=10)
+        self.connector.close()
+
+    # -- engine loop thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._commands.drain(_IDLE_WAIT_S if not (self.engine.has_unfinished() or self._landing) else 0.0)
+            self._land()
+            if self.engine.has_unfinished():
+                for out in self.engine.step():
+                    self._emit(out.request_id, out.new_token_ids, out.finish_reason)
+
+    def _land(self) -> None:
+        for rid, first in list(self._landing.items()):
+            state = self.connector.poll(rid)
+            if state == TransferState.DONE:
+                del self._landing[rid]
+                out = self.engine.activate(rid, first)
+                self._emit(rid, out.new_token_ids, out.finish_reason)
+            elif state == TransferState.FAILED:
+                del self._landing[rid]
+                self.engine.abort(rid)
+                self._emit(rid, [], "abort", error=f"KV transfer for {rid} failed")
+
+    def _emit(self, request_id: str, token_ids: list[int], finish_reason: str | None,
+              error: str | None = None) -> None:
+        q = self._streams.get(request_id)
+        if q is None:
+            return
+        q.put({"token_ids": list(token_ids), "finished": finish_reason is not None, "finish_reason": finish_reason,
+               "error": error})

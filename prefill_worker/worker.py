@@ -1,0 +1,112 @@
+"""`PrefillWorker`: batches waiting prompts into one prefill and ships each layer's KV as it is done.
+
+Request lifecycle on a prefill worker:
+1. `prefill` queues the prompt (prefill-only) with the decode worker that reserved its blocks.
+2. The engine loop (its own thread) runs every queued prompt in one prefill step; after each
+   layer, that layer's blocks are queued on the connector for each request's decode worker,
+   so layer i travels while layer i + 1 computes.
+3. The first token is sampled and returned to the caller (HELD: blocks kept while sending).
+4. When the connector reports the transfer DONE or FAILED, the blocks return to the pool.
+Only the engine loop thread touches the engine; actor methods hand it commands.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.command_loop import CommandQueue
+from engine.sequence import Sequence
+from kv_transfer import PeerInfo, TransferConfig, TransferState, make_connector
+
+log = logging.getLogger(__name__)
+_IDLE_WAIT_S = 0.002
+
+
+class PrefillWorker:
+    """Args: engine_config, transfer_config, worker_id (unique; names the worker in transfers)."""
+
+    def __init__(self, engine_config: EngineConfig, transfer_config: TransferConfig, worker_id: str) -> None:
+        self.worker_id = worker_id
+        self.engine = LLMEngine(engine_config)
+        self.connector = make_connector(transfer_config, worker_id)
+        self.connector.register(self.engine.runner.kv)
+        self.engine.set_prefill_layer_hook(self._ship_layer)
+        self._commands = CommandQueue()
+        self._peers: dict[str, PeerInfo] = {}  # request id -> its decode worker
+        self._first: dict[str, Future] = {}  # request id -> first token, for the caller
+        self._sending: set[str] = set()
+        self._stop = threading.Event()
+        self._loop = threading.Thread(target=self._run, name=f"engine-{worker_id}", daemon=True)
+        self._loop.start()
+
+    # -- actor API (any thread) --------------------------------------------------------------------
+    def peer_info(self) -> PeerInfo:
+        return self.connector.local_info()
+
+    def prefill(self, request_id: str, prompt: list[int], sampling: SamplingParams, decode_peer: PeerInfo) -> dict:
+        """Prefill `prompt`, stream its KV to `decode_peer`. Returns {"first_token", "prefill_s"}."""
+        t0 = time.perf_counter()
+        first: Future = Future()
+
+        def do() -> None:
+            self.engine.add_request(prompt, sampling, request_id=request_id, prefill_only=True)
+            self._peers[request_id] = decode_peer
+            self._first[request_id] = first
+        self._commands.call(do)
+        return {"first_token": first.result(), "prefill_s": time.perf_counter() - t0}
+
+    def abort(self, request_id: str) -> bool:
+        def do() -> bool:
+            found = self.engine.abort(request_id)
+            if found:
+                self.connector.abort(request_id)
+                self._forget(request_id, error=RuntimeError(f"{request_id} aborted"))
+            return found
+        return self._commands.call(do)
+
+    def load(self) -> dict:
+        def do() -> dict:
+            bm, sched = self.engine.block_manager, self.engine.scheduler
+            return {"free_blocks": bm.num_free_blocks, "num_blocks": bm.num_blocks,
+                    "queued_tokens": sum(s.num_tokens for s in sched.waiting), "sending": len(self._sending)}
+        return self._commands.call(do)
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._loop.join(timeout=10)
+        self.connector.close()
+
+    # -- engine loop thread ------------------------------------------------------------------------
+    def _ship_layer(self, layer: int, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            self.connector.send(seq.request_id, layer, seq.block_table, self._peers[seq.request_id])
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._commands.drain(_IDLE_WAIT_S if not (self.engine.has_unfinished() or self._sending) else 0.0)
+            if self.engine.has_unfinished():
+                for out in self.engine.step():
+                    self._sending.add(out.request_id)
+                    fut = self._first.pop(out.request_id, None)
+                    if fut is not None:
+                        fut.set_result(out.new_token_ids[0])
+            self._release_sent()
+
+    def _release_sent(self) -> None:
+        for rid in list(self._sending):
+            state = self.connector.poll(rid)
+            if state in (TransferState.DONE, TransferState.FAILED):
+                if state == TransferState.FAILED:
+                    log.warning("KV transfer for %s failed; freeing its blocks", rid)
+                self.engine.release(rid)
+                self._forget(rid)
+
+    def _forget(self, request_id: str, error: BaseException | None = None) -> None:
+        self._sending.discard(request_id)
+        self._peers.pop(request_id, None)
+        fut = self._first.pop(request_id, None)
+        if fut is not None and error is not None:
+            fut.set_exception(error)

@@ -1,0 +1,1 @@
+"""Router: worker pools on Ray, request orchestration (placement policy and APIs build on it)."""

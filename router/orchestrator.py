@@ -1,0 +1,76 @@
+"""Runs one request across the pools, either path; the placement policy decides which (later).
+
+Remote prefill (disaggregated):
+1. decode worker D reserves blocks for the prompt and posts the receive (refusal: CapacityError);
+2. prefill worker P prefills (batched with other prompts), ships KV layer by layer to D, returns
+   the first token;
+3. D starts the sequence once every layer landed; tokens stream back from D.
+Local prefill: D runs the whole request.
+"""
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import ray
+
+from engine import SamplingParams
+from router.pools import Pools
+
+
+class RequestFailed(RuntimeError):
+    """A request ended with an error on a worker (e.g. a failed KV transfer)."""
+
+
+@dataclass
+class Result:
+    request_id: str
+    token_ids: list[int]
+    finish_reason: str | None
+    prefill_s: float | None  # remote path: time the prefill worker took to return the first token
+
+
+class Orchestrator:
+    """Args: pools: the live workers."""
+
+    def __init__(self, pools: Pools) -> None:
+        self.pools = pools
+
+    def stream(self, prompt: list[int], sampling: SamplingParams, remote: bool = True, prefill: int = 0,
+               decode: int = 0, request_id: str | None = None) -> Iterator[dict]:
+        """Yield the decode worker's stream items ({"token_ids", "finished", "finish_reason", "error"});
+        the first item carries "prefill_s" on the remote path."""
+        rid = request_id or uuid.uuid4().hex
+        d = self.pools.decode[decode]
+        prefill_s = None
+        if remote:
+            p = self.pools.prefill[prefill]
+            ray.get(d.reserve.remote(rid, prompt, sampling, self.pools.prefill_peers[prefill]))
+            try:
+                first = ray.get(p.prefill.remote(rid, prompt, sampling, self.pools.decode_peers[decode]))
+            except Exception:
+                ray.get(d.abort.remote(rid))
+                raise
+            prefill_s = first["prefill_s"]
+            ray.get(d.start_remote.remote(rid, first["first_token"]))
+        else:
+            ray.get(d.submit_local.remote(rid, prompt, sampling))
+        for ref in d.stream.options(num_returns="streaming").remote(rid):
+            item = ray.get(ref)
+            if item["error"]:
+                raise RequestFailed(f"request {rid}: {item['error']}")
+            if prefill_s is not None:
+                item["prefill_s"], prefill_s = prefill_s, None
+            yield item
+
+    def generate(self, prompt: list[int], sampling: SamplingParams, **kw: object) -> Result:
+        """Run a request to completion. Raises RequestFailed or the worker's own error."""
+        tokens: list[int] = []
+        reason = prefill_s = None
+        rid = kw.pop("request_id", None) or uuid.uuid4().hex
+        for item in self.stream(prompt, sampling, request_id=rid, **kw):  # type: ignore[arg-type]
+            tokens += item["token_ids"]
+            reason = item["finish_reason"]
+            prefill_s = item.get("prefill_s", prefill_s)
+        return Result(rid, tokens, reason, prefill_s)

@@ -1,0 +1,71 @@
+"""The worker pools on Ray: prefill and decode actors placed by custom resources.
+
+Each prefill actor asks for one unit of the `prefill_pool` resource, each decode actor one of
+`decode_pool` (plus a GPU when its engine runs on CUDA), so a cluster maps pools to node groups
+by the resources its nodes advertise (`ray start --resources='{"decode_pool": 4}'`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import ray
+
+from decode_worker import DecodeWorker
+from engine import EngineConfig
+from kv_transfer import PeerInfo, TransferConfig
+from prefill_worker import PrefillWorker
+
+PREFILL_RESOURCE = "prefill_pool"
+DECODE_RESOURCE = "decode_pool"
+_MAX_CONCURRENCY = 256  # actor threads: one per in-flight call (streams block in theirs)
+
+
+@dataclass
+class Pools:
+    """Live worker handles and their transfer addresses, index-aligned."""
+
+    prefill: list[ray.actor.ActorHandle] = field(default_factory=list)
+    decode: list[ray.actor.ActorHandle] = field(default_factory=list)
+    prefill_peers: list[PeerInfo] = field(default_factory=list)
+    decode_peers: list[PeerInfo] = field(default_factory=list)
+
+    def shutdown(self) -> None:
+        ray.get([w.shutdown.remote() for w in self.prefill + self.decode])
+        for w in self.prefill + self.decode:
+            ray.kill(w)
+        self.prefill, self.decode, self.prefill_peers, self.decode_peers = [], [], [], []
+
+
+def _options(resource: str, engine_config: EngineConfig, num_cpus: float) -> dict:
+    gpus = 1 if engine_config.device.startswith("cuda") else 0
+    return {"resources": {resource: 1}, "num_cpus": num_cpus, "num_gpus": gpus,
+            "max_concurrency": _MAX_CONCURRENCY}
+
+
+def add_prefill_worker(pools: Pools, engine_config: EngineConfig, transfer_config: TransferConfig,
+                       num_cpus: float = 1) -> None:
+    """Start one more prefill actor (it pairs with decode workers lazily, on first transfer)."""
+    actor = ray.remote(PrefillWorker).options(**_options(PREFILL_RESOURCE, engine_config, num_cpus)).remote(
+        engine_config, transfer_config, f"prefill-{len(pools.prefill)}")
+    pools.prefill_peers.append(ray.get(actor.peer_info.remote()))
+    pools.prefill.append(actor)
+
+
+def add_decode_worker(pools: Pools, engine_config: EngineConfig, transfer_config: TransferConfig,
+                      num_cpus: float = 1) -> None:
+    """Start one more decode actor; it serves as soon as its transfer address is known."""
+    actor = ray.remote(DecodeWorker).options(**_options(DECODE_RESOURCE, engine_config, num_cpus)).remote(
+        engine_config, transfer_config, f"decode-{len(pools.decode)}")
+    pools.decode_peers.append(ray.get(actor.peer_info.remote()))
+    pools.decode.append(actor)
+
+
+def create_pools(num_prefill: int, num_decode: int, engine_config: EngineConfig,
+                 transfer_config: TransferConfig, num_cpus: float = 1) -> Pools:
+    """Start `num_prefill` prefill and `num_decode` decode actors on the connected Ray cluster."""
+    pools = Pools()
+    for _ in range(num_prefill):
+        add_prefill_worker(pools, engine_config, transfer_config, num_cpus)
+    for _ in range(num_decode):
+        add_decode_worker(pools, engine_config, transfer_config, num_cpus)
+    return pools
