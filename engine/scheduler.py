@@ -8,8 +8,8 @@ blocks are freed and it waits to be recomputed (its cached prefix blocks usually
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from engine.block_manager import BlockManager
 from engine.sequence import FinishReason, Sequence, SequenceStatus
