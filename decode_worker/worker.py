@@ -36,7 +36,7 @@ class DecodeWorker:
         self.connector.register(self.engine.runner.kv)
         self._commands = CommandQueue()
         self._streams: dict[str, queue.Queue] = {}
-        self._landing: dict[str, int] = {}  # request id -> first token, waiting for its KV
+        self._landing: dict[str, int | None] = {}  # reserved request -> first token (None: not yet)
         self._stop = threading.Event()
         self._loop = threading.Thread(target=self._run, name=f"engine-{worker_id}", daemon=True)
         self._loop.start()
@@ -51,10 +51,17 @@ class DecodeWorker:
             blocks = self.engine.reserve(prompt, sampling, request_id)
             self._streams[request_id] = queue.Queue()
             self.connector.recv(request_id, blocks, self.engine.layout.num_layers, prefill_peer)
+            self._landing[request_id] = None  # watched from now: a transfer that never comes times out
         self._commands.call(do)
 
-    def start_remote(self, request_id: str, first_token: int) -> None:
-        self._commands.call(lambda: self._landing.__setitem__(request_id, first_token))
+    def start_remote(self, request_id: str, first_token: int, handoff: object | None = None) -> None:
+        """The prefill worker's first token (and its connector's handoff): start once the KV landed."""
+        def do() -> None:
+            if request_id not in self._landing:
+                raise ValueError(f"{request_id!r} has no reservation here (expired or aborted)")
+            self.connector.accept(request_id, handoff)
+            self._landing[request_id] = first_token
+        self._commands.call(do)
 
     def submit_local(self, request_id: str, prompt: list[int], sampling: SamplingParams) -> None:
         def do() -> None:
@@ -99,7 +106,7 @@ class DecodeWorker:
     # -- engine loop thread ------------------------------------------------------------------------
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._commands.drain(_IDLE_WAIT_S if not (self.engine.has_unfinished() or self._landing) else 0.0)
+            self._commands.drain(0.0 if self.engine.has_unfinished() else _IDLE_WAIT_S)
             self._land()
             if self.engine.has_unfinished():
                 for out in self.engine.step():
@@ -108,7 +115,7 @@ class DecodeWorker:
     def _land(self) -> None:
         for rid, first in list(self._landing.items()):
             state = self.connector.poll(rid)
-            if state == TransferState.DONE:
+            if state == TransferState.DONE and first is not None:
                 del self._landing[rid]
                 out = self.engine.activate(rid, first)
                 self._emit(rid, out.new_token_ids, out.finish_reason)

@@ -103,6 +103,23 @@ class KVConnector(ABC):
             transfer_id: the transfer to stop.
         """
 
+    def handoff(self, transfer_id: str) -> object | None:
+        """Sender side, after the last `send`: what the receiver needs besides the data path
+        (the object store's refs), to pass along in an ordinary call. None when nothing is needed.
+
+        Args:
+            transfer_id: the transfer whose layers were all sent.
+        """
+        return None
+
+    def accept(self, transfer_id: str, handoff: object | None) -> None:
+        """Receiver side: take the sender's `handoff` (ignored when None).
+
+        Args:
+            transfer_id: a transfer posted with `recv`.
+            handoff: what the sender's `handoff` returned.
+        """
+
     @abstractmethod
     def close(self) -> None:
         """Release threads, groups and stores; pending transfers become FAILED. Idempotent."""

@@ -73,6 +73,13 @@ class ObjectStoreConnector(KVConnector):
         with self._lock:
             return self._outbox.pop(transfer_id, {})
 
+    def handoff(self, transfer_id: str) -> object | None:
+        return self.take_refs(transfer_id)
+
+    def accept(self, transfer_id: str, handoff: object | None) -> None:
+        if handoff:
+            self.deliver(transfer_id, handoff)  # type: ignore[arg-type]
+
     def recv(self, transfer_id: str, blocks: list[int], num_layers: int, peer: PeerInfo) -> None:
         pool = self._need_pool()
         check_blocks(pool, blocks)

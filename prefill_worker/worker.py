@@ -47,7 +47,11 @@ class PrefillWorker:
         return self.connector.local_info()
 
     def prefill(self, request_id: str, prompt: list[int], sampling: SamplingParams, decode_peer: PeerInfo) -> dict:
-        """Prefill `prompt`, stream its KV to `decode_peer`. Returns {"first_token", "prefill_s"}."""
+        """Prefill `prompt`, stream its KV to `decode_peer`.
+
+        Returns:
+            {"first_token", "prefill_s", "handoff"}: pass "handoff" to the decode worker's `start_remote`.
+        """
         t0 = time.perf_counter()
         first: Future = Future()
 
@@ -56,7 +60,8 @@ class PrefillWorker:
             self._peers[request_id] = decode_peer
             self._first[request_id] = first
         self._commands.call(do)
-        return {"first_token": first.result(), "prefill_s": time.perf_counter() - t0}
+        token, handoff = first.result()
+        return {"first_token": token, "prefill_s": time.perf_counter() - t0, "handoff": handoff}
 
     def abort(self, request_id: str) -> bool:
         def do() -> bool:
@@ -86,13 +91,13 @@ class PrefillWorker:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._commands.drain(_IDLE_WAIT_S if not (self.engine.has_unfinished() or self._sending) else 0.0)
+            self._commands.drain(0.0 if self.engine.has_unfinished() else _IDLE_WAIT_S)
             if self.engine.has_unfinished():
                 for out in self.engine.step():
                     self._sending.add(out.request_id)
                     fut = self._first.pop(out.request_id, None)
                     if fut is not None:
-                        fut.set_result(out.new_token_ids[0])
+                        fut.set_result((out.new_token_ids[0], self.connector.handoff(out.request_id)))
             self._release_sent()
 
     def _release_sent(self) -> None:

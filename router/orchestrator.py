@@ -53,7 +53,7 @@ class Orchestrator:
                 ray.get(d.abort.remote(rid))
                 raise
             prefill_s = first["prefill_s"]
-            ray.get(d.start_remote.remote(rid, first["first_token"]))
+            ray.get(d.start_remote.remote(rid, first["first_token"], first["handoff"]))
         else:
             ray.get(d.submit_local.remote(rid, prompt, sampling))
         for ref in d.stream.options(num_returns="streaming").remote(rid):

@@ -6,6 +6,7 @@ by the resources its nodes advertise (`ray start --resources='{"decode_pool": 4}
 """
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 
 import ray
@@ -46,7 +47,7 @@ def add_prefill_worker(pools: Pools, engine_config: EngineConfig, transfer_confi
                        num_cpus: float = 1) -> None:
     """Start one more prefill actor (it pairs with decode workers lazily, on first transfer)."""
     actor = ray.remote(PrefillWorker).options(**_options(PREFILL_RESOURCE, engine_config, num_cpus)).remote(
-        engine_config, transfer_config, f"prefill-{len(pools.prefill)}")
+        engine_config, transfer_config, f"prefill-{len(pools.prefill)}-{uuid.uuid4().hex[:6]}")
     pools.prefill_peers.append(ray.get(actor.peer_info.remote()))
     pools.prefill.append(actor)
 
@@ -55,7 +56,7 @@ def add_decode_worker(pools: Pools, engine_config: EngineConfig, transfer_config
                       num_cpus: float = 1) -> None:
     """Start one more decode actor; it serves as soon as its transfer address is known."""
     actor = ray.remote(DecodeWorker).options(**_options(DECODE_RESOURCE, engine_config, num_cpus)).remote(
-        engine_config, transfer_config, f"decode-{len(pools.decode)}")
+        engine_config, transfer_config, f"decode-{len(pools.decode)}-{uuid.uuid4().hex[:6]}")
     pools.decode_peers.append(ray.get(actor.peer_info.remote()))
     pools.decode.append(actor)
 

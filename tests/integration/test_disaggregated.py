@@ -61,3 +61,34 @@ def test_concurrent_mixed_requests_across_workers_and_a_late_decode_worker(clust
         got = list(pool.map(run, range(len(cases))))
     assert got == expected
     assert_all_free(pools)
+
+
+def test_object_store_backend_matches_generate(cluster):
+    ref, _, cfg, _ = cluster
+    pools = create_pools(1, 1, cfg, TransferConfig(backend="object_store"), num_cpus=0)
+    try:
+        prompt = random_prompt(60, 5)
+        got = Orchestrator(pools).generate(prompt, SamplingParams(max_tokens=12), remote=True)
+        assert got.token_ids == greedy_reference(ref, prompt, 12)
+        assert_all_free(pools)
+    finally:
+        pools.shutdown()
+
+
+def test_a_transfer_that_never_comes_times_out_and_frees_the_blocks(cluster):
+    ref, _, cfg, _ = cluster
+    pools = create_pools(1, 1, cfg, TransferConfig(backend="torch_dist", timeout_s=3, host="127.0.0.1"), num_cpus=0)
+    try:
+        decode = pools.decode[0]
+        prompt = random_prompt(50, 6)
+        ray.get(decode.reserve.remote("lost", prompt, SamplingParams(max_tokens=5), pools.prefill_peers[0]))
+        assert ray.get(decode.load.remote())["receiving"] == 1
+        items = [ray.get(r) for r in decode.stream.options(num_returns="streaming").remote("lost")]  # no prefill
+        assert items[-1]["finished"] and "transfer" in items[-1]["error"]
+        assert_all_free(pools)
+        # the pair works again for the next request
+        got = Orchestrator(pools).generate(prompt, SamplingParams(max_tokens=5), remote=True)
+        assert got.token_ids == greedy_reference(ref, prompt, 5)
+        assert_all_free(pools)
+    finally:
+        pools.shutdown()
