@@ -43,6 +43,12 @@ class PrefillWorker:
         self._loop.start()
 
     # -- actor API (any thread) --------------------------------------------------------------------
+    def node_id(self) -> str:
+        """The Ray node this worker runs on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
     def peer_info(self) -> PeerInfo:
         return self.connector.local_info()
 

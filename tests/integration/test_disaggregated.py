@@ -50,14 +50,14 @@ def test_concurrent_mixed_requests_across_workers_and_a_late_decode_worker(clust
     ref, pools, cfg, transfer = cluster
     add_decode_worker(pools, cfg, transfer, num_cpus=0)  # joins after start, pairs on first use
     orch = Orchestrator(pools)
-    cases = [(random_prompt(5 + 37 * i % 150, 10 + i), 4 + 9 * i % 30) for i in range(12)]
+    cases = [(random_prompt(5 + 37 * i % 150, 10 + i), 4 + 9 * i % 30) for i in range(16)]
     expected = [greedy_reference(ref, p, n) for p, n in cases]
 
     def run(i: int) -> list[int]:
         prompt, n = cases[i]
         return orch.generate(prompt, SamplingParams(max_tokens=n), remote=i % 4 != 3, prefill=i % 2,
                              decode=i % 2).token_ids
-    with ThreadPoolExecutor(max_workers=12) as pool:
+    with ThreadPoolExecutor(max_workers=16) as pool:
         got = list(pool.map(run, range(len(cases))))
     assert got == expected
     assert_all_free(pools)
@@ -91,4 +91,18 @@ def test_a_transfer_that_never_comes_times_out_and_frees_the_blocks(cluster):
         assert got.token_ids == greedy_reference(ref, prompt, 5)
         assert_all_free(pools)
     finally:
+        pools.shutdown()
+
+
+def test_a_dead_prefill_worker_is_a_clear_error_and_frees_the_decode_blocks(cluster):
+    _, _, cfg, transfer = cluster
+    pools = create_pools(1, 1, cfg, transfer, num_cpus=0)
+    try:
+        ray.kill(pools.prefill[0])
+        with pytest.raises(ray.exceptions.RayActorError):
+            Orchestrator(pools).generate(random_prompt(30, 7), SamplingParams(max_tokens=5), remote=True)
+        load = ray.get(pools.decode[0].load.remote())
+        assert load["free_blocks"] == load["num_blocks"] and load["receiving"] == 0
+    finally:
+        pools.prefill = []  # already dead
         pools.shutdown()
