@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Iterator
 
 from engine import EngineConfig, LLMEngine, SamplingParams
@@ -37,6 +38,7 @@ class DecodeWorker:
         self._commands = CommandQueue()
         self._streams: dict[str, queue.Queue] = {}
         self._landing: dict[str, int | None] = {}  # reserved request -> first token (None: not yet)
+        self._started: dict[str, float] = {}  # request id -> when its first token arrived
         self._stop = threading.Event()
         self._loop = threading.Thread(target=self._run, name=f"engine-{worker_id}", daemon=True)
         self._loop.start()
@@ -67,6 +69,7 @@ class DecodeWorker:
                 raise ValueError(f"{request_id!r} has no reservation here (expired or aborted)")
             self.connector.accept(request_id, handoff)
             self._landing[request_id] = first_token
+            self._started[request_id] = time.perf_counter()
         self._commands.call(do)
 
     def submit_local(self, request_id: str, prompt: list[int], sampling: SamplingParams) -> None:
@@ -76,7 +79,8 @@ class DecodeWorker:
         self._commands.call(do)
 
     def stream(self, request_id: str) -> Iterator[dict]:
-        """Yield {"token_ids", "finished", "finish_reason", "error"} as tokens are produced."""
+        """Yield {"token_ids", "finished", "finish_reason", "error"} as tokens are produced; on the remote
+        path the first item also has "transfer_s": how long the KV was still in flight after prefill."""
         q = self._commands.call(lambda: self._streams[request_id])
         while True:
             item = q.get()
@@ -89,6 +93,7 @@ class DecodeWorker:
     def abort(self, request_id: str) -> bool:
         def do() -> bool:
             self._landing.pop(request_id, None)
+            self._started.pop(request_id, None)
             found = self.engine.abort(request_id)
             if found:
                 self.connector.abort(request_id)
@@ -123,17 +128,23 @@ class DecodeWorker:
             state = self.connector.poll(rid)
             if state == TransferState.DONE and first is not None:
                 del self._landing[rid]
+                # KV still in flight after the prefill worker returned: the transfer time TTFT pays
+                transfer_s = time.perf_counter() - self._started.pop(rid)
                 out = self.engine.activate(rid, first)
-                self._emit(rid, out.new_token_ids, out.finish_reason)
+                self._emit(rid, out.new_token_ids, out.finish_reason, transfer_s=transfer_s)
             elif state == TransferState.FAILED:
                 del self._landing[rid]
+                self._started.pop(rid, None)
                 self.engine.abort(rid)
                 self._emit(rid, [], "abort", error=f"KV transfer for {rid} failed")
 
-    def _emit(self, request_id: str, token_ids: list[int], finish_reason: str | None,
-              error: str | None = None) -> None:
+    def _emit(self, request_id: str, token_ids: list[int], finish_reason: str | None, error: str | None = None,
+              transfer_s: float | None = None) -> None:
         q = self._streams.get(request_id)
         if q is None:
             return
-        q.put({"token_ids": list(token_ids), "finished": finish_reason is not None, "finish_reason": finish_reason,
-               "error": error})
+        item = {"token_ids": list(token_ids), "finished": finish_reason is not None, "finish_reason": finish_reason,
+                "error": error}
+        if transfer_s is not None:
+            item["transfer_s"] = transfer_s
+        q.put(item)

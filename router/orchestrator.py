@@ -29,6 +29,7 @@ class Result:
     token_ids: list[int]
     finish_reason: str | None
     prefill_s: float | None  # remote path: time the prefill worker took to return the first token
+    transfer_s: float | None  # remote path: KV still in flight after that, before decoding could start
 
 
 class Orchestrator:
@@ -67,10 +68,11 @@ class Orchestrator:
     def generate(self, prompt: list[int], sampling: SamplingParams, **kw: object) -> Result:
         """Run a request to completion. Raises RequestFailed or the worker's own error."""
         tokens: list[int] = []
-        reason = prefill_s = None
+        reason = prefill_s = transfer_s = None
         rid = kw.pop("request_id", None) or uuid.uuid4().hex
         for item in self.stream(prompt, sampling, request_id=rid, **kw):  # type: ignore[arg-type]
             tokens += item["token_ids"]
             reason = item["finish_reason"]
             prefill_s = item.get("prefill_s", prefill_s)
-        return Result(rid, tokens, reason, prefill_s)
+            transfer_s = item.get("transfer_s", transfer_s)
+        return Result(rid, tokens, reason, prefill_s, transfer_s)

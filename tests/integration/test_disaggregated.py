@@ -41,7 +41,8 @@ def test_remote_and_local_paths_match_generate(cluster):
     prompt = random_prompt(45, 1)
     expected = greedy_reference(ref, prompt, 24)
     remote = orch.generate(prompt, SamplingParams(max_tokens=24), remote=True)
-    assert remote.token_ids == expected and remote.finish_reason == "length" and remote.prefill_s > 0
+    assert remote.token_ids == expected and remote.finish_reason == "length"
+    assert remote.prefill_s > 0 and remote.transfer_s >= 0
     assert orch.generate(prompt, SamplingParams(max_tokens=24), remote=False).token_ids == expected
     assert_all_free(pools)
 
@@ -105,4 +106,29 @@ def test_a_dead_prefill_worker_is_a_clear_error_and_frees_the_decode_blocks(clus
         assert load["free_blocks"] == load["num_blocks"] and load["receiving"] == 0
     finally:
         pools.prefill = []  # already dead
+        pools.shutdown()
+
+
+@pytest.mark.model
+def test_embedded_model_chat_prompt_disaggregated(cluster):
+    """SmolLM2 through the disaggregated path equals transformers greedy generate on a chat prompt."""
+    import copy
+
+    import torch
+
+    from engine.model_loader import encode_prompt, load_model
+
+    model, tok = load_model(None, "float32", "cpu")
+    prompt = encode_prompt(tok, "What is the capital of France?", chat=True)
+    with torch.no_grad():
+        ids = copy.deepcopy(model).generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)[0].tolist()
+    expected = ids[len(prompt):]
+    expected = expected[:expected.index(tok.eos_token_id) + 1] if tok.eos_token_id in expected else expected
+    cfg = EngineConfig(model=None, dtype="float32", num_threads=1, cache=CacheConfig(memory_gib=0.1))
+    pools = create_pools(1, 1, cfg, TransferConfig(backend="torch_dist", timeout_s=30, host="127.0.0.1"), num_cpus=0)
+    try:
+        got = Orchestrator(pools).generate(prompt, SamplingParams(max_tokens=16), remote=True)
+        assert got.token_ids == expected and "Paris" in tok.decode(got.token_ids)
+        assert_all_free(pools)
+    finally:
         pools.shutdown()
