@@ -132,3 +132,19 @@ def test_embedded_model_chat_prompt_disaggregated(cluster):
         assert_all_free(pools)
     finally:
         pools.shutdown()
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "mistral"])
+def test_other_architectures_disaggregated(cluster, arch, tmp_path):
+    ref = tiny_model(arch, seed=9)
+    ref.save_pretrained(tmp_path)
+    cfg = EngineConfig(model=str(tmp_path), dtype="float32", num_threads=1, cache=CacheConfig(memory_gib=0.02))
+    pools = create_pools(1, 1, cfg, TransferConfig(backend="torch_dist", timeout_s=20, host="127.0.0.1"), num_cpus=0)
+    try:
+        prompts = [random_prompt(n, 20 + n) for n in (9, 64)]
+        orch = Orchestrator(pools)
+        assert [orch.generate(p, SamplingParams(max_tokens=10)).token_ids for p in prompts] == \
+            [greedy_reference(ref, p, 10) for p in prompts]
+        assert_all_free(pools)
+    finally:
+        pools.shutdown()
