@@ -37,28 +37,31 @@ class Pools:
         self.prefill, self.decode, self.prefill_peers, self.decode_peers = [], [], [], []
 
 
-def _options(resource: str, engine_config: EngineConfig, num_cpus: float) -> dict:
+def _start(cls: type, resource: str, name: str, engine_config: EngineConfig, transfer_config: TransferConfig,
+           num_cpus: float) -> tuple[ray.actor.ActorHandle, PeerInfo]:
     gpus = 1 if engine_config.device.startswith("cuda") else 0
-    return {"resources": {resource: 1}, "num_cpus": num_cpus, "num_gpus": gpus,
-            "max_concurrency": _MAX_CONCURRENCY}
+    actor = ray.remote(cls).options(resources={resource: 1}, num_cpus=num_cpus, num_gpus=gpus,
+                                    max_concurrency=_MAX_CONCURRENCY).remote(
+        engine_config, transfer_config, f"{name}-{uuid.uuid4().hex[:6]}")
+    return actor, ray.get(actor.peer_info.remote())
 
 
 def add_prefill_worker(pools: Pools, engine_config: EngineConfig, transfer_config: TransferConfig,
                        num_cpus: float = 1) -> None:
     """Start one more prefill actor (it pairs with decode workers lazily, on first transfer)."""
-    actor = ray.remote(PrefillWorker).options(**_options(PREFILL_RESOURCE, engine_config, num_cpus)).remote(
-        engine_config, transfer_config, f"prefill-{len(pools.prefill)}-{uuid.uuid4().hex[:6]}")
-    pools.prefill_peers.append(ray.get(actor.peer_info.remote()))
+    actor, peer = _start(PrefillWorker, PREFILL_RESOURCE, f"prefill-{len(pools.prefill)}", engine_config,
+                         transfer_config, num_cpus)
     pools.prefill.append(actor)
+    pools.prefill_peers.append(peer)
 
 
 def add_decode_worker(pools: Pools, engine_config: EngineConfig, transfer_config: TransferConfig,
                       num_cpus: float = 1) -> None:
     """Start one more decode actor; it serves as soon as its transfer address is known."""
-    actor = ray.remote(DecodeWorker).options(**_options(DECODE_RESOURCE, engine_config, num_cpus)).remote(
-        engine_config, transfer_config, f"decode-{len(pools.decode)}-{uuid.uuid4().hex[:6]}")
-    pools.decode_peers.append(ray.get(actor.peer_info.remote()))
+    actor, peer = _start(DecodeWorker, DECODE_RESOURCE, f"decode-{len(pools.decode)}", engine_config,
+                         transfer_config, num_cpus)
     pools.decode.append(actor)
+    pools.decode_peers.append(peer)
 
 
 def create_pools(num_prefill: int, num_decode: int, engine_config: EngineConfig,
