@@ -15,16 +15,14 @@ from __future__ import annotations
 
 import logging
 import queue
-import threading
 import time
 from collections.abc import Iterator
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.command_loop import CommandQueue
+from engine.command_loop import OwnerThread
 from kv_transfer import PeerInfo, TransferConfig, TransferState, make_connector
 
 log = logging.getLogger(__name__)
-_IDLE_WAIT_S = 0.002
 
 
 class DecodeWorker:
@@ -35,13 +33,10 @@ class DecodeWorker:
         self.engine = LLMEngine(engine_config)
         self.connector = make_connector(transfer_config, worker_id)
         self.connector.register(self.engine.runner.kv)
-        self._commands = CommandQueue()
         self._streams: dict[str, queue.Queue] = {}
         self._landing: dict[str, int | None] = {}  # reserved request -> first token (None: not yet)
         self._started: dict[str, float] = {}  # request id -> when its first token arrived
-        self._stop = threading.Event()
-        self._loop = threading.Thread(target=self._run, name=f"engine-{worker_id}", daemon=True)
-        self._loop.start()
+        self._owner = OwnerThread(self._work, name=f"engine-{worker_id}")  # last: it starts running
 
     # -- actor API (any thread) --------------------------------------------------------------------
     def node_id(self) -> str:
@@ -60,7 +55,7 @@ class DecodeWorker:
             self._streams[request_id] = queue.Queue()
             self.connector.recv(request_id, blocks, self.engine.layout.num_layers, prefill_peer)
             self._landing[request_id] = None  # watched from now: a transfer that never comes times out
-        self._commands.call(do)
+        self._owner.call(do)
 
     def start_remote(self, request_id: str, first_token: int, handoff: object | None = None) -> None:
         """The prefill worker's first token (and its connector's handoff): start once the KV landed."""
@@ -70,22 +65,22 @@ class DecodeWorker:
             self.connector.accept(request_id, handoff)
             self._landing[request_id] = first_token
             self._started[request_id] = time.perf_counter()
-        self._commands.call(do)
+        self._owner.call(do)
 
     def submit_local(self, request_id: str, prompt: list[int], sampling: SamplingParams) -> None:
         def do() -> None:
             self.engine.add_request(prompt, sampling, request_id=request_id)
             self._streams[request_id] = queue.Queue()
-        self._commands.call(do)
+        self._owner.call(do)
 
     def stream(self, request_id: str) -> Iterator[dict]:
         """Yield {"token_ids", "finished", "finish_reason", "error"} as tokens are produced; on the remote
         path the first item also has "transfer_s": how long the KV was still in flight after prefill."""
-        q = self._commands.call(lambda: self._streams[request_id])
+        q = self._owner.call(lambda: self._streams[request_id])
         while True:
             item = q.get()
             if item["finished"]:
-                self._commands.call(lambda: self._streams.pop(request_id, None))
+                self._owner.call(lambda: self._streams.pop(request_id, None))
             yield item
             if item["finished"]:
                 return
@@ -99,7 +94,7 @@ class DecodeWorker:
                 self.connector.abort(request_id)
                 self._emit(request_id, [], "abort", error="aborted")
             return found
-        return self._commands.call(do)
+        return self._owner.call(do)
 
     def load(self) -> dict:
         """Free KV blocks, total blocks, running and reserved sequences."""
@@ -107,21 +102,21 @@ class DecodeWorker:
             bm, sched = self.engine.block_manager, self.engine.scheduler
             return {"free_blocks": bm.num_free_blocks, "num_blocks": bm.num_blocks,
                     "running": len(sched.running) + len(sched.waiting), "receiving": len(sched.receiving)}
-        return self._commands.call(do)
+        return self._owner.call(do)
 
     def shutdown(self) -> None:
-        self._stop.set()
-        self._loop.join(timeout=10)
+        self._owner.stop()
         self.connector.close()
 
     # -- engine loop thread ------------------------------------------------------------------------
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._commands.drain(0.0 if self.engine.has_unfinished() else _IDLE_WAIT_S)
-            self._land()
-            if self.engine.has_unfinished():
-                for out in self.engine.step():
-                    self._emit(out.request_id, out.new_token_ids, out.finish_reason)
+    def _work(self) -> bool:
+        """One round: start requests whose KV landed, then one engine step. Returns whether busy."""
+        self._land()
+        if not self.engine.has_unfinished():
+            return False
+        for out in self.engine.step():
+            self._emit(out.request_id, out.new_token_ids, out.finish_reason)
+        return True
 
     def _land(self) -> None:
         for rid, first in list(self._landing.items()):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import queue
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
@@ -37,3 +38,36 @@ class CommandQueue:
                 item = self._q.get_nowait()
             except queue.Empty:
                 return
+
+
+class OwnerThread:
+    """The one thread that owns an engine: runs `work` over and over, and between two rounds the
+    commands other threads hand it through `call`.
+
+    Args:
+        work: one round of the owner's work; returns whether more is pending (then no idle wait).
+        name: thread name.
+        idle_wait_s: how long to wait for a command when idle.
+    """
+
+    def __init__(self, work: Callable[[], bool], name: str, idle_wait_s: float = 0.002) -> None:
+        self.commands = CommandQueue()
+        self._work = work
+        self._idle_wait_s = idle_wait_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the owner thread. Returns its result or raises its exception."""
+        return self.commands.call(fn)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout=timeout_s)
+
+    def _run(self) -> None:
+        busy = False
+        while not self._stop.is_set():
+            self.commands.drain(0.0 if busy else self._idle_wait_s)
+            busy = self._work()

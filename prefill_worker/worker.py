@@ -12,17 +12,15 @@ Only the engine loop thread touches the engine; actor methods hand it commands.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from concurrent.futures import Future
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.command_loop import CommandQueue
+from engine.command_loop import OwnerThread
 from engine.sequence import Sequence
 from kv_transfer import PeerInfo, TransferConfig, TransferState, make_connector
 
 log = logging.getLogger(__name__)
-_IDLE_WAIT_S = 0.002
 
 
 class PrefillWorker:
@@ -34,13 +32,10 @@ class PrefillWorker:
         self.connector = make_connector(transfer_config, worker_id)
         self.connector.register(self.engine.runner.kv)
         self.engine.set_prefill_layer_hook(self._ship_layer)
-        self._commands = CommandQueue()
         self._peers: dict[str, PeerInfo] = {}  # request id -> its decode worker
         self._first: dict[str, Future] = {}  # request id -> first token, for the caller
         self._sending: set[str] = set()
-        self._stop = threading.Event()
-        self._loop = threading.Thread(target=self._run, name=f"engine-{worker_id}", daemon=True)
-        self._loop.start()
+        self._owner = OwnerThread(self._work, name=f"engine-{worker_id}")  # last: it starts running
 
     # -- actor API (any thread) --------------------------------------------------------------------
     def node_id(self) -> str:
@@ -65,7 +60,7 @@ class PrefillWorker:
             self.engine.add_request(prompt, sampling, request_id=request_id, prefill_only=True)
             self._peers[request_id] = decode_peer
             self._first[request_id] = first
-        self._commands.call(do)
+        self._owner.call(do)
         token, handoff = first.result()
         return {"first_token": token, "prefill_s": time.perf_counter() - t0, "handoff": handoff}
 
@@ -76,18 +71,17 @@ class PrefillWorker:
                 self.connector.abort(request_id)
                 self._forget(request_id, error=RuntimeError(f"{request_id} aborted"))
             return found
-        return self._commands.call(do)
+        return self._owner.call(do)
 
     def load(self) -> dict:
         def do() -> dict:
             bm, sched = self.engine.block_manager, self.engine.scheduler
             return {"free_blocks": bm.num_free_blocks, "num_blocks": bm.num_blocks,
                     "queued_tokens": sum(s.num_tokens for s in sched.waiting), "sending": len(self._sending)}
-        return self._commands.call(do)
+        return self._owner.call(do)
 
     def shutdown(self) -> None:
-        self._stop.set()
-        self._loop.join(timeout=10)
+        self._owner.stop()
         self.connector.close()
 
     # -- engine loop thread ------------------------------------------------------------------------
@@ -95,16 +89,17 @@ class PrefillWorker:
         for seq in seqs:
             self.connector.send(seq.request_id, layer, seq.block_table, self._peers[seq.request_id])
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._commands.drain(0.0 if self.engine.has_unfinished() else _IDLE_WAIT_S)
-            if self.engine.has_unfinished():
-                for out in self.engine.step():
-                    self._sending.add(out.request_id)
-                    fut = self._first.pop(out.request_id, None)
-                    if fut is not None:
-                        fut.set_result((out.new_token_ids[0], self.connector.handoff(out.request_id)))
-            self._release_sent()
+    def _work(self) -> bool:
+        """One round: a prefill step of every queued prompt, then free what has been sent. Returns
+        whether more prompts wait."""
+        if self.engine.has_unfinished():
+            for out in self.engine.step():
+                self._sending.add(out.request_id)
+                fut = self._first.pop(out.request_id, None)
+                if fut is not None:
+                    fut.set_result((out.new_token_ids[0], self.connector.handoff(out.request_id)))
+        self._release_sent()
+        return self.engine.has_unfinished()
 
     def _release_sent(self) -> None:
         for rid in list(self._sending):
