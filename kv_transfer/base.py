@@ -14,6 +14,8 @@ from enum import IntEnum
 
 import torch
 
+from kv_transfer.layers import check_pool
+
 
 class TransferState(IntEnum):
     """Ordered: `state >= TransferState.TRANSFERRING` means the transfer has started."""
@@ -50,13 +52,23 @@ class KVConnector(ABC):
     in the receiver's own reserved block ids (which differ from the sender's).
     """
 
-    @abstractmethod
+    worker_id: str
+    pool: torch.Tensor | None = None
+
     def register(self, kv_pool: torch.Tensor) -> None:
         """Give the connector the worker's KV pool (read by sends, written by receives).
 
         Args:
             kv_pool: the engine's pool tensor; must stay alive and keep its shape.
         """
+        check_pool(kv_pool)
+        self.pool = kv_pool
+
+    def _need_pool(self) -> torch.Tensor:
+        """The registered pool; raises TransferError before `register`."""
+        if self.pool is None:
+            raise TransferError(f"connector {self.worker_id!r}: call register(kv_pool) before transferring")
+        return self.pool
 
     @abstractmethod
     def local_info(self) -> PeerInfo:

@@ -10,7 +10,7 @@ import torch
 
 from kv_transfer.base import KVConnector, PeerInfo, TransferError, TransferState
 from kv_transfer.config import TransferConfig
-from kv_transfer.layers import check_blocks, check_pool, gather_layer, scatter_layer
+from kv_transfer.layers import check_blocks, gather_layer, scatter_layer
 
 log = logging.getLogger(__name__)
 
@@ -40,17 +40,8 @@ class LocalConnector(KVConnector):
                 raise ValueError(f"a local connector named {worker_id!r} is already open; close it first")
             _REGISTRY[worker_id] = self
 
-    def register(self, kv_pool: torch.Tensor) -> None:
-        check_pool(kv_pool)
-        self.pool = kv_pool
-
     def local_info(self) -> PeerInfo:
         return PeerInfo(self.worker_id)
-
-    def _need_pool(self) -> torch.Tensor:
-        if self.pool is None:
-            raise TransferError(f"connector {self.worker_id!r}: call register(kv_pool) before transferring")
-        return self.pool
 
     def send(self, transfer_id: str, layer: int, blocks: list[int], peer: PeerInfo) -> None:
         pool = self._need_pool()

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from kv_transfer.base import KVConnector, PeerInfo, TransferError, TransferState
 from kv_transfer.config import TransferConfig
-from kv_transfer.layers import check_blocks, check_pool, gather_layer, layer_shape, scatter_layer, transfer_hash
+from kv_transfer.layers import check_blocks, gather_layer, layer_shape, scatter_layer, transfer_hash
 from kv_transfer.pair_group import PairGroup, pair_key
 
 log = logging.getLogger(__name__)
@@ -79,10 +79,6 @@ class TorchDistConnector(KVConnector):
         self._recv_pairs: dict[str, threading.Thread] = {}
 
     # -- common ---------------------------------------------------------------------------------
-    def register(self, kv_pool: torch.Tensor) -> None:
-        check_pool(kv_pool)
-        self.pool = kv_pool
-
     def local_info(self) -> PeerInfo:
         with self._lock:
             if self._master is None:
@@ -94,11 +90,9 @@ class TorchDistConnector(KVConnector):
         return datetime.timedelta(seconds=self.config.timeout_s)
 
     def _need_pool(self) -> torch.Tensor:
-        if self.pool is None:
-            raise TransferError(f"connector {self.worker_id!r}: call register(kv_pool) before transferring")
         if self._closed:
             raise TransferError(f"connector {self.worker_id!r} is closed")
-        return self.pool
+        return super()._need_pool()
 
     def poll(self, transfer_id: str) -> TransferState:
         with self._lock:

@@ -102,10 +102,12 @@ def test_prefix_cache_evicts_when_blocks_run_out(tiny_pair):
     _, model = tiny_pair
     engine = make_engine(model, memory_gib=64 * 16 * 768 / (1 << 30))
     assert engine.layout.num_blocks == 64
-    for i in range(6):  # 6 x 20 blocks of distinct prompts through a 64-block pool
-        engine.generate([random_prompt(320, 40 + i)], SamplingParams(max_tokens=4))
+    prompts = [random_prompt(320, 40 + i) for i in range(6)]
+    for prompt in prompts:  # 6 x 20 blocks of distinct prompts through a 64-block pool
+        engine.generate([prompt], SamplingParams(max_tokens=4))
     bm = engine.block_manager
-    assert len(bm.cached) <= bm.num_blocks
+    assert bm.cached_prefix_len(prompts[0]) == 0  # the oldest prefix was evicted
+    assert bm.cached_prefix_len(prompts[-1]) == 304  # the newest is still cached (all but its last block)
     assert_all_free(engine)
 
 
