@@ -20,6 +20,7 @@ from collections.abc import Iterator
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.command_loop import OwnerThread
+from engine.profiling import time_decode_step, time_prefill
 from kv_transfer import PeerInfo, TransferConfig, TransferState, make_connector
 
 log = logging.getLogger(__name__)
@@ -36,6 +37,7 @@ class DecodeWorker:
         self._streams: dict[str, queue.Queue] = {}
         self._landing: dict[str, int | None] = {}  # reserved request -> first token (None: not yet)
         self._started: dict[str, float] = {}  # request id -> when its first token arrived
+        self._reading: set[str] = set()  # requests whose stream a caller is reading
         self._owner = OwnerThread(self._work, name=f"engine-{worker_id}")  # last: it starts running
 
     # -- actor API (any thread) --------------------------------------------------------------------
@@ -47,6 +49,10 @@ class DecodeWorker:
 
     def peer_info(self) -> PeerInfo:
         return self.connector.local_info()
+
+    def info(self) -> dict:
+        """Static facts the router plans with: KV geometry, limits, vocabulary size."""
+        return self._owner.call(lambda: {"worker_id": self.worker_id, **self.engine.describe()})
 
     def reserve(self, request_id: str, prompt: list[int], sampling: SamplingParams, prefill_peer: PeerInfo) -> None:
         """Reserve blocks and post the receive. Raises CapacityError when full."""
@@ -74,13 +80,17 @@ class DecodeWorker:
         self._owner.call(do)
 
     def stream(self, request_id: str) -> Iterator[dict]:
-        """Yield {"token_ids", "finished", "finish_reason", "error"} as tokens are produced; on the remote
-        path the first item also has "transfer_s": how long the KV was still in flight after prefill."""
-        q = self._owner.call(lambda: self._streams[request_id])
+        """Yield {"token_ids", "text", "finished", "finish_reason", "error"} as tokens are produced; on the
+        remote path the first item also has "transfer_s": how long the KV was still in flight after prefill;
+        items from engine steps carry "cached_tokens" (prompt tokens served from the prefix cache)."""
+        def start() -> queue.Queue:
+            self._reading.add(request_id)
+            return self._streams[request_id]
+        q = self._owner.call(start)
         while True:
             item = q.get()
             if item["finished"]:
-                self._owner.call(lambda: self._streams.pop(request_id, None))
+                self._owner.call(lambda: self._forget_stream(request_id))
             yield item
             if item["finished"]:
                 return
@@ -93,8 +103,23 @@ class DecodeWorker:
             if found:
                 self.connector.abort(request_id)
                 self._emit(request_id, [], "abort", error="aborted")
+            if request_id not in self._reading:
+                self._streams.pop(request_id, None)  # nobody will read it
             return found
         return self._owner.call(do)
+
+    def transfer_state(self, request_id: str) -> int:
+        """The receive side's `TransferState` of a request (calibration probes)."""
+        return int(self._owner.call(lambda: self.connector.poll(request_id)))
+
+    def profile_prefill(self, lengths: list[int]) -> list[float]:
+        """Seconds of a prefill of each prompt length, on this worker's engine (call while idle)."""
+        return self._owner.call(lambda: [time_prefill(self.engine, n, seed=i) for i, n in enumerate(lengths)])
+
+    def profile_decode(self, batches: list[int], context: int, steps: int = 4) -> list[float]:
+        """Seconds of one decode step at each batch size, sequences of about `context` tokens (call while idle)."""
+        return self._owner.call(lambda: [time_decode_step(self.engine, b, context, steps, seed=i)
+                                         for i, b in enumerate(batches)])
 
     def load(self) -> dict:
         """Free KV blocks, total blocks, running and reserved sequences."""
@@ -115,7 +140,8 @@ class DecodeWorker:
         if not self.engine.has_unfinished():
             return False
         for out in self.engine.step():
-            self._emit(out.request_id, out.new_token_ids, out.finish_reason)
+            self._emit(out.request_id, out.new_token_ids, out.finish_reason, text=out.new_text,
+                       cached=out.num_cached_tokens)
         return True
 
     def _land(self) -> None:
@@ -126,20 +152,27 @@ class DecodeWorker:
                 # KV still in flight after the prefill worker returned: the transfer time TTFT pays
                 transfer_s = time.perf_counter() - self._started.pop(rid)
                 out = self.engine.activate(rid, first)
-                self._emit(rid, out.new_token_ids, out.finish_reason, transfer_s=transfer_s)
+                self._emit(rid, out.new_token_ids, out.finish_reason, text=out.new_text, transfer_s=transfer_s)
             elif state == TransferState.FAILED:
                 del self._landing[rid]
                 self._started.pop(rid, None)
                 self.engine.abort(rid)
                 self._emit(rid, [], "abort", error=f"KV transfer for {rid} failed")
 
-    def _emit(self, request_id: str, token_ids: list[int], finish_reason: str | None, error: str | None = None,
-              transfer_s: float | None = None) -> None:
+    def _forget_stream(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        self._reading.discard(request_id)
+
+    def _emit(self, request_id: str, token_ids: list[int], finish_reason: str | None, text: str = "",
+              error: str | None = None, transfer_s: float | None = None, cached: int | None = None) -> None:
         q = self._streams.get(request_id)
         if q is None:
             return
-        item = {"token_ids": list(token_ids), "finished": finish_reason is not None, "finish_reason": finish_reason,
-                "error": error}
+        item = {"token_ids": list(token_ids), "text": text, "finished": finish_reason is not None,
+                "finish_reason": finish_reason, "error": error}
         if transfer_s is not None:
             item["transfer_s"] = transfer_s
+        if cached is not None:
+            item["cached_tokens"] = cached
         q.put(item)
+

@@ -178,6 +178,14 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def describe(self) -> dict:
+        """Static facts a router plans with: KV geometry, limits, vocabulary size."""
+        layout = self.layout
+        return {"num_blocks": layout.num_blocks, "block_size": layout.block_size,
+                "kv_bytes_per_token": layout.bytes_per_block // layout.block_size, "num_layers": layout.num_layers,
+                "max_num_seqs": self.config.max_num_seqs, "max_model_len": self.max_model_len,
+                "vocab_size": self.vocab_size}
+
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule → run → postprocess. Returns one output per sequence in the batch."""

@@ -31,14 +31,23 @@ def load_model(model: str | Path | None, dtype: str,
         raise ModelError(f"could not load a causal LM from {path}: {e}. Pass --model PATH to a Hugging Face "
                          "causal-LM directory (config.json + *.safetensors), or re-fetch the default with "
                          "`pdserve model fetch --force`") from e
+    return hf_model.to(device).eval(), load_tokenizer(path)
+
+
+def load_tokenizer(model: str | Path | None) -> PreTrainedTokenizerBase | None:
+    """The tokenizer of a local model directory; None when it has no tokenizer files (token ids only).
+
+    Raises:
+        ModelError: the directory is missing, or its tokenizer files do not load.
+    """
+    path = resolve_model(model)
     if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        return hf_model.to(device).eval(), None  # token ids only (e.g. workers behind a tokenizing router)
+        return None
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, KeyError) as e:
         raise ModelError(f"could not load the tokenizer from {path}: {e}. The model directory needs its "
                          "tokenizer files (tokenizer.json / tokenizer_config.json)") from e
-    return hf_model.to(device).eval(), tokenizer
 
 
 def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> frozenset[int]:

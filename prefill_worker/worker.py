@@ -17,6 +17,7 @@ from concurrent.futures import Future
 
 from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.command_loop import OwnerThread
+from engine.profiling import time_prefill
 from engine.sequence import Sequence
 from kv_transfer import PeerInfo, TransferConfig, TransferState, make_connector
 
@@ -46,6 +47,35 @@ class PrefillWorker:
 
     def peer_info(self) -> PeerInfo:
         return self.connector.local_info()
+
+    def info(self) -> dict:
+        """Static facts the router plans with: KV geometry, limits, vocabulary size."""
+        return self._owner.call(lambda: {"worker_id": self.worker_id, **self.engine.describe()})
+
+    def profile_prefill(self, lengths: list[int]) -> list[float]:
+        """Seconds of a prefill of each prompt length, on this worker's engine (call while idle)."""
+        return self._owner.call(lambda: [time_prefill(self.engine, n, seed=i) for i, n in enumerate(lengths)])
+
+    def probe_transfer(self, request_id: str, prompt: list[int], decode_peer: PeerInfo, timeout_s: float = 30.0) -> float:
+        """Send the KV blocks of a `prompt`-sized reservation to `decode_peer` (which reserved the same
+        request id), every layer at once. Returns the seconds until the send side reports DONE.
+        The block contents are whatever the pool holds: this measures the link, not a request."""
+        def start() -> float:
+            blocks = self.engine.reserve(prompt, SamplingParams(max_tokens=1), request_id)
+            t0 = time.perf_counter()
+            for layer in range(self.engine.layout.num_layers):
+                self.connector.send(request_id, layer, blocks, decode_peer)
+            return t0
+        t0 = self._owner.call(start)
+        try:
+            deadline = t0 + timeout_s
+            while (state := self._owner.call(lambda: self.connector.poll(request_id))) < TransferState.DONE:
+                if state == TransferState.FAILED or time.perf_counter() > deadline:
+                    raise RuntimeError(f"transfer probe {request_id} to {decode_peer.worker_id} failed ({state.name})")
+                time.sleep(0.0005)
+            return time.perf_counter() - t0
+        finally:
+            self._owner.call(lambda: self.engine.abort(request_id))
 
     def prefill(self, request_id: str, prompt: list[int], sampling: SamplingParams, decode_peer: PeerInfo) -> dict:
         """Prefill `prompt`, stream its KV to `decode_peer`.
@@ -87,7 +117,9 @@ class PrefillWorker:
     # -- engine loop thread ------------------------------------------------------------------------
     def _ship_layer(self, layer: int, seqs: list[Sequence]) -> None:
         for seq in seqs:
-            self.connector.send(seq.request_id, layer, seq.block_table, self._peers[seq.request_id])
+            peer = self._peers.get(seq.request_id)
+            if peer is not None:  # calibration prompts have no destination
+                self.connector.send(seq.request_id, layer, seq.block_table, peer)
 
     def _work(self) -> bool:
         """One round: a prefill step of every queued prompt, then free what has been sent. Returns

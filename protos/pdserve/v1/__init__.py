@@ -1,0 +1,1 @@
+"""pdserve.v1: the gRPC generation API (pdserve.proto) and its generated stubs."""

@@ -1,0 +1,74 @@
+"""The router's own account of each worker's load, kept at every admission and completion.
+
+The router reserves, per decode worker, the KV blocks a request may need at worst (prompt +
+max_tokens), so a decode worker is never promised more than it holds: memory pressure makes
+requests wait at the router instead of stalling or preempting decode batches.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from router.policy import DecodeLoad, Placement, PoolState, PrefillLoad
+
+
+@dataclass
+class PrefillSlot:
+    worker_id: str
+    queued_tokens: int = 0  # prompt tokens sent to it and not yet prefilled
+    healthy: bool = True
+
+
+@dataclass
+class DecodeSlot:
+    worker_id: str
+    num_blocks: int
+    block_size: int
+    max_num_seqs: int
+    running: int = 0  # requests placed on it and not finished
+    reserved_blocks: int = 0  # worst-case KV blocks of those requests
+    queued_prefill_tokens: int = 0  # local prefills not yet done
+    healthy: bool = True
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+
+class PoolBook:
+    """Per-worker load as the router sees it. Args: prefill and decode slots, index-aligned with the pools."""
+
+    def __init__(self, prefill: list[PrefillSlot], decode: list[DecodeSlot]) -> None:
+        self.prefill = prefill
+        self.decode = decode
+
+    def state(self) -> PoolState:
+        """The policy's view; a decode worker at its sequence limit shows no free blocks."""
+        return PoolState(
+            prefill=tuple(PrefillLoad(p.worker_id, p.queued_tokens, p.healthy) for p in self.prefill),
+            decode=tuple(DecodeLoad(d.worker_id, d.running,
+                                    0 if d.running >= d.max_num_seqs else d.num_blocks - d.reserved_blocks,
+                                    d.block_size, d.queued_prefill_tokens, d.healthy) for d in self.decode))
+
+    def admit(self, placement: Placement, prompt_tokens: int, max_tokens: int) -> int:
+        """Book a placed request. Returns the blocks reserved on its decode worker."""
+        d = self.decode[placement.decode]
+        blocks = d.blocks_for(prompt_tokens + max_tokens)
+        d.running += 1
+        d.reserved_blocks += blocks
+        if placement.path == "remote":
+            self.prefill[placement.prefill].queued_tokens += prompt_tokens
+        else:
+            d.queued_prefill_tokens += prompt_tokens
+        return blocks
+
+    def prefilled(self, placement: Placement, prompt_tokens: int) -> None:
+        """The request's prefill is over (first token known, or it ended before)."""
+        if placement.path == "remote":
+            self.prefill[placement.prefill].queued_tokens -= prompt_tokens
+        else:
+            self.decode[placement.decode].queued_prefill_tokens -= prompt_tokens
+
+    def finished(self, placement: Placement, blocks: int) -> None:
+        d = self.decode[placement.decode]
+        d.running -= 1
+        d.reserved_blocks -= blocks
+        assert d.running >= 0 and d.reserved_blocks >= 0, d

@@ -1,0 +1,96 @@
+"""Measures the cost model on the actual workers at start-up, before serving.
+
+1. Prefill time by prompt length on a prefill worker, and on a decode worker (local prefill).
+2. Decode step time by batch size on a decode worker.
+3. KV transfer time by size between a prefill and a decode worker, over the configured backend.
+4. The extra round trips of the remote path (actor call latency).
+Each probe runs on an idle worker and leaves every block free. The first call of each kind is
+a warm-up and is not counted.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import statistics
+import time
+import uuid
+
+import ray
+
+from router.cost_model import CostModel, LinearFit
+from router.pools import Pools
+
+log = logging.getLogger(__name__)
+
+
+def _lengths(max_model_len: int, num_blocks: int, block_size: int) -> list[int]:
+    cap = min(max_model_len - 2, num_blocks * block_size // 2)
+    return sorted({max(1, min(n, cap)) for n in (16, 128, 512)})
+
+
+async def _prefill_fit(worker: ray.actor.ActorHandle, lengths: list[int]) -> LinearFit:
+    times = await worker.profile_prefill.remote([lengths[0]] + lengths)
+    return LinearFit.fit(lengths, times[1:])
+
+
+async def _transfer_fit(prefill: ray.actor.ActorHandle, decode: ray.actor.ActorHandle, pools: Pools,
+                        info: dict, lengths: list[int]) -> LinearFit:
+    sizes, times = [], []
+    for n in [lengths[0]] + lengths:
+        rid = f"calibrate-transfer-{uuid.uuid4().hex[:8]}"
+        prompt = [1] * n
+        await decode.reserve.remote(rid, prompt, _one_token(), pools.prefill_peers[0])
+        try:
+            seconds = await prefill.probe_transfer.remote(rid, prompt, pools.decode_peers[0])
+            while await decode.transfer_state.remote(rid) < 3:  # TransferState.DONE
+                await asyncio.sleep(0.001)
+        finally:
+            await decode.abort.remote(rid)
+        blocks = -(-n // info["block_size"])
+        sizes.append(blocks * info["block_size"] * info["kv_bytes_per_token"])
+        times.append(seconds)
+    return LinearFit.fit(sizes[1:], times[1:])
+
+
+def _one_token():  # noqa: ANN202
+    from engine import SamplingParams
+
+    return SamplingParams(max_tokens=1)
+
+
+async def _round_trip_s(worker: ray.actor.ActorHandle) -> float:
+    rtts = []
+    for _ in range(6):
+        t0 = time.perf_counter()
+        await worker.load.remote()
+        rtts.append(time.perf_counter() - t0)
+    return statistics.median(rtts[1:])
+
+
+async def calibrate(pools: Pools, info: dict) -> CostModel:
+    """Measure the cost model on pools' first prefill and first decode worker.
+
+    Args:
+        pools: live workers (at least one decode worker).
+        info: a decode worker's `info()` (KV geometry and limits).
+    Returns:
+        The fitted cost model. Without prefill workers, remote costs are copied from local ones.
+    """
+    t0 = time.perf_counter()
+    decode = pools.decode[0]
+    lengths = _lengths(info["max_model_len"], info["num_blocks"], info["block_size"])
+    local = await _prefill_fit(decode, lengths)
+    batches = sorted({b for b in (1, 4, 16, 32) if b <= info["max_num_seqs"]} | {1})
+    context = min(128, lengths[-1])
+    step_times = await decode.profile_decode.remote([batches[0]] + batches, context)
+    steps = tuple(zip(batches, step_times[1:]))
+    rtt = await _round_trip_s(decode)
+    if pools.prefill:
+        prefill = await _prefill_fit(pools.prefill[0], lengths)
+        transfer = await _transfer_fit(pools.prefill[0], decode, pools, info, lengths)
+    else:
+        prefill, transfer = local, LinearFit(0.0, 0.0)
+    cost = CostModel(prefill=prefill, local_prefill=local, decode_step=steps, transfer=transfer,
+                     kv_bytes_per_token=info["kv_bytes_per_token"], num_layers=info["num_layers"], hop_s=3 * rtt)
+    log.info("calibrated in %.1f s: %s", time.perf_counter() - t0, cost.to_dict())
+    return cost

@@ -1,0 +1,42 @@
+"""Frozen router configuration: placement policy, latency targets, admission limits."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from router.policy import POLICIES
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """How the router places and admits requests.
+
+    Args:
+        policy: "ratio" (default: cost model against the targets), "always_remote", "always_local",
+            "round_robin".
+        ttft_target_s: time-to-first-token target the ratio policy plans against, seconds.
+        tpot_target_s: time-per-output-token target, seconds.
+        max_queued: requests that may wait for a decode worker with room; beyond it requests get
+            "overloaded" (HTTP 429 / RESOURCE_EXHAUSTED).
+        queue_timeout_s: longest wait for room before "overloaded".
+        served_model_name: the model id clients use; None: the model directory's name.
+        load_poll_s: how often workers' load (KV blocks, batch) is read for gauges and health.
+    """
+
+    policy: str = "ratio"
+    ttft_target_s: float = 2.0
+    tpot_target_s: float = 0.15
+    max_queued: int = 256
+    queue_timeout_s: float = 30.0
+    served_model_name: str | None = None
+    load_poll_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        for name in ("ttft_target_s", "tpot_target_s", "queue_timeout_s", "load_poll_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
+        if not isinstance(self.max_queued, int) or self.max_queued < 0:
+            raise ValueError(f"max_queued must be an integer >= 0, got {self.max_queued!r}")
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ValueError("served_model_name must be a non-empty string or None")

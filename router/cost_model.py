@@ -1,0 +1,244 @@
+"""What a request will cost, for the placement policy: measured phase costs and expected output length.
+
+`CostModel`: prefill, decode step, KV transfer and extra round trips, calibrated at start-up (each pool
+times a few prompts, decode batches and transfers) and fitted here; nothing guessed; JSON round trip.
+`OutputLengthEstimator`: tightens max_tokens from the lengths of recent finished requests.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+def _check_nonneg(name: str, value: float) -> None:
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class LinearFit:
+    """seconds = fixed_s + per_unit_s * x, both coefficients >= 0.
+
+    Args:
+        fixed_s: seconds paid whatever x is.
+        per_unit_s: seconds per unit of x (token, byte).
+    """
+
+    fixed_s: float
+    per_unit_s: float
+
+    def __post_init__(self) -> None:
+        _check_nonneg("fixed_s", self.fixed_s)
+        _check_nonneg("per_unit_s", self.per_unit_s)
+
+    def __call__(self, x: float) -> float:
+        """Args: x: units (>= 0). Returns: seconds."""
+        return self.fixed_s + self.per_unit_s * x
+
+    @classmethod
+    def fit(cls, xs: Sequence[float], ys: Sequence[float]) -> LinearFit:
+        """Least-squares line through measurements, coefficients clamped at >= 0.
+
+        Args:
+            xs: units per measurement (>= 0).
+            ys: seconds per measurement (>= 0).
+        Returns:
+            The fit. One distinct x gives a line through the origin (fixed 0, slope mean(y)/x).
+        """
+        if len(xs) != len(ys):
+            raise ValueError(f"xs and ys must have the same length, got {len(xs)} and {len(ys)}")
+        if not xs:
+            raise ValueError("xs must hold at least one measurement")
+        for x, y in zip(xs, ys):
+            _check_nonneg("xs[i]", x)
+            _check_nonneg("ys[i]", y)
+        n = len(xs)
+        mx, my = sum(xs) / n, sum(ys) / n
+        sxx = sum((x - mx) ** 2 for x in xs)
+        if sxx == 0:  # one distinct x: all of it is per-unit cost
+            return cls(my, 0.0) if mx == 0 else cls(0.0, my / mx)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+        fixed = my - slope * mx
+        if slope < 0:  # best flat line
+            return cls(my, 0.0)
+        if fixed < 0:  # best line through the origin
+            return cls(0.0, sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs))
+        return cls(fixed, slope)
+
+    def to_dict(self) -> dict:
+        """Returns: {"fixed_s": ..., "per_unit_s": ...}."""
+        return {"fixed_s": self.fixed_s, "per_unit_s": self.per_unit_s}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> LinearFit:
+        """Args: d: as written by `to_dict`. Returns: the fit."""
+        return cls(float(_field(d, "fixed_s")), float(_field(d, "per_unit_s")))
+
+
+def _field(d: dict, name: str) -> object:
+    if not isinstance(d, dict) or name not in d:
+        raise ValueError(f"cost model dict is missing the field {name!r}")
+    return d[name]
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """What each phase costs on this deployment.
+
+    Args:
+        prefill: prefill seconds on a prefill worker vs prompt tokens.
+        local_prefill: prefill seconds on a decode worker (its own device) vs prompt tokens.
+        decode_step: (batch size, seconds per decode step), strictly increasing batch, >= 1 point.
+        transfer: seconds to move the KV of one request vs bytes.
+        kv_bytes_per_token: KV bytes of one token over all layers.
+        num_layers: model layers (KV ships layer by layer).
+        hop_s: extra round trips of the remote path (reserve + start), seconds.
+    """
+
+    prefill: LinearFit
+    local_prefill: LinearFit
+    decode_step: tuple[tuple[int, float], ...]
+    transfer: LinearFit
+    kv_bytes_per_token: int
+    num_layers: int
+    hop_s: float
+
+    def __post_init__(self) -> None:
+        for name in ("prefill", "local_prefill", "transfer"):
+            if not isinstance(getattr(self, name), LinearFit):
+                raise TypeError(f"{name} must be a LinearFit, got {type(getattr(self, name)).__name__}")
+        points = tuple((int(b), float(s)) for b, s in self.decode_step)
+        object.__setattr__(self, "decode_step", points)  # lists (JSON) -> tuples
+        if not points:
+            raise ValueError("decode_step must hold at least one (batch, seconds) point")
+        for i, (b, s) in enumerate(points):
+            if b < 1:
+                raise ValueError(f"decode_step batch sizes must be >= 1, got {b}")
+            if not (math.isfinite(s) and s > 0):
+                raise ValueError(f"decode_step seconds must be finite and > 0, got {s!r} at batch {b}")
+            if i and b <= points[i - 1][0]:
+                raise ValueError(f"decode_step must be sorted by strictly increasing batch, got {points}")
+        if self.kv_bytes_per_token < 1:
+            raise ValueError(f"kv_bytes_per_token must be >= 1, got {self.kv_bytes_per_token}")
+        if self.num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
+        _check_nonneg("hop_s", self.hop_s)
+
+    def prefill_s(self, tokens: int) -> float:
+        """Args: tokens: prompt tokens. Returns: prefill seconds on a prefill worker."""
+        return self.prefill(tokens)
+
+    def local_prefill_s(self, tokens: int) -> float:
+        """Args: tokens: prompt tokens. Returns: prefill seconds on a decode worker."""
+        return self.local_prefill(tokens)
+
+    def step_s(self, batch: int) -> float:
+        """Seconds per decode step, piecewise linear over `decode_step`.
+
+        Args:
+            batch: sequences in the step.
+        Returns:
+            Below the first point: its value; beyond the last: the last segment's slope (clamped
+            at >= 0, so noise never makes bigger batches cheaper), constant with one point.
+        """
+        pts = self.decode_step
+        if batch <= pts[0][0]:
+            return pts[0][1]
+        for (b0, s0), (b1, s1) in itertools.pairwise(pts):
+            if batch <= b1:
+                return s0 + (s1 - s0) * (batch - b0) / (b1 - b0)
+        if len(pts) == 1:
+            return pts[0][1]
+        (b0, s0), (b1, s1) = pts[-2], pts[-1]
+        return s1 + max(0.0, (s1 - s0) / (b1 - b0)) * (batch - b1)
+
+    def transfer_s(self, tokens: int) -> float:
+        """Args: tokens: tokens whose KV moves. Returns: seconds for the whole transfer."""
+        return self.transfer(tokens * self.kv_bytes_per_token)
+
+    def exposed_transfer_s(self, tokens: int) -> float:
+        """Transfer seconds TTFT still pays when KV ships layer by layer while later layers compute.
+
+        Args:
+            tokens: prompt tokens.
+        Returns:
+            max(transfer / num_layers, transfer - prefill * (num_layers - 1) / num_layers).
+        """
+        t, layers = self.transfer_s(tokens), self.num_layers
+        return max(t / layers, t - self.prefill_s(tokens) * (layers - 1) / layers)
+
+    def to_dict(self) -> dict:
+        """Returns: a JSON-serialisable dict; `from_dict` reads it back."""
+        return {
+            "prefill": self.prefill.to_dict(),
+            "local_prefill": self.local_prefill.to_dict(),
+            "decode_step": [[b, s] for b, s in self.decode_step],
+            "transfer": self.transfer.to_dict(),
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "num_layers": self.num_layers,
+            "hop_s": self.hop_s,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CostModel:
+        """Args: d: as written by `to_dict`. Returns: the cost model (validated)."""
+        steps = _field(d, "decode_step")
+        if not isinstance(steps, (list, tuple)) or not all(isinstance(p, (list, tuple)) and len(p) == 2
+                                                           for p in steps):
+            raise ValueError(f"decode_step must be a list of [batch, seconds] pairs, got {steps!r}")
+        return cls(
+            prefill=LinearFit.from_dict(_field(d, "prefill")),
+            local_prefill=LinearFit.from_dict(_field(d, "local_prefill")),
+            decode_step=tuple((int(b), float(s)) for b, s in steps),
+            transfer=LinearFit.from_dict(_field(d, "transfer")),
+            kv_bytes_per_token=int(_field(d, "kv_bytes_per_token")),
+            num_layers=int(_field(d, "num_layers")),
+            hop_s=float(_field(d, "hop_s")),
+        )
+
+
+class OutputLengthEstimator:
+    """Tightens max_tokens to an expected output length from recent finished requests.
+
+    Args:
+        min_samples: observations needed before estimating (>= 1); until then max_tokens.
+        alpha: EMA weight of the newest observation, in (0, 1].
+    """
+
+    def __init__(self, min_samples: int = 8, alpha: float = 0.1) -> None:
+        if min_samples < 1:
+            raise ValueError(f"min_samples must be >= 1, got {min_samples}")
+        if not 0 < alpha <= 1:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha!r}")
+        self.min_samples = min_samples
+        self.alpha = alpha
+        self.samples = 0
+        self.stop_ema: float | None = None  # output tokens of requests that stopped on their own
+        self.length_share: float | None = None  # EMA of "hit max_tokens"
+
+    def _ema(self, old: float | None, new: float) -> float:
+        return new if old is None else old + self.alpha * (new - old)
+
+    def observe(self, output_tokens: int, max_tokens: int, finish_reason: str) -> None:
+        """Args: output_tokens: tokens generated. max_tokens: the request's limit. finish_reason: "stop"
+        or "length" count; anything else (abort, error) says nothing about lengths and is ignored."""
+        if finish_reason not in ("stop", "length"):
+            return
+        self.samples += 1
+        hit = finish_reason == "length"
+        self.length_share = self._ema(self.length_share, float(hit))
+        if not hit:
+            self.stop_ema = self._ema(self.stop_ema, float(output_tokens))
+
+    def expected(self, max_tokens: int, ignore_eos: bool) -> int:
+        """Args: max_tokens: the request's limit (>= 1). ignore_eos: the request never stops early.
+        Returns: expected output tokens, in [1, max_tokens]."""
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if ignore_eos or self.samples < self.min_samples or self.stop_ema is None:
+            return max_tokens
+        if self.length_share is not None and self.length_share > 0.5:
+            return max_tokens
+        return min(max_tokens, max(1, round(self.stop_ema * 1.5)))

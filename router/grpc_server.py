@@ -1,0 +1,188 @@
+"""The gRPC API (protos/pdserve/v1/pdserve.proto) on grpc.aio, in front of a `RouterAPI`.
+
+Lifecycle of one Generate call:
+1. Translate the proto request into a `GenerateRequest`: the oneof `input` becomes the prompt or
+   chat messages, unset `sampling` fields take `SamplingParams`' defaults, empty strings mean unset.
+   `SamplingParams` validates on construction.
+2. `router.submit` validates, tokenizes and places it, or raises before anything runs.
+3. Relay each `Chunk` of the returned `RequestStream` as a `GenerateResponse` (request id on every
+   one; finish_reason, usage and timings on the last).
+4. Errors become status codes: invalid field → INVALID_ARGUMENT (message names the field), unknown
+   model → NOT_FOUND, overload → RESOURCE_EXHAUSTED (+ trailing `retry-after-s`), a failed request →
+   INTERNAL with its message (also mid-stream), anything else → INTERNAL "internal error (request id
+   ...)" with the traceback in the server log only.
+5. Always close the stream at the end: if the client cancelled or disconnected (the handler task is
+   cancelled), that aborts the request on the workers; after a normal end it is a no-op.
+
+The server also serves grpc.health.v1.Health (SERVING while `router.healthy()`, for "" and for the
+generation service) and server reflection listing both services.
+"""
+from __future__ import annotations
+
+import logging
+import uuid
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from engine.errors import CapacityError, InvalidRequestError
+from engine.sampling_params import SamplingParams
+from protos.pdserve.v1 import pdserve_pb2 as pb
+from protos.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from router.types import (
+    Chunk,
+    GenerateRequest,
+    ModelNotFoundError,
+    PhaseTimings,
+    RequestFailed,
+    RequestStream,
+    RouterAPI,
+    Usage,
+)
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
+# SamplingParams fields whose proto field is `optional`: unset takes the dataclass default.
+_OPTIONAL_SAMPLING = ("max_tokens", "temperature", "top_p", "seed")
+
+
+def to_generate_request(msg: pb.GenerateRequest) -> GenerateRequest:
+    """Args: the proto request. Returns: the router's request. Raises InvalidRequestError (names the field)."""
+    kind = msg.WhichOneof("input")
+    prompt: str | list[int] | None = None
+    messages: list[dict] | None = None
+    if kind == "text":
+        prompt = msg.text
+    elif kind == "token_ids":
+        prompt = list(msg.token_ids.ids)
+    elif kind == "chat":
+        messages = [{"role": m.role, "content": m.content} for m in msg.chat.messages]
+    else:
+        raise InvalidRequestError("input", "set exactly one of text, token_ids or chat")
+    return GenerateRequest(prompt=prompt, messages=messages, sampling=to_sampling_params(msg.sampling),
+                           request_id=msg.request_id or None, model=msg.model or None)
+
+
+def to_sampling_params(msg: pb.SamplingParams) -> SamplingParams:
+    """Args: the proto settings (unset optional fields → defaults). Returns: validated SamplingParams."""
+    optional = {name: getattr(msg, name) for name in _OPTIONAL_SAMPLING if msg.HasField(name)}
+    return SamplingParams(top_k=msg.top_k, stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
+                          ignore_eos=msg.ignore_eos, **optional)
+
+
+def to_response(request_id: str, chunk: Chunk) -> pb.GenerateResponse:
+    """Args: the request id and one chunk of its output. Returns: the proto response."""
+    response = pb.GenerateResponse(request_id=request_id, text=chunk.text, token_ids=chunk.token_ids,
+                                   finish_reason=chunk.finish_reason or "")
+    if chunk.usage is not None:
+        response.usage.CopyFrom(_usage(chunk.usage))
+    if chunk.timings is not None:
+        response.timings.CopyFrom(_timings(chunk.timings))
+    return response
+
+
+def _usage(usage: Usage) -> pb.Usage:
+    return pb.Usage(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+                    total_tokens=usage.total_tokens, cached_tokens=usage.cached_tokens)
+
+
+def _timings(t: PhaseTimings) -> pb.PhaseTimings:
+    return pb.PhaseTimings(path=t.path, prefill_worker=t.prefill_worker or "", decode_worker=t.decode_worker,
+                           queue_s=t.queue_s, prefill_s=t.prefill_s, transfer_s=t.transfer_s,
+                           decode_s=t.decode_s, ttft_s=t.ttft_s, e2e_s=t.e2e_s)
+
+
+def error_status(exc: Exception, request_id: str) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
+    """Args: an error raised while serving `request_id`. Returns: (status code, message, trailing metadata)."""
+    if isinstance(exc, ModelNotFoundError):
+        return grpc.StatusCode.NOT_FOUND, str(exc), ()
+    if isinstance(exc, InvalidRequestError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc), ()
+    if isinstance(exc, CapacityError):  # OverloadedError, or a bare CapacityError that got through
+        retry_after_s = getattr(exc, "retry_after_s", 1.0)
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), (("retry-after-s", f"{retry_after_s:g}"),)
+    if isinstance(exc, RequestFailed):
+        return grpc.StatusCode.INTERNAL, str(exc), ()
+    log.error("request %s: unexpected error", request_id, exc_info=exc)
+    return grpc.StatusCode.INTERNAL, f"internal error (request id {request_id})", ()
+
+
+class GenerationServicer(pb_grpc.GenerationServiceServicer):
+    """pdserve.v1.GenerationService over a RouterAPI."""
+
+    def __init__(self, router: RouterAPI) -> None:
+        self._router = router
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        # Writes with context.write (not a generator) so a cancellation always lands in this coroutine.
+        request_id = request.request_id or f"grpc-{uuid.uuid4().hex[:12]}"
+        stream: RequestStream | None = None
+        try:
+            stream = await self._router.submit(to_generate_request(request))
+            request_id = stream.request_id
+            async for chunk in stream:
+                await context.write(to_response(request_id, chunk))
+        except Exception as exc:  # noqa: BLE001 - every error gets a status; CancelledError only runs the finally
+            code, message, trailers = error_status(exc, request_id)
+            await context.abort(code, message, trailing_metadata=trailers)
+        finally:
+            if stream is not None:
+                await stream.aclose()
+
+    async def ListModels(self, request: pb.ListModelsRequest,
+                         context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
+        cards = [pb.ModelCard(id=c.id, created=c.created, owned_by=c.owned_by, max_model_len=c.max_model_len)
+                 for c in self._router.models()]
+        return pb.ListModelsResponse(models=cards)
+
+
+class RouterHealthServicer(health.aio.HealthServicer):
+    """grpc.health.v1.Health: SERVING for "" and the generation service while `router.healthy()`."""
+
+    def __init__(self, router: RouterAPI) -> None:
+        super().__init__()
+        self._router = router
+        self._server_status[SERVICE_NAME] = health_pb2.HealthCheckResponse.SERVING
+
+    async def Check(self, request: health_pb2.HealthCheckRequest,
+                    context: grpc.aio.ServicerContext) -> health_pb2.HealthCheckResponse:
+        await self.refresh()
+        return await super().Check(request, context)
+
+    async def refresh(self) -> None:
+        """Set both statuses from `router.healthy()` (also wakes Watch callers on a change)."""
+        healthy = self._router.healthy()
+        status = health_pb2.HealthCheckResponse.SERVING if healthy else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in (health.OVERALL_HEALTH, SERVICE_NAME):
+            if self._server_status.get(service) != status:
+                await self.set(service, status)
+
+
+async def start_grpc_server(router: RouterAPI, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+    """Start the gRPC API; stop it with `await server.stop(grace_s)`.
+
+    Args:
+        router: the router core the calls go to.
+        host: address to listen on ("0.0.0.0" for all IPv4 interfaces, "127.0.0.1" for local only).
+        port: TCP port; 0 picks a free one.
+    Returns:
+        (the started server, the port it is bound to).
+    """
+    server = grpc.aio.server()
+    pb_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(router), server)
+    health_servicer = RouterHealthServicer(router)
+    await health_servicer.refresh()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+    address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError as exc:  # grpc raises when the address is taken or invalid
+        raise OSError(f"gRPC server cannot listen on {address}: {exc}") from exc
+    if bound == 0:
+        raise OSError(f"gRPC server cannot listen on {address}")
+    await server.start()
+    log.info("gRPC API (%s) listening on %s", SERVICE_NAME, f"{host}:{bound}")
+    return server, bound

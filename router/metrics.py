@@ -1,0 +1,67 @@
+"""The router's Prometheus metrics, in a registry of their own (`pdserve_` prefix).
+
+Latencies are histograms in seconds; requests are counted by path and outcome, errors by kind,
+placement decisions by policy, path and reason; per-worker gauges are refreshed from the workers'
+load reports.
+"""
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0,
+            20.0, 40.0, 80.0)
+_TOKEN = (0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+
+
+class Metrics:
+    """Every metric the router exports. Args: registry (a fresh one by default)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry()
+        self.ttft = Histogram("pdserve_time_to_first_token_seconds", "Arrival to first token, at the router",
+                              ["path"], buckets=_LATENCY, registry=r)
+        self.itl = Histogram("pdserve_inter_token_latency_seconds", "Gap between consecutive tokens of a request",
+                             ["path"], buckets=_TOKEN, registry=r)
+        self.tpot = Histogram("pdserve_time_per_output_token_seconds",
+                              "(last token - first token) / (output tokens - 1), per request", ["path"],
+                              buckets=_TOKEN, registry=r)
+        self.e2e = Histogram("pdserve_e2e_request_latency_seconds", "Arrival to last token", ["path"],
+                             buckets=_LATENCY, registry=r)
+        self.queue = Histogram("pdserve_request_queue_seconds", "Arrival until a worker took the request",
+                               ["path"], buckets=_LATENCY, registry=r)
+        self.prefill = Histogram("pdserve_request_prefill_seconds", "Prompt pass until the first token",
+                                 ["path"], buckets=_LATENCY, registry=r)
+        self.transfer = Histogram("pdserve_request_transfer_seconds",
+                                  "KV still in flight after the prefill worker returned (remote path)",
+                                  buckets=_TOKEN, registry=r)
+        self.decode = Histogram("pdserve_request_decode_seconds", "First token to last", ["path"],
+                                buckets=_LATENCY, registry=r)
+        self.requests = Counter("pdserve_requests", "Requests that ended, by path and outcome "
+                                "(stop, length, cancelled, error)", ["path", "outcome"], registry=r)
+        self.errors = Counter("pdserve_request_errors", "Requests refused or failed, by kind", ["kind"],
+                              registry=r)
+        self.decisions = Counter("pdserve_placement_decisions", "Placement decisions by policy, path and reason",
+                                 ["policy", "path", "reason"], registry=r)
+        self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.output_tokens = Counter("pdserve_generation_tokens", "Tokens generated", registry=r)
+        self.in_flight = Gauge("pdserve_requests_in_flight", "Requests admitted and not finished", registry=r)
+        self.queued = Gauge("pdserve_requests_queued", "Requests waiting for a decode worker with room", registry=r)
+        self.kv_used = Gauge("pdserve_kv_blocks_used", "KV blocks in use, per worker", ["pool", "worker"], registry=r)
+        self.kv_total = Gauge("pdserve_kv_blocks_total", "KV blocks in the pool, per worker", ["pool", "worker"],
+                              registry=r)
+        self.running = Gauge("pdserve_running_sequences", "Sequences running or being received, per decode worker",
+                             ["worker"], registry=r)
+        self.prefill_queued = Gauge("pdserve_prefill_queued_tokens", "Prompt tokens waiting, per prefill worker",
+                                    ["worker"], registry=r)
+
+    def observe_worker(self, pool: str, worker: str, load: dict) -> None:
+        """Refresh one worker's gauges from its `load()` report."""
+        self.kv_total.labels(pool, worker).set(load["num_blocks"])
+        self.kv_used.labels(pool, worker).set(load["num_blocks"] - load["free_blocks"])
+        if pool == "decode":
+            self.running.labels(worker).set(load["running"] + load["receiving"])
+        else:
+            self.prefill_queued.labels(worker).set(load["queued_tokens"])
+
+    def exposition(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

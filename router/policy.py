@@ -1,0 +1,302 @@
+"""Placement: per request, remote prefill (prefill worker P, then decode worker D) or local prefill on D.
+
+The ratio policy (default) estimates both paths from the measured `CostModel`. Remote pays P's queue,
+the prefill, the transfer not hidden behind later layers and the extra round trips; local pays D's
+queued local prefills and the prefill, and stalls D's running batch for that prefill. Each option costs
+TTFT / TTFT target + decode slowdown + 1 per missed SLO (a lost request of goodput); the cheapest wins,
+ties go remote. So the switch point follows measured prefill, transfer and decode-step costs; no
+hard-coded thresholds. Only healthy workers, and decode workers with KV room for prompt + max_tokens.
+"""
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from router.cost_model import CostModel, OutputLengthEstimator
+
+__all__ = ["POLICIES", "AlwaysLocalPolicy", "AlwaysRemotePolicy", "CostModel", "DecodeLoad", "NoCapacity",
+           "OutputLengthEstimator", "Placement", "Policy", "PoolState", "PrefillLoad", "RatioPolicy",
+           "RequestFeatures", "RoundRobinPolicy", "make_policy"]
+
+POLICIES = ("ratio", "always_remote", "always_local", "round_robin")
+PATHS = ("remote", "local")
+
+
+@dataclass(frozen=True)
+class RequestFeatures:
+    """Args: prompt_tokens: >= 1. expected_output_tokens: 1..max_tokens (see `OutputLengthEstimator`).
+    max_tokens: worst-case output, for KV admission."""
+
+    prompt_tokens: int
+    expected_output_tokens: int
+    max_tokens: int
+
+    def __post_init__(self) -> None:
+        if self.prompt_tokens < 1:
+            raise ValueError(f"prompt_tokens must be >= 1, got {self.prompt_tokens}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not 1 <= self.expected_output_tokens <= self.max_tokens:
+            raise ValueError(f"expected_output_tokens must be in [1, max_tokens={self.max_tokens}], "
+                             f"got {self.expected_output_tokens}")
+
+
+@dataclass(frozen=True)
+class PrefillLoad:
+    """Args: worker_id: the worker. queued_tokens: prompt tokens waiting on it (>= 0). healthy: usable."""
+
+    worker_id: str
+    queued_tokens: int
+    healthy: bool = True
+
+    def __post_init__(self) -> None:
+        if self.queued_tokens < 0:
+            raise ValueError(f"queued_tokens must be >= 0, got {self.queued_tokens}")
+
+
+@dataclass(frozen=True)
+class DecodeLoad:
+    """Args: worker_id: the worker. running: sequences decoding or admitted on it. free_blocks: free KV blocks.
+    block_size: tokens per block. queued_prefill_tokens: local prefill tokens waiting on it. healthy: usable."""
+
+    worker_id: str
+    running: int
+    free_blocks: int
+    block_size: int
+    queued_prefill_tokens: int = 0
+    healthy: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("running", "free_blocks", "queued_prefill_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+
+    def has_room(self, request: RequestFeatures) -> bool:
+        """Returns: whether the KV blocks for prompt + max_tokens fit in `free_blocks`."""
+        return math.ceil((request.prompt_tokens + request.max_tokens) / self.block_size) <= self.free_blocks
+
+
+@dataclass(frozen=True)
+class PoolState:
+    """Args: prefill / decode: one load per worker (lists are stored as tuples)."""
+
+    prefill: tuple[PrefillLoad, ...]
+    decode: tuple[DecodeLoad, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prefill", tuple(self.prefill))
+        object.__setattr__(self, "decode", tuple(self.decode))
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Args: path: "remote" | "local". prefill: index into PoolState.prefill (None for local).
+    decode: index into PoolState.decode. reason: short label for metrics. est_ttft_s / est_tpot_s: the
+    cost model's estimates. detail: human-readable numbers for debug logs."""
+
+    path: str
+    prefill: int | None
+    decode: int
+    reason: str
+    est_ttft_s: float
+    est_tpot_s: float
+    detail: str = ""
+
+    def __post_init__(self) -> None:
+        if self.path not in PATHS:
+            raise ValueError(f"path must be one of {PATHS}, got {self.path!r}")
+        if (self.prefill is None) != (self.path == "local"):
+            raise ValueError(f"prefill must be None exactly for the local path, got {self.prefill!r} "
+                             f"for path {self.path!r}")
+        if self.decode < 0 or (self.prefill is not None and self.prefill < 0):
+            raise ValueError(f"prefill / decode must be indices >= 0, got {self.prefill!r} / {self.decode}")
+        if not self.reason:
+            raise ValueError("reason must be a non-empty label")
+
+
+class NoCapacity(Exception):
+    """No healthy decode worker has KV room for the request's prompt + max_tokens."""
+
+
+@dataclass(frozen=True)
+class _Option:
+    path: str
+    prefill: int | None
+    decode: int
+    ttft_s: float
+    tpot_s: float
+    slowdown: float
+    cost: float = 0.0
+
+    def describe(self) -> str:
+        return (f"{self.path} ttft={self.ttft_s:.4f}s tpot={self.tpot_s:.4f}s slowdown={self.slowdown:.4f} "
+                f"cost={self.cost:.4f}")
+
+
+def _remote(cost: CostModel, req: RequestFeatures, state: PoolState, p: int, d: int) -> _Option:
+    step = cost.step_s(state.decode[d].running + 1)
+    n = req.prompt_tokens
+    ttft = (state.prefill[p].queued_tokens * cost.prefill.per_unit_s + cost.prefill_s(n)
+            + cost.exposed_transfer_s(n) + cost.hop_s + step / 2)
+    return _Option("remote", p, d, ttft, step, 1.0)
+
+
+def _local(cost: CostModel, req: RequestFeatures, state: PoolState, d: int) -> _Option:
+    load = state.decode[d]
+    step = cost.step_s(load.running + 1)
+    queued = cost.local_prefill_s(load.queued_prefill_tokens) if load.queued_prefill_tokens else 0.0
+    own = cost.local_prefill_s(req.prompt_tokens)
+    ttft = queued + own + step / 2
+    # the prefill stalls D's batch (the r running + this request, standing for its co-arrivals),
+    # spread over this request's output
+    slowdown = 1.0 + (load.running + 1) * own / (req.expected_output_tokens * step)
+    return _Option("local", None, d, ttft, step * slowdown, slowdown)
+
+
+def _candidates(request: RequestFeatures, state: PoolState) -> tuple[list[int], list[int]]:
+    """Healthy prefill indices, healthy decode indices with room; NoCapacity when none of the latter."""
+    prefill = [i for i, p in enumerate(state.prefill) if p.healthy]
+    healthy = [i for i, d in enumerate(state.decode) if d.healthy]
+    decode = [i for i in healthy if state.decode[i].has_room(request)]
+    if not decode:
+        blocks = {state.decode[i].block_size for i in healthy}
+        raise NoCapacity(f"no healthy decode worker has KV room for prompt {request.prompt_tokens} + max_tokens "
+                         f"{request.max_tokens} tokens ({len(healthy)} healthy of {len(state.decode)}, "
+                         f"block sizes {sorted(blocks)}, free blocks "
+                         f"{[state.decode[i].free_blocks for i in healthy]})")
+    return prefill, decode
+
+
+def _least_prefill(state: PoolState, prefill: list[int]) -> int:
+    return min(prefill, key=lambda i: (state.prefill[i].queued_tokens, i))
+
+
+def _least_decode(state: PoolState, decode: list[int]) -> int:
+    return min(decode, key=lambda i: (state.decode[i].running, state.decode[i].queued_prefill_tokens,
+                                      -state.decode[i].free_blocks, i))
+
+
+class Policy(ABC):
+    """Chooses where a request's prefill and decode run."""
+
+    name: str
+
+    @abstractmethod
+    def place(self, request: RequestFeatures, state: PoolState) -> Placement:
+        """Args: request: the request's features. state: the pools' current load.
+        Returns: the placement. Raises: NoCapacity when no healthy decode worker has room."""
+
+
+class _FixedPolicy(Policy):
+    """Shared by the non-ratio policies: estimates from the cost model, no weighing."""
+
+    def __init__(self, cost: CostModel) -> None:
+        self.cost = cost
+
+    def _placement(self, request: RequestFeatures, state: PoolState, path: str, p: int | None, d: int,
+                   reason: str) -> Placement:
+        opt = _remote(self.cost, request, state, p, d) if p is not None else _local(self.cost, request, state, d)
+        assert opt.path == path
+        return Placement(path, p, d, reason, opt.ttft_s, opt.tpot_s, opt.describe())
+
+
+class AlwaysRemotePolicy(_FixedPolicy):
+    """Always disaggregated, least-loaded workers; local ("no_prefill_worker") when no prefill worker is healthy."""
+
+    name = "always_remote"
+
+    def place(self, request: RequestFeatures, state: PoolState) -> Placement:
+        prefill, decode = _candidates(request, state)
+        d = _least_decode(state, decode)
+        if not prefill:
+            return self._placement(request, state, "local", None, d, "no_prefill_worker")
+        return self._placement(request, state, "remote", _least_prefill(state, prefill), d, "always_remote")
+
+
+class AlwaysLocalPolicy(_FixedPolicy):
+    """Never disaggregated: the least-loaded decode worker prefills locally."""
+
+    name = "always_local"
+
+    def place(self, request: RequestFeatures, state: PoolState) -> Placement:
+        _, decode = _candidates(request, state)
+        return self._placement(request, state, "local", None, _least_decode(state, decode), "always_local")
+
+
+class RoundRobinPolicy(_FixedPolicy):
+    """Alternates remote / local and rotates through the eligible workers of each pool (a baseline)."""
+
+    name = "round_robin"
+
+    def __init__(self, cost: CostModel) -> None:
+        super().__init__(cost)
+        self._turn = self._next_p = self._next_d = 0
+
+    def place(self, request: RequestFeatures, state: PoolState) -> Placement:
+        prefill, decode = _candidates(request, state)
+        d = decode[self._next_d % len(decode)]
+        self._next_d += 1
+        remote, self._turn = self._turn % 2 == 0, self._turn + 1
+        if not prefill:
+            return self._placement(request, state, "local", None, d, "no_prefill_worker")
+        if not remote:
+            return self._placement(request, state, "local", None, d, "round_robin")
+        p = prefill[self._next_p % len(prefill)]
+        self._next_p += 1
+        return self._placement(request, state, "remote", p, d, "round_robin")
+
+
+class RatioPolicy(Policy):
+    """Cost-model placement (see the module docstring).
+
+    Args:
+        cost: the measured cost model.
+        ttft_target_s: time-to-first-token SLO, seconds (> 0).
+        tpot_target_s: time-per-output-token SLO, seconds (> 0).
+    """
+
+    name = "ratio"
+
+    def __init__(self, cost: CostModel, ttft_target_s: float = 2.0, tpot_target_s: float = 0.15) -> None:
+        for field, value in (("ttft_target_s", ttft_target_s), ("tpot_target_s", tpot_target_s)):
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{field} must be a finite number > 0, got {value!r}")
+        self.cost = cost
+        self.ttft_target_s = ttft_target_s
+        self.tpot_target_s = tpot_target_s
+
+    def _priced(self, opt: _Option) -> _Option:
+        cost = (opt.ttft_s / self.ttft_target_s + (opt.slowdown - 1.0)
+                + (opt.ttft_s > self.ttft_target_s) + (opt.tpot_s > self.tpot_target_s))
+        return _Option(opt.path, opt.prefill, opt.decode, opt.ttft_s, opt.tpot_s, opt.slowdown, float(cost))
+
+    def place(self, request: RequestFeatures, state: PoolState) -> Placement:
+        prefill, decode = _candidates(request, state)
+        options = [self._priced(_local(self.cost, request, state, d)) for d in decode]
+        if prefill:
+            # remote cost only grows with P's queue, so the least-queued P is best for every D
+            p = _least_prefill(state, prefill)
+            options += [self._priced(_remote(self.cost, request, state, p, d)) for d in decode]
+
+        def key(o: _Option) -> tuple:  # cheapest; ties: remote, then more free KV blocks, then lower index
+            return o.cost, o.path != "remote", -state.decode[o.decode].free_blocks, o.decode
+
+        best = min(options, key=key)
+        others = [o for o in options if o.path != best.path]
+        detail = best.describe() + (f" | best {min(others, key=key).describe()}" if others else "")
+        reason = f"cheapest_{best.path}" if prefill else "no_prefill_worker"
+        return Placement(best.path, best.prefill, best.decode, reason, best.ttft_s, best.tpot_s, detail)
+
+
+def make_policy(name: str, cost: CostModel, ttft_target_s: float = 2.0, tpot_target_s: float = 0.15) -> Policy:
+    """Args: name: one of POLICIES. cost: the measured cost model. ttft_target_s / tpot_target_s: SLOs (ratio).
+    Returns: the policy. Raises: ValueError for an unknown name, listing the allowed ones."""
+    if name == "ratio":
+        return RatioPolicy(cost, ttft_target_s, tpot_target_s)
+    fixed = {"always_remote": AlwaysRemotePolicy, "always_local": AlwaysLocalPolicy, "round_robin": RoundRobinPolicy}
+    if name not in fixed:
+        raise ValueError(f"unknown placement policy {name!r}; allowed: {', '.join(POLICIES)}")
+    return fixed[name](cost)

@@ -1,0 +1,220 @@
+"""The router core: validates, tokenizes and places requests, then runs them (`router/request.py`).
+
+Request lifecycle in `Router.submit`:
+1. Mint the request id; check the model name.
+2. Tokenize (the chat template for chat messages) and validate against the context length and
+   the decode workers' KV budget: errors name the field.
+3. Features: prompt tokens and expected output tokens (max_tokens, tightened by a running
+   estimate of real output lengths).
+4. The policy places it on the pools as the router's book sees them: remote prefill on P and
+   decode on D, or local prefill on D. No decode worker with room: wait (bounded) or "overloaded".
+5. Book the worst-case KV blocks on D, start the run, and return its stream.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from pathlib import Path
+
+import ray
+from transformers import PreTrainedTokenizerBase
+
+from engine.errors import InvalidRequestError
+from engine.model_loader import encode_prompt
+from engine.model_store import ModelError
+from router.book import DecodeSlot, PoolBook, PrefillSlot
+from router.config import RouterConfig
+from router.cost_model import CostModel
+from router.metrics import Metrics
+from router.policy import NoCapacity, OutputLengthEstimator, Placement, RequestFeatures, make_policy
+from router.pools import Pools
+from router.request import RouterStream
+from router.types import GenerateRequest, ModelCard, ModelNotFoundError, OverloadedError
+
+log = logging.getLogger(__name__)
+
+
+class Router:
+    """Implements `router.types.RouterAPI` over live pools. Create and use it inside one event loop.
+
+    Args:
+        pools: the workers; infos: each worker's `info()` (prefill first, then decode, index-aligned);
+        tokenizer: the model's tokenizer (None: token-id prompts only); model_dir: the served model;
+        config: router settings; cost: the calibrated cost model.
+    """
+
+    def __init__(self, pools: Pools, prefill_infos: list[dict], decode_infos: list[dict],
+                 tokenizer: PreTrainedTokenizerBase | None, model_dir: Path, config: RouterConfig,
+                 cost: CostModel, metrics: Metrics | None = None) -> None:
+        if not decode_infos:
+            raise ValueError("the router needs at least one decode worker")
+        self.pools, self.config, self.cost, self.tokenizer = pools, config, cost, tokenizer
+        self.metrics = metrics or Metrics()
+        self.model_name = config.served_model_name or Path(model_dir).name
+        self.max_model_len = min(i["max_model_len"] for i in prefill_infos + decode_infos)
+        self.vocab_size = decode_infos[0]["vocab_size"]
+        self._max_blocks = min(i["num_blocks"] for i in decode_infos)
+        self._prefill_max_blocks = min((i["num_blocks"] for i in prefill_infos), default=None)
+        self._block_size = decode_infos[0]["block_size"]
+        self.book = PoolBook([PrefillSlot(i["worker_id"]) for i in prefill_infos],
+                             [DecodeSlot(i["worker_id"], i["num_blocks"], i["block_size"], i["max_num_seqs"])
+                              for i in decode_infos])
+        self.policy = make_policy(config.policy, cost, config.ttft_target_s, config.tpot_target_s)
+        self.estimator = OutputLengthEstimator()
+        self._room = asyncio.Condition()
+        self._waiting = 0
+        self._created = int(time.time())
+        self._poller: asyncio.Task | None = None
+
+    # -- RouterAPI ---------------------------------------------------------------------------------
+    async def submit(self, request: GenerateRequest) -> RouterStream:
+        arrival = time.perf_counter()
+        try:
+            return await self._submit(request, arrival)
+        except ModelNotFoundError:
+            self.metrics.errors.labels("model_not_found").inc()
+            raise
+        except InvalidRequestError:
+            self.metrics.errors.labels("invalid_request").inc()
+            raise
+        except OverloadedError:
+            self.metrics.errors.labels("overloaded").inc()
+            raise
+
+    def models(self) -> list[ModelCard]:
+        return [ModelCard(self.model_name, self._created, "pdserve", self.max_model_len)]
+
+    def healthy(self) -> bool:
+        return any(d.healthy for d in self.book.decode)
+
+    def metrics_text(self) -> tuple[bytes, str]:
+        return self.metrics.exposition()
+
+    # -- steps -------------------------------------------------------------------------------------
+    async def _submit(self, request: GenerateRequest, arrival: float) -> RouterStream:
+        rid = f"{request.request_id or 'req'}-{uuid.uuid4().hex[:12]}"
+        if request.model is not None and request.model != self.model_name:
+            raise ModelNotFoundError(request.model, self.model_name)
+        prompt = self._tokenize(request)
+        sp = request.sampling
+        self._validate(prompt, sp.max_tokens, "messages" if request.messages is not None else "prompt")
+        features = RequestFeatures(len(prompt), self.estimator.expected(sp.max_tokens, sp.ignore_eos), sp.max_tokens)
+        placement = await self._place(features)
+        log.debug("%s: %s on %s (%s) %s", rid, placement.path, placement.decode, placement.reason, placement.detail)
+        self.metrics.decisions.labels(self.policy.name, placement.path, placement.reason).inc()
+        self.metrics.prompt_tokens.inc(len(prompt))
+        blocks = self.book.admit(placement, len(prompt), sp.max_tokens)
+        self.metrics.in_flight.inc()
+
+        def prefilled() -> None:
+            self.book.prefilled(placement, len(prompt))
+
+        def done(output_tokens: int, outcome: str) -> None:
+            self.book.finished(placement, blocks)
+            self.metrics.in_flight.dec()
+            if outcome in ("stop", "length"):
+                self.estimator.observe(output_tokens, sp.max_tokens, outcome)
+            asyncio.get_running_loop().create_task(self._notify_room())
+
+        return RouterStream(rid, self.pools, placement, prompt, sp, arrival, self.metrics, prefilled, done)
+
+    def _tokenize(self, request: GenerateRequest) -> list[int]:
+        if (request.prompt is None) == (request.messages is None):
+            raise InvalidRequestError("prompt", "give exactly one of prompt (text or token ids) or messages")
+        if isinstance(request.prompt, list):
+            return list(request.prompt)
+        if self.tokenizer is None:
+            field = "prompt" if request.messages is None else "messages"
+            raise InvalidRequestError(field, "this model has no tokenizer; send the prompt as token ids")
+        try:
+            if request.messages is not None:
+                return encode_prompt(self.tokenizer, request.messages, chat=True)
+            return encode_prompt(self.tokenizer, request.prompt, chat=False)
+        except ModelError as e:  # no chat template
+            raise InvalidRequestError("messages", str(e)) from None
+        except Exception as e:  # the template rejected the messages (roles, content shape)
+            raise InvalidRequestError("messages", f"the chat template could not render them: {e}") from None
+
+    def _validate(self, prompt: list[int], max_tokens: int, field: str) -> None:
+        n, limit = len(prompt), self.max_model_len
+        if not n:
+            raise InvalidRequestError(field, "must not be empty")
+        bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(field, f"token id {bad} is outside [0, {self.vocab_size})")
+        if n >= limit:
+            raise InvalidRequestError(field, f"has {n} tokens; this model's context allows at most {limit - 1} "
+                                             f"prompt tokens (max_model_len={limit})")
+        if n + max_tokens > limit:
+            raise InvalidRequestError("max_tokens", f"must be <= {limit - n} for this {n}-token prompt: prompt + "
+                                                    f"max_tokens must fit the context of {limit} tokens")
+        need = -(-(n + max_tokens) // self._block_size)
+        if need > self._max_blocks:
+            raise InvalidRequestError("max_tokens", f"prompt ({n} tokens) + max_tokens ({max_tokens}) needs "
+                                                    f"{need} KV blocks; a decode worker holds {self._max_blocks}")
+
+    async def _place(self, features: RequestFeatures) -> Placement:
+        """The policy's placement; waits (bounded) while no decode worker has room."""
+        deadline = time.monotonic() + self.config.queue_timeout_s
+        while True:
+            try:
+                placement = self.policy.place(features, self.book.state())
+            except NoCapacity:
+                placement = None
+            if placement is not None:
+                if placement.path == "remote" and self._prefill_max_blocks is not None and \
+                        -(-features.prompt_tokens // self._block_size) > self._prefill_max_blocks:
+                    raise InvalidRequestError("prompt", "is longer than a prefill worker's KV budget holds")
+                return placement
+            if self._waiting >= self.config.max_queued:
+                raise OverloadedError(f"every decode worker is full and {self._waiting} requests are already "
+                                      "waiting; retry later", retry_after_s=1.0)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise OverloadedError(f"no decode worker had room within {self.config.queue_timeout_s:.0f} s; "
+                                      "retry later", retry_after_s=2.0)
+            self._waiting += 1
+            self.metrics.queued.set(self._waiting)
+            try:
+                async with self._room:
+                    await asyncio.wait_for(self._room.wait(), timeout=left)
+            except TimeoutError:
+                pass
+            finally:
+                self._waiting -= 1
+                self.metrics.queued.set(self._waiting)
+
+    async def _notify_room(self) -> None:
+        async with self._room:
+            self._room.notify_all()
+
+    # -- worker load -------------------------------------------------------------------------------
+    def start_polling(self) -> None:
+        """Refresh per-worker gauges and health every `load_poll_s` (call inside the serving loop)."""
+        self._poller = asyncio.get_running_loop().create_task(self._poll_loop())
+
+    async def stop_polling(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            await asyncio.gather(self._poller, return_exceptions=True)
+
+    async def poll_once(self) -> None:
+        workers = [("prefill", w, s) for w, s in zip(self.pools.prefill, self.book.prefill)] + \
+                  [("decode", w, s) for w, s in zip(self.pools.decode, self.book.decode)]
+        for pool, actor, slot in workers:
+            try:
+                load = await asyncio.wait_for(actor.load.remote(), timeout=max(5.0, self.config.load_poll_s))
+            except (asyncio.TimeoutError, ray.exceptions.RayError) as e:
+                if slot.healthy:
+                    log.warning("%s worker %s failed its health check: %r", pool, slot.worker_id, e)
+                slot.healthy = False
+                continue
+            slot.healthy = True
+            self.metrics.observe_worker(pool, slot.worker_id, load)
+
+    async def _poll_loop(self) -> None:
+        while True:
+            await self.poll_once()
+            await asyncio.sleep(self.config.load_poll_s)

@@ -1,0 +1,142 @@
+"""What the API servers (HTTP, gRPC) and the router core exchange: requests, stream chunks, errors.
+
+The servers translate their wire format into a `GenerateRequest`, call `Router.submit`, which
+validates and places the request (raising one of the errors below before anything streams), then
+relay the `Chunk`s of the returned `RequestStream`. Closing the stream early aborts the request.
+"""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from engine.errors import CapacityError, InvalidRequestError
+from engine.sampling_params import SamplingParams
+
+
+class ModelNotFoundError(InvalidRequestError):
+    """The request names a model this server does not serve (HTTP 404, gRPC NOT_FOUND)."""
+
+    def __init__(self, model: str, served: str) -> None:
+        super().__init__("model", f"the model {model!r} does not exist here; this server serves {served!r}")
+
+
+class OverloadedError(CapacityError):
+    """No worker can take the request now (HTTP 429, gRPC RESOURCE_EXHAUSTED). `retry_after_s`: a hint."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class RequestFailed(RuntimeError):
+    """A request ended with an error on a worker (e.g. a lost KV transfer). The message is safe to show."""
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One generation request, whichever API it came through.
+
+    Args:
+        prompt: text (tokenized as is) or token ids. Exactly one of prompt / messages.
+        messages: chat messages [{"role": ..., "content": ...}], rendered with the model's chat template.
+        sampling: sampling and stop settings (already validated on construction).
+        request_id: the client's id for logs; the router mints its own when None.
+        model: the model the client asked for; None means the served one.
+    """
+
+    prompt: str | list[int] | None = None
+    messages: list[dict] | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    request_id: str | None = None
+    model: str | None = None
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass
+class PhaseTimings:
+    """Where one request's time went, in seconds, measured by the router (prefill_s / transfer_s by workers).
+
+    path: "remote" (prefill worker + KV transfer) or "local" (prefill on the decode worker).
+    queue_s: from arrival until a worker started on it; prefill_s: prompt pass until the first token;
+    transfer_s: KV still in flight after prefill (remote only); decode_s: first token to last;
+    ttft_s: arrival to first token at the router; e2e_s: arrival to the last token.
+    """
+
+    path: str
+    prefill_worker: str | None
+    decode_worker: str
+    queue_s: float = 0.0
+    prefill_s: float = 0.0
+    transfer_s: float = 0.0
+    decode_s: float = 0.0
+    ttft_s: float = 0.0
+    e2e_s: float = 0.0
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class Chunk:
+    """A piece of a request's output.
+
+    text: new text (text that may still turn into a stop string is held back until it cannot);
+    token_ids: new token ids; finish_reason: None until the last chunk, then "stop", "length" or
+    "abort"; usage and timings: set on the last chunk only.
+    """
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    timings: PhaseTimings | None = None
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    id: str
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class RequestStream(Protocol):
+    """An admitted request's output. Iterate for chunks; `aclose()` before the end aborts it everywhere."""
+
+    request_id: str
+    prompt_tokens: int
+
+    def __aiter__(self) -> AsyncIterator[Chunk]: ...
+
+    async def aclose(self) -> None: ...
+
+
+class RouterAPI(Protocol):
+    """What the HTTP and gRPC servers need from the router."""
+
+    model_name: str
+    max_model_len: int
+
+    async def submit(self, request: GenerateRequest) -> RequestStream:
+        """Validate, tokenize and place a request. Raises InvalidRequestError (names the field),
+        ModelNotFoundError or OverloadedError before anything runs."""
+        ...
+
+    def models(self) -> list[ModelCard]: ...
+
+    def healthy(self) -> bool: ...
+
+    def metrics_text(self) -> tuple[bytes, str]:
+        """Prometheus exposition: (body, content type)."""
+        ...

@@ -1,0 +1,309 @@
+"""Placement policy and cost model: pure, on made-up but realistic costs (2-core CPU, 135M model)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from router.cost_model import CostModel, LinearFit, OutputLengthEstimator
+from router.policy import (
+    POLICIES,
+    AlwaysLocalPolicy,
+    AlwaysRemotePolicy,
+    DecodeLoad,
+    NoCapacity,
+    Placement,
+    PoolState,
+    PrefillLoad,
+    RatioPolicy,
+    RequestFeatures,
+    RoundRobinPolicy,
+    make_policy,
+)
+
+KV_BYTES = 23040  # per token, all layers
+
+
+def measured_cost(bandwidth: float = 200e6, step_scale: float = 1.0) -> CostModel:
+    """Fit a cost model from 'measurements' the way start-up calibration would."""
+    tokens = [16, 128, 512, 2048]
+    prefill = LinearFit.fit(tokens, [0.005 + 0.0025 * t for t in tokens])
+    nbytes = [1e5, 1e6, 1e7, 5e7]
+    transfer = LinearFit.fit(nbytes, [0.002 + b / bandwidth for b in nbytes])
+    steps = ((1, 0.050 * step_scale), (8, 0.060 * step_scale), (32, 0.090 * step_scale))
+    return CostModel(prefill=prefill, local_prefill=prefill, decode_step=steps, transfer=transfer,
+                     kv_bytes_per_token=KV_BYTES, num_layers=30, hop_s=0.01)
+
+
+COST = measured_cost()
+
+
+def req(prompt: int, out: int, max_tokens: int | None = None) -> RequestFeatures:
+    return RequestFeatures(prompt, out, max_tokens if max_tokens is not None else out)
+
+
+def dec(running: int = 0, free: int = 10_000, wid: str = "d", **kw) -> DecodeLoad:
+    return DecodeLoad(wid, running=running, free_blocks=free, block_size=16, **kw)
+
+
+def pools(prefill: list[PrefillLoad] | None = None, decode: list[DecodeLoad] | None = None) -> PoolState:
+    return PoolState(tuple(prefill if prefill is not None else [PrefillLoad("p", 0)]),
+                     tuple(decode if decode is not None else [dec()]))
+
+
+def switch_point(policy: RatioPolicy, out: int, running: int = 0, limit: int = 4000) -> int | None:
+    """Smallest prompt length that goes remote for this output length (linear scan)."""
+    state = pools(decode=[dec(running)])
+    return next((n for n in range(1, limit) if policy.place(req(n, out), state).path == "remote"), None)
+
+
+# --- ratio policy: the decision ---
+
+@pytest.mark.parametrize("running", [0, 3, 12])
+def test_long_prompt_short_output_goes_remote(running: int) -> None:
+    pl = RatioPolicy(COST).place(req(2000, 20), pools(decode=[dec(running)]))
+    assert (pl.path, pl.prefill, pl.decode, pl.reason) == ("remote", 0, 0, "cheapest_remote")
+    assert "local" in pl.detail  # the losing path is reported too
+    assert pl.est_tpot_s == pytest.approx(COST.step_s(running + 1))
+
+
+@pytest.mark.parametrize("running", [0, 1])
+def test_short_prompt_long_output_goes_local(running: int) -> None:
+    pl = RatioPolicy(COST).place(req(20, 500), pools(decode=[dec(running)]))
+    assert (pl.path, pl.prefill, pl.decode, pl.reason) == ("local", None, 0, "cheapest_local")
+    assert pl.est_ttft_s < RatioPolicy(COST).place(req(2000, 500), pools(decode=[dec(running)])).est_ttft_s
+
+
+def test_busy_decode_batch_pushes_short_prompt_remote() -> None:
+    # the local stall is charged to every running sequence, so a bigger batch makes local dearer
+    policy = RatioPolicy(COST)
+    assert policy.place(req(20, 500), pools(decode=[dec(0)])).path == "local"
+    assert policy.place(req(20, 500), pools(decode=[dec(16)])).path == "remote"
+    assert switch_point(policy, 500, running=4) < switch_point(policy, 500, running=0)
+
+
+def test_switch_point_follows_transfer_bandwidth() -> None:
+    fast = switch_point(RatioPolicy(measured_cost(bandwidth=200e6)), 500)
+    slow = switch_point(RatioPolicy(measured_cost(bandwidth=10e6)), 500)
+    assert fast is not None and slow is not None
+    assert 1 < fast < slow < 4000
+
+
+def test_switch_point_follows_decode_step_cost() -> None:
+    base = switch_point(RatioPolicy(COST), 500)
+    slow_steps = switch_point(RatioPolicy(measured_cost(step_scale=2.0)), 500)
+    fast_steps = switch_point(RatioPolicy(measured_cost(step_scale=0.5)), 500)
+    assert None not in (base, slow_steps, fast_steps)
+    assert fast_steps < base < slow_steps  # slower steps hide a local prefill's stall better
+
+
+def test_switch_point_follows_output_length() -> None:
+    policy = RatioPolicy(COST)
+    assert switch_point(policy, 100) < switch_point(policy, 500) < switch_point(policy, 2000)
+
+
+def test_ratio_estimates_follow_the_documented_formula() -> None:
+    state = pools([PrefillLoad("p", 3000)], [dec(5, queued_prefill_tokens=64)])
+    n, out = 1000, 50
+    step = COST.step_s(6)
+    pl = make_policy("always_remote", COST).place(req(n, out), state)
+    assert pl.est_ttft_s == pytest.approx(3000 * COST.prefill.per_unit_s + COST.prefill_s(n)
+                                          + COST.exposed_transfer_s(n) + COST.hop_s + step / 2)
+    assert pl.est_tpot_s == pytest.approx(step)
+    pl = make_policy("always_local", COST).place(req(n, out), state)
+    assert pl.est_ttft_s == pytest.approx(COST.local_prefill_s(64) + COST.local_prefill_s(n) + step / 2)
+    assert pl.est_tpot_s == pytest.approx(step * (1 + 6 * COST.local_prefill_s(n) / (out * step)))
+
+
+# --- load, room, health ---
+
+def test_loaded_prefill_worker_is_avoided() -> None:
+    state = pools([PrefillLoad("busy", 20_000), PrefillLoad("idle", 100)])
+    for name in ("ratio", "always_remote"):
+        pl = make_policy(name, COST).place(req(2000, 20), state)
+        assert (pl.path, pl.prefill) == ("remote", 1), name
+
+
+def test_loaded_decode_worker_is_avoided() -> None:
+    state = pools(decode=[dec(30, wid="busy"), dec(1, wid="light")])
+    for name in ("ratio", "always_remote", "always_local"):
+        for r in (req(2000, 20), req(20, 500)):
+            assert make_policy(name, COST).place(r, state).decode == 1, (name, r)
+    # same batch: the one with more free blocks
+    state = pools(decode=[dec(2, free=200), dec(2, free=5000)])
+    assert RatioPolicy(COST).place(req(2000, 20), state).decode == 1
+
+
+def test_decode_worker_without_room_is_never_chosen() -> None:
+    # prompt 1000 + max_tokens 600 = 1600 tokens = 100 blocks of 16; worker 0 is idle but has 99
+    state = pools(decode=[dec(0, free=99), dec(25, free=100)])
+    for name in POLICIES:
+        policy = make_policy(name, COST)
+        for _ in range(3):
+            assert policy.place(req(1000, 20, max_tokens=600), state).decode == 1, name
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_all_full_raises_no_capacity(name: str) -> None:
+    state = pools(decode=[dec(0, free=10), dec(0, free=99)])
+    with pytest.raises(NoCapacity, match="max_tokens 600"):
+        make_policy(name, COST).place(req(1000, 20, max_tokens=600), state)
+    with pytest.raises(NoCapacity):
+        make_policy(name, COST).place(req(20, 20), pools(decode=[]))
+
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_unhealthy_workers_are_skipped(name: str) -> None:
+    state = pools([PrefillLoad("down", 0, healthy=False), PrefillLoad("up", 50_000)],
+                  [dec(0, wid="down", healthy=False), dec(20, wid="up")])
+    policy = make_policy(name, COST)
+    for r in (req(2000, 20), req(20, 500), req(300, 100)):
+        pl = policy.place(r, state)
+        assert pl.decode == 1 and pl.prefill in (None, 1), (name, pl)
+    with pytest.raises(NoCapacity):
+        policy.place(req(20, 20), pools(decode=[dec(0, healthy=False)]))
+
+
+@pytest.mark.parametrize("prefill", [[], [PrefillLoad("p", 0, healthy=False)]])
+def test_no_prefill_worker_falls_back_to_local(prefill: list[PrefillLoad]) -> None:
+    state = pools(prefill, [dec()])
+    for name in ("always_remote", "ratio"):
+        pl = make_policy(name, COST).place(req(2000, 20), state)
+        assert (pl.path, pl.prefill, pl.reason) == ("local", None, "no_prefill_worker"), name
+
+
+def test_round_robin_alternates_paths_and_rotates_workers() -> None:
+    state = pools([PrefillLoad("p0", 0), PrefillLoad("p1", 0)], [dec(wid="d0"), dec(wid="d1"), dec(wid="d2")])
+    policy = RoundRobinPolicy(COST)
+    got = [policy.place(req(100, 100), state) for _ in range(6)]
+    assert [p.path for p in got] == ["remote", "local"] * 3
+    assert [p.decode for p in got] == [0, 1, 2, 0, 1, 2]
+    assert [p.prefill for p in got if p.path == "remote"] == [0, 1, 0]
+    assert {p.reason for p in got} == {"round_robin"}
+    assert all(p.est_ttft_s > 0 and p.est_tpot_s > 0 for p in got)
+
+
+def test_make_policy() -> None:
+    assert POLICIES == ("ratio", "always_remote", "always_local", "round_robin")
+    kinds = (RatioPolicy, AlwaysRemotePolicy, AlwaysLocalPolicy, RoundRobinPolicy)
+    for name, kind in zip(POLICIES, kinds, strict=True):
+        policy = make_policy(name, COST)
+        assert isinstance(policy, kind) and policy.name == name
+    ratio = make_policy("ratio", COST, ttft_target_s=0.5, tpot_target_s=0.1)
+    assert (ratio.ttft_target_s, ratio.tpot_target_s) == (0.5, 0.1)
+    with pytest.raises(ValueError) as err:
+        make_policy("fastest", COST)
+    assert "fastest" in str(err.value) and all(n in str(err.value) for n in POLICIES)
+    with pytest.raises(ValueError, match="ttft_target_s"):
+        RatioPolicy(COST, ttft_target_s=0)
+
+
+def test_invalid_inputs_name_the_field() -> None:
+    for args, field in (((0, 1, 1), "prompt_tokens"), ((1, 5, 4), "expected_output_tokens"), ((1, 1, 0), "max_tokens")):
+        with pytest.raises(ValueError, match=field):
+            RequestFeatures(*args)
+    with pytest.raises(ValueError, match="block_size"):
+        DecodeLoad("d", 0, 10, 0)
+    with pytest.raises(ValueError, match="queued_tokens"):
+        PrefillLoad("p", -1)
+    with pytest.raises(ValueError, match="path"):
+        Placement("both", None, 0, "x", 0.0, 0.0)
+    with pytest.raises(ValueError, match="prefill"):
+        Placement("remote", None, 0, "x", 0.0, 0.0)
+    with pytest.raises(ValueError, match="decode_step"):
+        CostModel(COST.prefill, COST.prefill, ((8, 0.06), (1, 0.05)), COST.transfer, KV_BYTES, 30, 0.01)
+    with pytest.raises(ValueError, match="num_layers"):
+        CostModel(COST.prefill, COST.prefill, ((1, 0.05),), COST.transfer, KV_BYTES, 0, 0.01)
+    with pytest.raises(ValueError, match="per_unit_s"):
+        LinearFit(0.0, -1.0)
+
+
+# --- cost model ---
+
+def test_linear_fit_recovers_a_known_line() -> None:
+    fit = LinearFit.fit([10, 100, 1000, 5000], [0.005 + 0.0025 * x for x in (10, 100, 1000, 5000)])
+    assert fit.fixed_s == pytest.approx(0.005) and fit.per_unit_s == pytest.approx(0.0025)
+    assert fit(400) == pytest.approx(1.005)
+    assert COST.transfer.per_unit_s == pytest.approx(1 / 200e6) and COST.transfer.fixed_s == pytest.approx(0.002)
+
+
+def test_linear_fit_clamps_and_handles_one_point() -> None:
+    assert LinearFit.fit([100], [0.5]) == LinearFit(0.0, 0.005)
+    through_origin = LinearFit.fit([1, 2, 3], [0.0, 0.5, 1.0])  # unconstrained intercept would be -0.5
+    assert through_origin.fixed_s == 0 and through_origin.per_unit_s > 0
+    flat = LinearFit.fit([1, 2, 3], [0.3, 0.2, 0.1])  # unconstrained slope would be negative
+    assert flat.fixed_s == pytest.approx(0.2) and flat.per_unit_s == 0
+    with pytest.raises(ValueError, match="same length"):
+        LinearFit.fit([1, 2], [1.0])
+    with pytest.raises(ValueError, match="at least one"):
+        LinearFit.fit([], [])
+
+
+def test_step_s_interpolates_and_extrapolates() -> None:
+    assert COST.step_s(1) == pytest.approx(0.05)
+    assert COST.step_s(8) == pytest.approx(0.06)
+    assert COST.step_s(20) == pytest.approx(0.075)  # halfway between 8 and 32
+    assert COST.step_s(56) == pytest.approx(0.12)  # last slope 0.03 / 24 per sequence
+    below = CostModel(COST.prefill, COST.prefill, ((4, 0.05), (8, 0.06)), COST.transfer, KV_BYTES, 30, 0.0)
+    assert below.step_s(1) == pytest.approx(0.05)
+    one = CostModel(COST.prefill, COST.prefill, ((1, 0.05),), COST.transfer, KV_BYTES, 30, 0.0)
+    assert one.step_s(1) == one.step_s(64) == pytest.approx(0.05)
+
+
+@pytest.mark.parametrize("bandwidth", [200e6, 10e6, 1e6])
+def test_exposed_transfer_is_between_one_layer_and_all(bandwidth: float) -> None:
+    cost = measured_cost(bandwidth=bandwidth)
+    for n in (1, 20, 500, 4000):
+        full = cost.transfer_s(n)
+        assert full == pytest.approx(0.002 + n * KV_BYTES / bandwidth)
+        assert full / 30 - 1e-12 <= cost.exposed_transfer_s(n) <= full
+    # fast link: hidden behind the prefill but for the last layer; very slow link: mostly exposed
+    assert measured_cost(bandwidth=200e6).exposed_transfer_s(2000) == pytest.approx(COST.transfer_s(2000) / 30)
+    slow = measured_cost(bandwidth=1e6)
+    assert slow.exposed_transfer_s(2000) > 0.5 * slow.transfer_s(2000)
+
+
+def test_cost_model_json_round_trip() -> None:
+    back = CostModel.from_dict(json.loads(json.dumps(COST.to_dict())))
+    assert back == COST and isinstance(back.decode_step, tuple)
+    d = COST.to_dict()
+    del d["hop_s"]
+    with pytest.raises(ValueError, match="hop_s"):
+        CostModel.from_dict(d)
+
+
+# --- output length ---
+
+def test_output_length_estimator() -> None:
+    est = OutputLengthEstimator(min_samples=8, alpha=0.1)
+    assert est.expected(512, ignore_eos=False) == 512  # nothing observed yet
+    for _ in range(7):
+        est.observe(40, 512, "stop")
+    assert est.expected(512, ignore_eos=False) == 512  # fewer than min_samples
+    est.observe(40, 512, "stop")
+    assert est.expected(512, ignore_eos=False) == 60  # 1.5 x the stop EMA
+    assert est.expected(30, ignore_eos=False) == 30  # never above max_tokens
+    assert est.expected(512, ignore_eos=True) == 512
+    est.observe(3, 512, "abort")  # says nothing about lengths
+    assert est.samples == 8
+    for _ in range(3):
+        est.observe(512, 512, "length")
+    assert est.expected(512, ignore_eos=False) == 60  # a minority hit max_tokens
+    for _ in range(10):
+        est.observe(512, 512, "length")
+    assert est.expected(512, ignore_eos=False) == 512  # most recent ones hit max_tokens
+
+
+def test_output_length_estimator_tracks_recent_lengths() -> None:
+    est = OutputLengthEstimator(min_samples=1, alpha=0.5)
+    est.observe(100, 1000, "stop")
+    assert est.expected(1000, ignore_eos=False) == 150
+    est.observe(20, 1000, "stop")
+    assert est.expected(1000, ignore_eos=False) == 90  # EMA 60
+    est.observe(0, 1000, "stop")
+    est.observe(0, 1000, "stop")
+    assert est.expected(1000, ignore_eos=False) >= 1
+    with pytest.raises(ValueError, match="alpha"):
+        OutputLengthEstimator(alpha=0)
+    with pytest.raises(ValueError, match="min_samples"):
+        OutputLengthEstimator(min_samples=0)
