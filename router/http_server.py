@@ -1,0 +1,275 @@
+"""The OpenAI-compatible HTTP API on aiohttp, in front of a `RouterAPI`.
+
+Lifecycle of one POST /v1/completions or /v1/chat/completions:
+1. The error middleware gives the request a log id (the client's `X-Request-Id` when valid).
+2. Read the body (over `max_body_bytes` → 413) and decode it as strict JSON (no NaN/Infinity).
+3. `openai_protocol` parses it into a `GenerateRequest` (invalid field → 400 naming it).
+4. `router.submit` validates, tokenizes and places it, or raises before anything runs
+   (unknown model → 404, overload → 429 + Retry-After, invalid → 400).
+5. Non-streamed: collect the chunks, answer one JSON body. Streamed (`stream: true`): send
+   server-sent events `data: {...}\\n\\n`, one or two per chunk, then `data: [DONE]\\n\\n`. A failure
+   after the first event becomes `data: {"error": {...}}` followed by `data: [DONE]`.
+6. Always close the stream at the end: on a client disconnect (write fails, or the handler is
+   cancelled), an error or any other early exit this aborts the request everywhere; after a normal
+   end it is a no-op.
+
+Errors are always `{"error": {"message", "type", "param", "code"}}`:
+
+| cause                                | status | type                  | code                |
+|--------------------------------------|--------|-----------------------|---------------------|
+| malformed JSON, invalid field        | 400    | invalid_request_error | null (param: field) |
+| unknown model                        | 404    | invalid_request_error | model_not_found     |
+| unknown route                        | 404    | invalid_request_error | null                |
+| wrong method                         | 405    | invalid_request_error | null (+ Allow)      |
+| body too large                       | 413    | invalid_request_error | null                |
+| OverloadedError / CapacityError      | 429    | server_overloaded     | rate_limit_exceeded |
+| RequestFailed                        | 500    | server_error          | null                |
+| anything else                        | 500    | server_error          | null                |
+
+429 carries `Retry-After` (whole seconds) and `retry-after-ms`, which the openai SDKs honour when
+they retry; clients key off the status, the type is informational. Tracebacks go to the log only.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import math
+import re
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+from aiohttp.typedefs import Handler
+
+from engine.errors import CapacityError, InvalidRequestError
+from router.openai_protocol import (
+    ParsedRequest,
+    ResponseBuilder,
+    error_body,
+    final_usage,
+    openai_finish_reason,
+    parse_chat_request,
+    parse_completion_request,
+)
+from router.types import ModelNotFoundError, RequestFailed, RequestStream, RouterAPI
+
+log = logging.getLogger(__name__)
+
+ROUTER_KEY = web.AppKey("pdserve_router", object)
+MAX_BODY_KEY = web.AppKey("pdserve_max_body_bytes", int)
+_LOG_ID = web.RequestKey("pdserve_log_id", str)
+_CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+_DONE = b"data: [DONE]\n\n"
+
+
+def build_app(router: RouterAPI, max_body_bytes: int = 4 << 20) -> web.Application:
+    """Args: the router core; max_body_bytes: larger request bodies get 413. Returns: the aiohttp app."""
+    app = web.Application(middlewares=[error_middleware], client_max_size=max_body_bytes)
+    app[ROUTER_KEY] = router
+    app[MAX_BODY_KEY] = max_body_bytes
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+async def start_http_server(router: RouterAPI, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Serve on host:port (0 picks a free port). Returns: (runner — `await runner.cleanup()` stops it,
+    the bound port). Handlers are cancelled when their client disconnects, which aborts the request."""
+    runner = web.AppRunner(build_app(router), handler_cancellation=True)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    return runner, runner.addresses[0][1]
+
+
+# ---------------------------------------------------------------- routes
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, parse_completion_request(await _read_json(request)), chat=False)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, parse_chat_request(await _read_json(request)), chat=True)
+
+
+async def models(request: web.Request) -> web.Response:
+    cards = [{"id": c.id, "object": "model", "created": c.created, "owned_by": c.owned_by,
+              "max_model_len": c.max_model_len} for c in _router(request).models()]
+    return web.json_response({"object": "list", "data": cards})
+
+
+async def health(request: web.Request) -> web.Response:
+    if _router(request).healthy():
+        return web.json_response({"status": "ok"})
+    return web.json_response({"status": "unhealthy"}, status=503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body, content_type = _router(request).metrics_text()
+    return web.Response(body=body, headers={"Content-Type": content_type})
+
+
+# ---------------------------------------------------------------- generation
+
+
+async def _generate(request: web.Request, parsed: ParsedRequest, chat: bool) -> web.StreamResponse:
+    router = _router(request)
+    generate = dataclasses.replace(parsed.request, request_id=_client_request_id(request))
+    stream = await router.submit(generate)
+    try:
+        request[_LOG_ID] = stream.request_id
+        builder = ResponseBuilder(chat=chat, request_id=stream.request_id, model=generate.model or router.model_name,
+                                  created=int(time.time()), include_usage=parsed.include_usage)
+        if parsed.stream:
+            return await _stream(request, stream, builder)
+        return await _collect(stream, builder)
+    finally:
+        await _close(stream)
+
+
+async def _close(stream: RequestStream) -> None:
+    """Close the stream (aborting the request if it has not finished), even inside a cancelled task."""
+    try:
+        await asyncio.shield(stream.aclose())
+    except Exception:
+        log.exception("request %s: closing its stream failed", stream.request_id)
+
+
+async def _collect(stream: RequestStream, builder: ResponseBuilder) -> web.Response:
+    texts: list[str] = []
+    completion_tokens = 0
+    async for chunk in stream:
+        texts.append(chunk.text)
+        completion_tokens += len(chunk.token_ids)
+        if chunk.finish_reason is not None:
+            finish = openai_finish_reason(chunk, stream.request_id)
+            usage = final_usage(chunk, stream.prompt_tokens, completion_tokens)
+            body = builder.full("".join(texts), finish, usage, chunk.timings)
+            return web.json_response(body, headers={"X-Request-Id": stream.request_id})
+    raise RequestFailed(f"request {stream.request_id} ended without a finish reason")
+
+
+async def _stream(request: web.Request, stream: RequestStream, builder: ResponseBuilder) -> web.StreamResponse:
+    response = web.StreamResponse(headers={**_SSE_HEADERS, "X-Request-Id": stream.request_id})
+    await response.prepare(request)
+    try:
+        try:
+            await _relay(response, stream, builder)
+        except ConnectionResetError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - reported in-band: the 200 status is already sent
+            await _send(response, _error(exc, stream.request_id)[1])
+        await response.write(_DONE)
+        await response.write_eof()
+    except ConnectionResetError:
+        log.info("request %s: client disconnected mid-stream; aborting", stream.request_id)
+    return response
+
+
+async def _relay(response: web.StreamResponse, stream: RequestStream, builder: ResponseBuilder) -> None:
+    for event in builder.start_events():
+        await _send(response, event)
+    completion_tokens = 0
+    async for chunk in stream:
+        completion_tokens += len(chunk.token_ids)
+        finish = None if chunk.finish_reason is None else openai_finish_reason(chunk, stream.request_id)
+        usage = None if finish is None else final_usage(chunk, stream.prompt_tokens, completion_tokens)
+        for event in builder.chunk_events(chunk, finish, usage):
+            await _send(response, event)
+        if finish is not None:
+            return
+    raise RequestFailed(f"request {stream.request_id} ended without a finish reason")
+
+
+async def _send(response: web.StreamResponse, event: dict) -> None:
+    await response.write(b"data: " + json.dumps(event, ensure_ascii=False).encode() + b"\n\n")
+
+
+# ---------------------------------------------------------------- input
+
+
+async def _read_json(request: web.Request) -> Any:
+    raw = await request.read()
+    try:
+        return json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float)
+    except (ValueError, RecursionError) as exc:
+        raise InvalidRequestError("body", f"is not valid JSON: {exc}") from None
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text} is out of range")
+    return value
+
+
+def _client_request_id(request: web.Request) -> str | None:
+    value = request.headers.get("X-Request-Id", "")
+    return value if _CLIENT_ID.fullmatch(value) else None
+
+
+def _router(request: web.Request) -> RouterAPI:
+    return request.app[ROUTER_KEY]  # type: ignore[return-value]
+
+
+# ---------------------------------------------------------------- errors
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Turns every exception into OpenAI's error shape; the traceback of unexpected ones goes to the log."""
+    request[_LOG_ID] = _client_request_id(request) or uuid.uuid4().hex[:16]
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _http_error(request, exc)
+    except Exception as exc:  # noqa: BLE001 - every error gets a JSON body; CancelledError passes
+        status, body, headers = _error(exc, request[_LOG_ID])
+        return web.json_response(body, status=status, headers=headers)
+
+
+def _error(exc: Exception, log_id: str) -> tuple[int, dict, dict[str, str]]:
+    """(status, error body, extra headers) for an exception raised while serving a request."""
+    if isinstance(exc, ModelNotFoundError):
+        return 404, error_body(str(exc), "invalid_request_error", exc.field, "model_not_found"), {}
+    if isinstance(exc, InvalidRequestError):
+        return 400, error_body(str(exc), "invalid_request_error", exc.field), {}
+    if isinstance(exc, CapacityError):
+        retry_s = max(0.0, float(getattr(exc, "retry_after_s", 1.0)))
+        headers = {"Retry-After": str(max(1, math.ceil(retry_s))), "retry-after-ms": str(int(retry_s * 1000))}
+        return 429, error_body(str(exc), "server_overloaded", None, "rate_limit_exceeded"), headers
+    if isinstance(exc, RequestFailed):
+        log.warning("request %s failed: %s", log_id, exc)
+        return 500, error_body(str(exc), "server_error"), {}
+    log.error("internal error (request id %s)", log_id, exc_info=exc)
+    return 500, error_body(f"internal error (request id {log_id})", "server_error"), {}
+
+
+def _http_error(request: web.Request, exc: web.HTTPException) -> web.Response:
+    headers: dict[str, str] = {}
+    if isinstance(exc, web.HTTPMethodNotAllowed):
+        allowed = ", ".join(sorted(exc.allowed_methods))
+        message = f"method {request.method} is not allowed on {request.path}; allowed: {allowed}"
+        headers["Allow"] = allowed
+    elif isinstance(exc, web.HTTPNotFound):
+        message = (f"no route {request.method} {request.path}; this server serves POST /v1/completions, "
+                   "POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics")
+    elif isinstance(exc, web.HTTPRequestEntityTooLarge):
+        message = f"the request body is larger than the limit of {request.app[MAX_BODY_KEY]} bytes"
+    else:
+        message = exc.reason
+    type_ = "invalid_request_error" if exc.status < 500 else "server_error"
+    return web.json_response(error_body(message, type_), status=exc.status, headers=headers)

@@ -1,0 +1,306 @@
+"""OpenAI wire format: request bodies → `GenerateRequest`, router output → response bodies. Pure, no I/O.
+
+Parsing checks every field the OpenAI API defines for /v1/completions and /v1/chat/completions,
+raising `InvalidRequestError(field, message)` that names the field and what is allowed; fields we
+cannot honour (n > 1, logprobs, penalties, tools, ...) are refused rather than silently ignored.
+Unknown top-level fields are ignored, as OpenAI-compatible servers commonly do.
+
+Defaults follow OpenAI: temperature 1.0, top_p 1.0, max_tokens 16. Extensions (vLLM names):
+top_k (-1 or 0 disables), ignore_eos, stop_token_ids.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from engine.errors import InvalidRequestError
+from engine.sampling_params import SamplingParams
+from router.types import Chunk, GenerateRequest, PhaseTimings, RequestFailed, Usage
+
+DEFAULT_MAX_TOKENS = 16
+MAX_STOP = 4
+MAX_TOKEN_ID = 2**31 - 1
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+FINISH_REASONS = ("stop", "length")
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """A validated OpenAI request: what to generate and how to answer."""
+
+    request: GenerateRequest
+    stream: bool
+    include_usage: bool
+
+
+# ---------------------------------------------------------------- parsing
+
+
+def parse_completion_request(body: Any, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> ParsedRequest:
+    """Args: the decoded JSON body of POST /v1/completions. Returns: the parsed request.
+    Raises: InvalidRequestError naming the offending field."""
+    body = _object(body)
+    _only_null_or(body, "logprobs", (), "is not supported; use null or leave it out")
+    _only_null_or(body, "echo", (False,), "is not supported; use false")
+    _only_null_or(body, "best_of", (1,), "only 1 is supported", int)
+    _only_null_or(body, "suffix", ("",), "is not supported; use null or leave it out", str)
+    prompt = _prompt(body.get("prompt", _MISSING))
+    sampling = _sampling(body, _int_field(body, "max_tokens", default_max_tokens))
+    return _parsed(body, GenerateRequest(prompt=prompt, sampling=sampling, model=_model(body)))
+
+
+def parse_chat_request(body: Any, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> ParsedRequest:
+    """Args: the decoded JSON body of POST /v1/chat/completions. Returns: the parsed request.
+    Raises: InvalidRequestError naming the offending field."""
+    body = _object(body)
+    _only_null_or(body, "logprobs", (False,), "is not supported; use false", bool)
+    _only_null_or(body, "top_logprobs", (), "is not supported; use null or leave it out")
+    _only_null_or(body, "tools", ([],), "tool calling is not supported; leave tools out")
+    _only_null_or(body, "tool_choice", ("none",), "tool calling is not supported; use \"none\" or leave it out")
+    _only_null_or(body, "functions", ([],), "function calling is not supported; leave functions out")
+    _only_null_or(body, "function_call", ("none",), "function calling is not supported; use \"none\"")
+    _response_format(body.get("response_format"))
+    messages = _messages(body.get("messages", _MISSING))
+    if body.get("max_completion_tokens") is not None:
+        max_tokens = _int_field(body, "max_completion_tokens", default_max_tokens)
+    else:
+        max_tokens = _int_field(body, "max_tokens", default_max_tokens)
+    sampling = _sampling(body, max_tokens)
+    return _parsed(body, GenerateRequest(messages=messages, sampling=sampling, model=_model(body)))
+
+
+def _parsed(body: dict, request: GenerateRequest) -> ParsedRequest:
+    stream = _typed(body, "stream", bool, "a boolean", False)
+    options = _typed(body, "stream_options", dict, "an object", None)
+    if options is not None and not stream:
+        raise InvalidRequestError("stream_options", "is only allowed when stream is true")
+    include_usage = _typed(options or {}, "include_usage", bool, "a boolean", False, "stream_options.include_usage")
+    return ParsedRequest(request=request, stream=stream, include_usage=include_usage)
+
+
+def _sampling(body: dict, max_tokens: int) -> SamplingParams:
+    if _typed(body, "n", int, "an integer", 1) != 1:
+        raise InvalidRequestError("n", "only 1 is supported (one choice per request)")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if _typed(body, name, (int, float), "a number", 0) != 0:
+            raise InvalidRequestError(name, "is not supported; use 0 or leave it out")
+    if _typed(body, "logit_bias", dict, "an object", None):
+        raise InvalidRequestError("logit_bias", "is not supported; leave it out or use {}")
+    top_k = _typed(body, "top_k", int, "an integer", 0)
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=_typed(body, "temperature", (int, float), "a number", 1.0),
+        top_p=_typed(body, "top_p", (int, float), "a number", 1.0),
+        top_k=0 if top_k == -1 else top_k,
+        seed=_typed(body, "seed", int, "an integer", None),
+        stop=_stop(body.get("stop")),
+        stop_token_ids=tuple(_typed(body, "stop_token_ids", list, "a list of token ids", [])),
+        ignore_eos=_typed(body, "ignore_eos", bool, "a boolean", False),
+    )
+
+
+def _object(body: Any) -> dict:
+    if not isinstance(body, dict):
+        raise InvalidRequestError("body", f"must be a JSON object, got {_json_type(body)}")
+    return body
+
+
+def _model(body: dict) -> str | None:
+    return _typed(body, "model", str, "a string", None)
+
+
+def _prompt(value: Any) -> str | list[int]:
+    if value is _MISSING or value is None:
+        raise InvalidRequestError("prompt", "is required: a string or a list of token ids")
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]  # a batch of one prompt
+    elif isinstance(value, list) and value and all(isinstance(v, (str, list)) for v in value):
+        raise InvalidRequestError("prompt", "batches of several prompts are not supported; send one per request")
+    if isinstance(value, str):
+        if not value:
+            raise InvalidRequestError("prompt", "must not be empty")
+        return value
+    if not isinstance(value, list):
+        raise InvalidRequestError("prompt", f"must be a string or a list of token ids, got {_json_type(value)}")
+    if not value:
+        raise InvalidRequestError("prompt", "must not be empty")
+    if not all(_is(t, int) and 0 <= t <= MAX_TOKEN_ID for t in value):
+        raise InvalidRequestError("prompt", f"token ids must be integers in [0, {MAX_TOKEN_ID}]")
+    return list(value)
+
+
+def _messages(value: Any) -> list[dict]:
+    if value is _MISSING or value is None:
+        raise InvalidRequestError("messages", "is required: a non-empty list of messages")
+    if not isinstance(value, list) or not value:
+        raise InvalidRequestError("messages", "must be a non-empty list of {role, content} objects")
+    return [_message(i, m) for i, m in enumerate(value)]
+
+
+def _message(i: int, message: Any) -> dict:
+    where = f"messages[{i}]"
+    if not isinstance(message, dict):
+        raise InvalidRequestError(where, f"must be an object with role and content, got {_json_type(message)}")
+    role = message.get("role")
+    if role not in CHAT_ROLES:
+        raise InvalidRequestError(f"{where}.role", f"must be one of {', '.join(CHAT_ROLES)}; got {role!r}")
+    return {"role": role, "content": _content(where + ".content", message.get("content", _MISSING))}
+
+
+def _content(where: str, content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequestError(where, "must be a string or a list of {\"type\": \"text\", \"text\"} parts")
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") != "text":
+            raise InvalidRequestError(f"{where}[{j}]", "only {\"type\": \"text\", \"text\": ...} parts are supported")
+        if not isinstance(part.get("text"), str):
+            raise InvalidRequestError(f"{where}[{j}].text", "must be a string")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def _response_format(value: Any) -> None:
+    if value is None or (isinstance(value, dict) and value.get("type") == "text"):
+        return
+    raise InvalidRequestError("response_format", "only {\"type\": \"text\"} is supported")
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise InvalidRequestError("stop", "must be a string or a list of strings")
+    if len(value) > MAX_STOP:
+        raise InvalidRequestError("stop", f"at most {MAX_STOP} stop sequences are allowed, got {len(value)}")
+    return tuple(value)
+
+
+def _int_field(body: dict, name: str, default: int) -> int:
+    value = _typed(body, name, int, "an integer >= 1", default)
+    if value < 1:
+        raise InvalidRequestError(name, f"must be an integer >= 1, got {value}")
+    return value
+
+
+def _typed(body: dict, name: str, kind: type | tuple[type, ...], what: str, default: Any,
+           field: str | None = None) -> Any:
+    """body[name] if it is of JSON type `kind`, default when absent or null."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if not _is(value, kind):
+        raise InvalidRequestError(field or name, f"must be {what}, got {_json_type(value)}")
+    return value
+
+
+def _only_null_or(body: dict, name: str, allowed: tuple, message: str, kind: type | None = None) -> None:
+    value = body.get(name)
+    if value is None:
+        return
+    if kind is not None and not _is(value, kind):
+        raise InvalidRequestError(name, f"{message} (got {_json_type(value)})")
+    if not any(type(value) is type(a) and value == a for a in allowed):
+        raise InvalidRequestError(name, message)
+
+
+def _is(value: Any, kind: type | tuple[type, ...]) -> bool:
+    """JSON type check: a boolean is not a number."""
+    return isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+
+
+def _json_type(v: Any) -> str:
+    names = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object"}
+    return "null" if v is None else names.get(type(v), type(v).__name__)
+
+
+# ---------------------------------------------------------------- responses
+
+
+def openai_finish_reason(chunk: Chunk, request_id: str) -> str:
+    """The chunk's finish reason in OpenAI's vocabulary; an aborted or otherwise ended request raises
+    RequestFailed (reported to the client as an error, never as a normal finish)."""
+    if chunk.finish_reason in FINISH_REASONS:
+        return chunk.finish_reason
+    if chunk.finish_reason == "abort":
+        raise RequestFailed(f"request {request_id} was aborted")
+    raise RequestFailed(f"request {request_id} ended with {chunk.finish_reason!r}")
+
+
+def usage_body(usage: Usage, timings: PhaseTimings | None) -> dict:
+    """OpenAI's usage object plus our `pdserve_timings` (null when the router gave none)."""
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.total_tokens, "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+            "pdserve_timings": timings.as_dict() if timings is not None else None}
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+@dataclass(frozen=True)
+class ResponseBuilder:
+    """Builds one request's response bodies (whole, or stream chunks) in OpenAI's shapes."""
+
+    chat: bool
+    request_id: str
+    model: str
+    created: int
+    include_usage: bool = False
+
+    def _head(self, chunked: bool) -> dict:
+        prefix, obj = ("chatcmpl-", "chat.completion") if self.chat else ("cmpl-", "text_completion")
+        if chunked and self.chat:
+            obj = "chat.completion.chunk"
+        return {"id": prefix + self.request_id, "object": obj, "created": self.created, "model": self.model}
+
+    def full(self, text: str, finish_reason: str, usage: Usage, timings: PhaseTimings | None) -> dict:
+        """The non-streamed response."""
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "finish_reason": finish_reason, "logprobs": None}
+        else:
+            choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}
+        return {**self._head(False), "choices": [choice], "usage": usage_body(usage, timings)}
+
+    def start_events(self) -> list[dict]:
+        """Stream events before any output: the chat role chunk."""
+        return [self._chunk({"role": "assistant", "content": ""}, None)] if self.chat else []
+
+    def chunk_events(self, chunk: Chunk, finish_reason: str | None, usage: Usage | None) -> list[dict]:
+        """Stream events for one router chunk; finish_reason (OpenAI's) and usage on the last one only.
+        Timings go in the usage chunk when include_usage, else top-level on the finishing chunk."""
+        events = []
+        if self.chat:
+            if chunk.text:
+                events.append(self._chunk({"content": chunk.text}, None))
+            if finish_reason is not None:
+                events.append(self._chunk({}, finish_reason))
+        elif chunk.text or finish_reason is not None:
+            events.append(self._chunk(chunk.text, finish_reason))
+        if finish_reason is not None:
+            if self.include_usage and usage is not None:
+                events.append({**self._head(True), "choices": [], "usage": usage_body(usage, chunk.timings)})
+            elif chunk.timings is not None:
+                events[-1]["pdserve_timings"] = chunk.timings.as_dict()
+        return events
+
+    def _chunk(self, delta: dict | str, finish_reason: str | None) -> dict:
+        if self.chat:
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"text": delta, "index": 0, "logprobs": None, "finish_reason": finish_reason}
+        event = {**self._head(True), "choices": [choice]}
+        if self.include_usage:
+            event["usage"] = None
+        return event
+
+
+def final_usage(chunk: Chunk, prompt_tokens: int, completion_tokens: int) -> Usage:
+    """The last chunk's usage, or one counted by the server when the router gave none."""
+    return chunk.usage if chunk.usage is not None else Usage(prompt_tokens, completion_tokens)

@@ -1,0 +1,339 @@
+"""The OpenAI HTTP API over the FakeRouter: a real aiohttp server, the official openai SDK and raw HTTP."""
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import openai
+import pytest
+from aiohttp import web
+from fake_router import MAX_MODEL_LEN, MODEL, FakeRouter, FakeStream
+
+from router.http_server import build_app, start_http_server
+from router.types import GenerateRequest
+
+
+class ServerThread:
+    """A real server on 127.0.0.1 (free port), its event loop running in a background thread.
+    With max_body_bytes: an app from `build_app` on a plain runner (handlers not cancelled on disconnect)."""
+
+    def __init__(self, router: FakeRouter, max_body_bytes: int | None = None) -> None:
+        self.router = router
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.runner, self.port = self.call(self._start(max_body_bytes))
+
+    async def _start(self, max_body_bytes: int | None) -> tuple[web.AppRunner, int]:
+        if max_body_bytes is None:
+            return await start_http_server(self.router, "127.0.0.1", 0)
+        runner = web.AppRunner(build_app(self.router, max_body_bytes))
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        return runner, runner.addresses[0][1]
+
+    def call(self, coro: object, timeout: float = 10.0) -> object:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)  # type: ignore[arg-type]
+
+    def stop(self) -> None:
+        self.call(self.runner.cleanup())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+        self.loop.close()
+
+    def request(self, method: str, path: str, body: object = None, raw: bytes | None = None,
+                headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+        """One HTTP request on a fresh connection. Returns: (status, headers, body)."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+        try:
+            data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+            conn.request(method, path, body=data, headers={"Content-Type": "application/json", **(headers or {})})
+            resp = conn.getresponse()
+            return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+        finally:
+            conn.close()
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerThread]:
+    s = ServerThread(FakeRouter())
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerThread) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x", max_retries=0)
+
+
+def words(n: int) -> str:
+    return "".join(f"w{i} " for i in range(n))
+
+
+def sse_events(body: bytes) -> list[str]:
+    """The data payloads of a server-sent event stream, checking the framing."""
+    text = body.decode()
+    assert text.endswith("\n\n")
+    blocks = text[:-2].split("\n\n")
+    assert all(b.startswith("data: ") for b in blocks), blocks
+    return [b[len("data: "):] for b in blocks]
+
+
+def assert_error(status: int, body: bytes, want_status: int, param: str | None = None,
+                 type_: str = "invalid_request_error", code: str | None = None) -> dict:
+    assert status == want_status, body
+    err = json.loads(body)["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert (err["type"], err["param"], err["code"]) == (type_, param, code), err
+    assert err["message"] and "Traceback" not in err["message"]
+    return err
+
+
+# ---------------------------------------------------------------- the openai SDK
+
+
+def test_sdk_completion(client: openai.OpenAI) -> None:
+    resp = client.completions.create(model=MODEL, prompt="hello world", max_tokens=5)
+    assert resp.object == "text_completion" and resp.id.startswith("cmpl-") and resp.model == MODEL
+    assert resp.choices[0].text == words(5) and resp.choices[0].finish_reason == "length"
+    assert resp.choices[0].index == 0 and resp.choices[0].logprobs is None
+    assert (resp.usage.prompt_tokens, resp.usage.completion_tokens, resp.usage.total_tokens) == (2, 5, 7)
+    assert resp.usage.prompt_tokens_details.cached_tokens == 0
+    assert resp.usage.model_extra["pdserve_timings"]["path"] == "remote"
+
+
+def test_sdk_chat(client: openai.OpenAI, server: ServerThread) -> None:
+    resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi there"}],
+                                          max_completion_tokens=4)
+    assert resp.object == "chat.completion" and resp.id.startswith("chatcmpl-")
+    msg = resp.choices[0].message
+    assert (msg.role, msg.content, resp.choices[0].finish_reason) == ("assistant", words(4), "length")
+    assert (resp.usage.prompt_tokens, resp.usage.completion_tokens) == (3, 4)
+    assert resp.usage.model_extra["pdserve_timings"]["decode_worker"] == "decode-0"
+    req = server.router.requests[-1]
+    assert req.messages == [{"role": "user", "content": "hi there"}] and req.sampling.max_tokens == 4
+
+
+def test_sdk_chat_content_parts(client: openai.OpenAI, server: ServerThread) -> None:
+    parts = [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]
+    resp = client.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": "be brief"},
+                                                                 {"role": "user", "content": parts}], max_tokens=2)
+    assert resp.choices[0].message.content == words(2)
+    assert server.router.requests[-1].messages[1] == {"role": "user", "content": "one\ntwo"}
+
+
+@pytest.mark.parametrize("include_usage", [True, False])
+def test_sdk_completion_stream(client: openai.OpenAI, include_usage: bool) -> None:
+    chunks = list(client.completions.create(model=MODEL, prompt="a b c", max_tokens=6, stream=True,
+                                            stream_options={"include_usage": True} if include_usage else None))
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert "".join(texts) == words(6)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == "length" and set(finishes[:-1]) == {None}
+    assert len({c.id for c in chunks}) == 1
+    if include_usage:
+        assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == 6
+        assert chunks[-1].usage.prompt_tokens == 3 and chunks[-1].usage.model_extra["pdserve_timings"]
+    else:
+        assert all(c.usage is None for c in chunks) and chunks[-1].model_extra["pdserve_timings"]
+
+
+def test_sdk_chat_stream(client: openai.OpenAI) -> None:
+    chunks = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=5, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].object == "chat.completion.chunk" and chunks[0].id.startswith("chatcmpl-")
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content == ""
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == words(5)
+    assert chunks[-2].choices[0].finish_reason == "length" and chunks[-2].choices[0].delta.content is None
+    usage = chunks[-1].usage
+    assert not chunks[-1].choices and (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (2, 5, 7)
+
+
+def test_sdk_models(client: openai.OpenAI) -> None:
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL] and models[0].owned_by == "pdserve"
+    assert models[0].model_extra["max_model_len"] == MAX_MODEL_LEN
+
+
+def test_sdk_errors(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=0)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="hi")
+    with pytest.raises(openai.RateLimitError):
+        client.completions.create(model=MODEL, prompt="overload")
+    with pytest.raises(openai.InternalServerError, match="KV transfer failed"):
+        client.completions.create(model=MODEL, prompt="explode", max_tokens=4)
+    with pytest.raises(openai.APIError, match="KV transfer failed"):
+        list(client.completions.create(model=MODEL, prompt="explode", max_tokens=4, stream=True))
+
+
+# ---------------------------------------------------------------- raw HTTP
+
+
+def test_models_health_metrics(server: ServerThread) -> None:
+    status, _, body = server.request("GET", "/v1/models")
+    assert status == 200 and json.loads(body) == {"object": "list", "data": [
+        {"id": MODEL, "object": "model", "created": 1700000000, "owned_by": "pdserve", "max_model_len": 64}]}
+    assert server.request("GET", "/health")[::2] == (200, b'{"status": "ok"}')
+    status, headers, body = server.request("GET", "/metrics")
+    assert status == 200 and headers["content-type"].startswith("text/plain") and b"pdserve_up 1.0" in body
+
+
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+USER = [{"role": "user", "content": "hi"}]
+
+BAD_REQUESTS = [  # (path, body or raw bytes, status, param, code)
+    (C, b"{not json", 400, "body", None),
+    (C, b"", 400, "body", None),
+    (C, b'{"prompt": "hi", "temperature": NaN}', 400, "body", None),
+    (C, b'{"prompt": "hi", "temperature": 1e999}', 400, "body", None),
+    (C, b"[" * 50000 + b"]" * 50000, 400, "body", None),
+    (C, b"\xff\xfe{}", 400, "body", None),
+    (C, [1, 2], 400, "body", None),
+    (CHAT, "a string", 400, "body", None),
+    (C, {"prompt": "hi", "max_tokens": "10"}, 400, "max_tokens", None),
+    (C, {"prompt": "hi", "temperature": "hot"}, 400, "temperature", None),
+    (C, {"prompt": "hi", "temperature": True}, 400, "temperature", None),
+    (C, {"prompt": ""}, 400, "prompt", None),
+    (C, {"prompt": "   "}, 400, "prompt", None),
+    (C, {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", None),
+    (C, {"prompt": "hi", "n": 2}, 400, "n", None),
+    (C, {"prompt": "hi", "logprobs": 5}, 400, "logprobs", None),
+    (C, {"prompt": ["a", "b"]}, 400, "prompt", None),
+    (C, {"prompt": "hi", "model": "other"}, 404, "model", "model_not_found"),
+    (C, {"prompt": "hi " * 60, "max_tokens": 10}, 400, "max_tokens", None),
+    (CHAT, {"messages": []}, 400, "messages", None),
+    (CHAT, {"messages": USER, "max_tokens": "5"}, 400, "max_tokens", None),
+    (CHAT, {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role", None),
+    (CHAT, {"messages": USER, "n": 3}, 400, "n", None),
+    (CHAT, {"messages": USER, "logprobs": True}, 400, "logprobs", None),
+    (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, 400, "tools", None),
+    (CHAT, {"messages": USER, "model": "gpt-4"}, 404, "model", "model_not_found"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param", "code"), BAD_REQUESTS)
+def test_bad_requests(server: ServerThread, path: str, body: object, status: int, param: str, code: str) -> None:
+    raw = body if isinstance(body, bytes) else None
+    got, _, resp = server.request("POST", path, body=None if raw is not None else body, raw=raw)
+    assert_error(got, resp, status, param, code=code)
+
+
+def test_overload_is_429_with_retry_after(server: ServerThread) -> None:
+    status, headers, body = server.request("POST", C, {"prompt": "overload"})
+    assert_error(status, body, 429, None, "server_overloaded", "rate_limit_exceeded")
+    assert headers["retry-after"] == "2" and headers["retry-after-ms"] == "2000"
+
+
+def test_failure_mid_stream_is_an_error_event(server: ServerThread) -> None:
+    status, headers, body = server.request("POST", C, {"prompt": "explode", "max_tokens": 5, "stream": True})
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    events = sse_events(body)
+    assert events[-1] == "[DONE]" and json.loads(events[0])["choices"][0]["text"] == "w0 "
+    err = json.loads(events[-2])["error"]
+    assert err["type"] == "server_error" and "KV transfer failed" in err["message"]
+    assert b"Traceback" not in body
+    status, _, body = server.request("POST", C, {"prompt": "explode", "max_tokens": 5})
+    assert_error(status, body, 500, type_="server_error")
+
+
+def test_routes_methods_and_size(server: ServerThread) -> None:
+    status, _, body = server.request("GET", "/v1/nope")
+    assert "/v1/completions" in assert_error(status, body, 404)["message"]
+    status, headers, body = server.request("GET", C)
+    assert_error(status, body, 405) and headers["allow"] == "POST"
+    small = ServerThread(FakeRouter(), max_body_bytes=1000)
+    try:
+        status, _, body = small.request("POST", C, {"prompt": "x" * 2000})
+        assert "1000 bytes" in assert_error(status, body, 413)["message"]
+        assert small.request("POST", C, {"prompt": "x" * 100, "max_tokens": 1})[0] == 200
+    finally:
+        small.stop()
+
+
+def test_client_request_id_is_used(server: ServerThread) -> None:
+    status, headers, body = server.request("POST", C, {"prompt": "hi", "max_tokens": 1},
+                                           headers={"X-Request-Id": "my-req-7"})
+    assert status == 200 and json.loads(body)["id"] == "cmpl-my-req-7" and headers["x-request-id"] == "my-req-7"
+
+
+class BrokenRouter(FakeRouter):
+    async def submit(self, request: GenerateRequest) -> FakeStream:
+        raise RuntimeError("secret internals")
+
+    def healthy(self) -> bool:
+        return False
+
+
+def test_unexpected_errors_hide_internals() -> None:
+    broken = ServerThread(BrokenRouter())
+    try:
+        status, _, body = broken.request("POST", C, {"prompt": "hi"}, headers={"X-Request-Id": "abc"})
+        err = assert_error(status, body, 500, type_="server_error")
+        assert err["message"] == "internal error (request id abc)" and b"secret" not in body
+        assert broken.request("GET", "/health")[0] == 503
+    finally:
+        broken.stop()
+
+
+def test_still_serving_after_errors(client: openai.OpenAI) -> None:
+    assert client.completions.create(model=MODEL, prompt="ok", max_tokens=3).choices[0].text == words(3)
+
+
+# ---------------------------------------------------------------- client disconnects
+
+
+def wait_aborted(router: FakeRouter, rid: str, timeout: float = 1.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if rid in router.aborted:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def open_raw(server: ServerThread, body: dict, headers: str = "") -> socket.socket:
+    data = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+    sock.sendall(f"POST {C} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{headers}"
+                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return sock
+
+
+@pytest.mark.parametrize("cancel_handler", [True, False])
+def test_disconnect_mid_stream_aborts(server: ServerThread, cancel_handler: bool) -> None:
+    """Noticed by handler cancellation (start_http_server) or by the next write failing (plain runner)."""
+    if not cancel_handler:
+        server = ServerThread(FakeRouter(), max_body_bytes=1 << 20)
+    server.router.token_delay_ms = 20
+    try:
+        sock = open_raw(server, {"prompt": "hi", "max_tokens": 50, "stream": True})
+        received = b""
+        while received.count(b"data: ") < 2:
+            received += sock.recv(4096)
+        rid = json.loads(received.split(b"data: ")[1].split(b"\n\n")[0])["id"].removeprefix("cmpl-")
+        sock.close()
+        assert wait_aborted(server.router, rid)
+    finally:
+        server.router.token_delay_ms = 0
+        if not cancel_handler:
+            server.stop()
+
+
+def test_disconnect_while_waiting_aborts(server: ServerThread) -> None:
+    server.router.token_delay_ms = 20
+    try:
+        sock = open_raw(server, {"prompt": "hi", "max_tokens": 50}, headers="X-Request-Id: gone-1\r\n")
+        deadline = time.monotonic() + 1
+        while not any(r.request_id == "gone-1" for r in server.router.requests) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        sock.close()
+        assert wait_aborted(server.router, "gone-1")
+    finally:
+        server.router.token_delay_ms = 0

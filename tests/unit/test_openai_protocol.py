@@ -1,0 +1,200 @@
+"""OpenAI request parsing and response bodies, without a server."""
+from __future__ import annotations
+
+import pytest
+
+from engine.errors import InvalidRequestError
+from router.openai_protocol import ResponseBuilder, openai_finish_reason, parse_chat_request, parse_completion_request
+from router.types import Chunk, PhaseTimings, RequestFailed, Usage
+
+P = {"prompt": "hi"}
+M = {"messages": [{"role": "user", "content": "hi"}]}
+
+COMPLETION_REJECTS = [  # (body, field)
+    (None, "body"), ([P], "body"), ("hi", "body"), (3, "body"),
+    ({}, "prompt"), ({"prompt": None}, "prompt"), ({"prompt": ""}, "prompt"), ({"prompt": []}, "prompt"),
+    ({"prompt": 5}, "prompt"), ({"prompt": {"a": 1}}, "prompt"), ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": [[1], [2]]}, "prompt"), ({"prompt": [1, "a"]}, "prompt"), ({"prompt": [1, -1]}, "prompt"),
+    ({"prompt": [True]}, "prompt"), ({"prompt": [2**40]}, "prompt"), ({"prompt": [1.5]}, "prompt"),
+    ({"prompt": [""]}, "prompt"), ({"prompt": [["a"]]}, "prompt"), ({"prompt": [[]]}, "prompt"),
+    ({**P, "model": 3}, "model"),
+    ({**P, "max_tokens": "10"}, "max_tokens"), ({**P, "max_tokens": 0}, "max_tokens"),
+    ({**P, "max_tokens": -3}, "max_tokens"), ({**P, "max_tokens": 1.5}, "max_tokens"),
+    ({**P, "max_tokens": True}, "max_tokens"),
+    ({**P, "temperature": "hot"}, "temperature"), ({**P, "temperature": True}, "temperature"),
+    ({**P, "temperature": -1}, "temperature"), ({**P, "temperature": 1e9}, "temperature"),
+    ({**P, "top_p": 0}, "top_p"), ({**P, "top_p": 1.5}, "top_p"), ({**P, "top_p": [1]}, "top_p"),
+    ({**P, "top_k": -2}, "top_k"), ({**P, "top_k": 2.0}, "top_k"), ({**P, "top_k": False}, "top_k"),
+    ({**P, "n": 2}, "n"), ({**P, "n": True}, "n"), ({**P, "n": "1"}, "n"),
+    ({**P, "stream": "yes"}, "stream"), ({**P, "stream": 1}, "stream"),
+    ({**P, "stream_options": {"include_usage": True}}, "stream_options"),
+    ({**P, "stream": True, "stream_options": []}, "stream_options"),
+    ({**P, "stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
+    ({**P, "stop": 3}, "stop"), ({**P, "stop": ["a", 1]}, "stop"), ({**P, "stop": ["a"] * 5}, "stop"),
+    ({**P, "stop": ""}, "stop"), ({**P, "stop": [""]}, "stop"),
+    ({**P, "seed": "1"}, "seed"), ({**P, "seed": -1}, "seed"), ({**P, "seed": 2**63}, "seed"),
+    ({**P, "seed": 1.0}, "seed"),
+    ({**P, "logprobs": 5}, "logprobs"), ({**P, "logprobs": 0}, "logprobs"), ({**P, "logprobs": True}, "logprobs"),
+    ({**P, "echo": True}, "echo"), ({**P, "echo": "no"}, "echo"),
+    ({**P, "best_of": 2}, "best_of"), ({**P, "best_of": True}, "best_of"), ({**P, "best_of": "1"}, "best_of"),
+    ({**P, "presence_penalty": 0.5}, "presence_penalty"), ({**P, "presence_penalty": "0"}, "presence_penalty"),
+    ({**P, "frequency_penalty": -1}, "frequency_penalty"), ({**P, "frequency_penalty": False}, "frequency_penalty"),
+    ({**P, "logit_bias": {"50256": -100}}, "logit_bias"), ({**P, "logit_bias": [1]}, "logit_bias"),
+    ({**P, "suffix": "end"}, "suffix"), ({**P, "suffix": 1}, "suffix"),
+    ({**P, "ignore_eos": "true"}, "ignore_eos"),
+    ({**P, "stop_token_ids": 5}, "stop_token_ids"), ({**P, "stop_token_ids": [1, "2"]}, "stop_token_ids"),
+    ({**P, "stop_token_ids": [-1]}, "stop_token_ids"),
+]
+
+CHAT_REJECTS = [  # (body, field)
+    ([M], "body"), ({}, "messages"), ({"messages": None}, "messages"), ({"messages": []}, "messages"),
+    ({"messages": "hi"}, "messages"), ({"messages": {"role": "user"}}, "messages"),
+    ({"messages": ["hi"]}, "messages[0]"),
+    ({"messages": [{"content": "hi"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "bot", "content": "b"}]}, "messages[1].role"),
+    ({"messages": [{"role": 1, "content": "a"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content[0]"),
+    ({"messages": [{"role": "user", "content": ["hi"]}]}, "messages[0].content[0]"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]}, "messages[0].content[0].text"),
+    ({**M, "max_tokens": "5"}, "max_tokens"), ({**M, "max_tokens": 0}, "max_tokens"),
+    ({**M, "max_completion_tokens": 0}, "max_completion_tokens"),
+    ({**M, "max_completion_tokens": "5", "max_tokens": 5}, "max_completion_tokens"),
+    ({**M, "temperature": None, "top_p": "x"}, "top_p"), ({**M, "n": 2}, "n"),
+    ({**M, "logprobs": True}, "logprobs"), ({**M, "logprobs": 1}, "logprobs"),
+    ({**M, "top_logprobs": 2}, "top_logprobs"), ({**M, "top_logprobs": 0}, "top_logprobs"),
+    ({**M, "presence_penalty": 1}, "presence_penalty"), ({**M, "frequency_penalty": 0.1}, "frequency_penalty"),
+    ({**M, "response_format": {"type": "json_object"}}, "response_format"),
+    ({**M, "response_format": "text"}, "response_format"),
+    ({**M, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({**M, "tool_choice": "auto"}, "tool_choice"), ({**M, "tool_choice": {"type": "function"}}, "tool_choice"),
+    ({**M, "functions": [{"name": "f"}]}, "functions"),
+    ({**M, "stop": ["a", "b", "c", "d", "e"]}, "stop"), ({**M, "seed": "x"}, "seed"),
+    ({**M, "stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+]
+
+
+@pytest.mark.parametrize(("body", "field"), COMPLETION_REJECTS)
+def test_completion_rejects(body: object, field: str) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        parse_completion_request(body)
+    assert info.value.field == field
+    assert str(info.value).startswith(f"{field}: ")
+
+
+@pytest.mark.parametrize(("body", "field"), CHAT_REJECTS)
+def test_chat_rejects(body: object, field: str) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        parse_chat_request(body)
+    assert info.value.field == field
+
+
+def test_completion_defaults() -> None:
+    parsed = parse_completion_request({"prompt": "hi", "unknown_field": [1, {"x": None}], "user": "u1"})
+    assert not parsed.stream and not parsed.include_usage
+    req = parsed.request
+    assert (req.prompt, req.messages, req.model, req.request_id) == ("hi", None, None, None)
+    s = req.sampling
+    assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed) == (16, 1.0, 1.0, 0, None)
+    assert (s.stop, s.stop_token_ids, s.ignore_eos) == ((), (), False)
+
+
+def test_completion_all_supported_fields() -> None:
+    body = {"model": "m", "prompt": ["one"], "max_tokens": 7, "temperature": 0, "top_p": 0.5, "n": 1,
+            "stream": True, "stream_options": {"include_usage": True}, "stop": "x", "seed": 3, "logprobs": None,
+            "echo": False, "best_of": 1, "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {},
+            "user": "u", "suffix": None, "top_k": -1, "ignore_eos": True, "stop_token_ids": [2, 3]}
+    parsed = parse_completion_request(body)
+    assert parsed.stream and parsed.include_usage
+    req = parsed.request
+    assert (req.prompt, req.model) == ("one", "m")
+    s = req.sampling
+    assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed, s.stop) == (7, 0, 0.5, 0, 3, ("x",))
+    assert s.ignore_eos and s.stop_token_ids == (2, 3) and s.greedy
+
+
+@pytest.mark.parametrize(("prompt", "want"), [([5, 6, 7], [5, 6, 7]), ([[5, 6]], [5, 6]), (["text"], "text"),
+                                              ("text", "text")])
+def test_prompt_forms(prompt: object, want: object) -> None:
+    assert parse_completion_request({"prompt": prompt}).request.prompt == want
+
+
+def test_chat_defaults_and_content_parts() -> None:
+    body = {"messages": [{"role": "developer", "content": "rules"},
+                         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                          "name": "bob"},
+                         {"role": "assistant", "content": []}, {"role": "tool", "content": "42"}]}
+    parsed = parse_chat_request(body)
+    assert parsed.request.messages == [{"role": "developer", "content": "rules"}, {"role": "user", "content": "a\nb"},
+                                       {"role": "assistant", "content": ""}, {"role": "tool", "content": "42"}]
+    assert parsed.request.prompt is None and parsed.request.sampling.max_tokens == 16
+
+
+@pytest.mark.parametrize(("extra", "want"), [({"max_tokens": 5}, 5), ({"max_completion_tokens": 6}, 6),
+                                             ({"max_tokens": 5, "max_completion_tokens": 7}, 7),
+                                             ({"max_tokens": 5, "max_completion_tokens": None}, 5)])
+def test_chat_max_tokens(extra: dict, want: int) -> None:
+    assert parse_chat_request({**M, **extra}).request.sampling.max_tokens == want
+
+
+def test_chat_accepts_no_op_fields() -> None:
+    body = {**M, "logprobs": False, "top_logprobs": None, "response_format": {"type": "text"}, "tools": None,
+            "tool_choice": None, "n": 1, "presence_penalty": 0, "user": "u", "stream": False, "stream_options": None}
+    assert parse_chat_request(body).request.messages == [{"role": "user", "content": "hi"}]
+
+
+# ---------------------------------------------------------------- responses
+
+TIMINGS = PhaseTimings("local", None, "decode-1", e2e_s=0.5)
+
+
+def test_full_bodies() -> None:
+    usage = Usage(3, 2, cached_tokens=1)
+    body = ResponseBuilder(False, "r1", "m", 123).full("ab", "stop", usage, TIMINGS)
+    assert body == {"id": "cmpl-r1", "object": "text_completion", "created": 123, "model": "m",
+                    "choices": [{"text": "ab", "index": 0, "logprobs": None, "finish_reason": "stop"}],
+                    "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5,
+                              "prompt_tokens_details": {"cached_tokens": 1}, "pdserve_timings": TIMINGS.as_dict()}}
+    chat = ResponseBuilder(True, "r1", "m", 123).full("ab", "length", usage, None)
+    assert (chat["id"], chat["object"]) == ("chatcmpl-r1", "chat.completion")
+    assert chat["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "ab"},
+                                "finish_reason": "length", "logprobs": None}]
+    assert chat["usage"]["pdserve_timings"] is None
+
+
+def test_chat_stream_events() -> None:
+    b = ResponseBuilder(True, "r", "m", 1)
+    assert [e["choices"][0]["delta"] for e in b.start_events()] == [{"role": "assistant", "content": ""}]
+    assert b.chunk_events(Chunk("", []), None, None) == []
+    mid = b.chunk_events(Chunk("x", [1]), None, None)
+    assert [e["choices"][0]["delta"] for e in mid] == [{"content": "x"}] and "usage" not in mid[0]
+    last = b.chunk_events(Chunk("y", [2], "length", Usage(1, 2), TIMINGS), "length", Usage(1, 2))
+    assert [(e["choices"][0]["delta"], e["choices"][0]["finish_reason"]) for e in last] == [
+        ({"content": "y"}, None), ({}, "length")]
+    assert last[-1]["pdserve_timings"] == TIMINGS.as_dict() and last[0]["object"] == "chat.completion.chunk"
+
+
+def test_completion_stream_events_with_usage() -> None:
+    b = ResponseBuilder(False, "r", "m", 1, include_usage=True)
+    assert b.start_events() == []
+    mid = b.chunk_events(Chunk("x", [1]), None, None)
+    assert mid[0]["choices"][0]["text"] == "x" and mid[0]["usage"] is None
+    last = b.chunk_events(Chunk("", [], "stop", None, TIMINGS), "stop", Usage(1, 1))
+    assert [e["choices"] for e in last] == [[{"text": "", "index": 0, "logprobs": None, "finish_reason": "stop"}], []]
+    assert last[1]["usage"]["total_tokens"] == 2 and last[1]["usage"]["pdserve_timings"]["path"] == "local"
+    assert "pdserve_timings" not in last[0] and last[1]["object"] == "text_completion"
+
+
+@pytest.mark.parametrize(("reason", "want"), [("stop", "stop"), ("length", "length"), ("abort", None),
+                                              ("weird", None)])
+def test_finish_reasons(reason: str, want: str | None) -> None:
+    chunk = Chunk("", [], reason)
+    if want is None:
+        with pytest.raises(RequestFailed, match="r9"):
+            openai_finish_reason(chunk, "r9")
+    else:
+        assert openai_finish_reason(chunk, "r9") == want
