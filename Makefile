@@ -7,9 +7,9 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= dev
 STAMP := $(VENV)/.installed-$(EXTRAS)
-PROMPT ?= What is the capital of France?
+SERVE_FLAGS ?=
 
-.PHONY: install model run test test-fast bench-engine clean
+.PHONY: install model run test test-fast bench-engine protos clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,14 +23,19 @@ install: $(STAMP)
 model: $(STAMP)
 	$(PY) -m pdserve model fetch
 
+# Serves the embedded model: 1 prefill + 1 decode worker on a local Ray, HTTP :8000 and gRPC :50051.
 run: model
-	$(PY) -m pdserve generate "$(PROMPT)"
+	$(PY) -m pdserve serve $(SERVE_FLAGS)
 
 test: model
 	$(PY) -m pytest tests
 
 test-fast: $(STAMP)
 	$(PY) -m pytest tests -m "not slow and not model"
+
+# Regenerates the gRPC stubs from protos/ (a test fails when they are stale).
+protos: $(STAMP)
+	$(PY) -m protos.generate
 
 bench-engine: model
 	$(PY) -m pdserve bench engine

@@ -1,4 +1,4 @@
-"""`pdserve` command line: model, generate, bench. Thin: parses flags, calls the packages."""
+"""`pdserve` command line: serve, generate, model, bench. Thin: parses flags, calls the packages."""
 from __future__ import annotations
 
 import argparse
@@ -35,7 +35,31 @@ def cmd_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate_remote(args: argparse.Namespace) -> int:
+    import grpc
+
+    from pdserve.grpc_client import generate_stream
+
+    try:
+        for resp in generate_stream(args.server, args.prompt, not args.no_chat, args.max_tokens, args.temperature,
+                                    args.top_p, args.top_k, args.seed, args.stop or []):
+            sys.stdout.write(resp.text)
+            sys.stdout.flush()
+            if resp.finish_reason:
+                t, u = resp.timings, resp.usage
+                print(f"\n\n[pdserve] {args.server} | path {t.path} | prompt {u.prompt_tokens} tokens | TTFT "
+                      f"{t.ttft_s * 1e3:.0f} ms (queue {t.queue_s * 1e3:.0f}, prefill {t.prefill_s * 1e3:.0f}, "
+                      f"transfer {t.transfer_s * 1e3:.0f}) | {u.completion_tokens} output tokens, decode "
+                      f"{t.decode_s:.2f} s | finish: {resp.finish_reason}", file=sys.stderr)
+    except grpc.RpcError as e:
+        print(f"\npdserve: error: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 2 if e.code() == grpc.StatusCode.INVALID_ARGUMENT else 1
+    return 0
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
+    if args.server:
+        return _generate_remote(args)
     from engine import LLMEngine, SamplingParams
 
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -60,6 +84,74 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from engine import CacheConfig, EngineConfig
+    from kv_transfer import TransferConfig
+    from pdserve.serve import ServeConfig, run
+    from router.config import RouterConfig
+
+    threads = args.threads if args.threads is not None else max(1, int(args.cpus_per_worker))
+    engine = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, num_threads=threads,
+                          compile=args.compile, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                          cache=CacheConfig(block_size=args.block_size, memory_gib=args.kv_memory_gib))
+    transfer = TransferConfig(backend=args.transfer_backend, timeout_s=args.transfer_timeout)
+    router = RouterConfig(policy=args.policy, ttft_target_s=args.ttft_target, tpot_target_s=args.tpot_target,
+                          max_queued=args.max_queued, queue_timeout_s=args.queue_timeout,
+                          served_model_name=args.served_model_name)
+    cfg = ServeConfig(engine=engine, transfer=transfer, router=router, address=args.address,
+                      num_prefill=args.prefill, num_decode=args.decode, cpus_per_worker=args.cpus_per_worker,
+                      host=args.host, http_port=args.http_port, grpc_port=args.grpc_port)
+    return run(cfg, args.log_level)
+
+
+def _serve_flags(p: argparse.ArgumentParser) -> None:
+    from kv_transfer.config import BACKENDS
+    from router.policy import POLICIES
+
+    p.add_argument("--config", default=None, help="YAML file of flag values, keys as the flags with _ for - "
+                   "(http_port: 8000); flags given on the command line win")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="most sequences a worker runs at once")
+    p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    p.add_argument("--address", default=None,
+                   help="Ray cluster to join: auto, HOST:PORT or ray://HOST:PORT (default: start a local one)")
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers (0: local prefill only)")
+    p.add_argument("--decode", type=int, default=1, help="decode workers (>= 1)")
+    p.add_argument("--cpus-per-worker", type=float, default=1.0, help="Ray CPUs each worker claims")
+    p.add_argument("--transfer-backend", default="torch_dist", choices=BACKENDS, help="how KV moves")
+    p.add_argument("--transfer-timeout", type=float, default=30.0, help="seconds before a KV transfer fails")
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (0.0.0.0 exposes the server)")
+    p.add_argument("--http-port", type=int, default=8000, help="OpenAI-compatible HTTP port (0: any free)")
+    p.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (0: any free)")
+    p.add_argument("--policy", default="ratio", choices=POLICIES, help="placement policy")
+    p.add_argument("--ttft-target", type=float, default=2.0, help="TTFT target the ratio policy plans for (s)")
+    p.add_argument("--tpot-target", type=float, default=0.15, help="time-per-output-token target (s)")
+    p.add_argument("--max-queued", type=int, default=256, help="requests that may wait for room before 429")
+    p.add_argument("--queue-timeout", type=float, default=30.0, help="longest wait for room before 429 (s)")
+    p.add_argument("--served-model-name", default=None, help="model id clients use (default: the directory name)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _apply_yaml(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str] | None) -> argparse.Namespace:
+    """Re-parse `serve` with the YAML file's values as defaults, so command-line flags still win."""
+    import yaml
+
+    try:
+        with open(args.config) as f:
+            values = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ValueError(f"config: cannot read {args.config}: {e}") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"config: {args.config} must hold a mapping of flag names to values")
+    serve = parser._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    known = {a.dest for a in serve._actions} - {"help", "config"}
+    values = {str(k).replace("-", "_"): v for k, v in values.items()}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"config: unknown keys {unknown}; allowed: {sorted(known)}")
+    serve.set_defaults(**values)
+    return parser.parse_args(argv)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from pdserve.bench_engine import run_engine_bench
 
@@ -79,8 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
     path.add_argument("--check", action="store_true", help="fail unless it has been fetched and is valid")
     model.set_defaults(func=cmd_model)
 
-    gen = sub.add_parser("generate", help="run one prompt in-process and show the prefill/decode split")
+    gen = sub.add_parser("generate", help="run one prompt (in-process, or on a server) and show the phase split")
     gen.add_argument("prompt")
+    gen.add_argument("--server", default=None, help="HOST:PORT of a running pdserve's gRPC API (default: run "
+                     "the engine in-process)")
     _engine_flags(gen)
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -90,6 +184,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--no-chat", action="store_true", help="send the prompt raw, without the chat template")
     gen.set_defaults(func=cmd_generate)
+
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API and gRPC on Ray pools")
+    _engine_flags(serve)
+    _serve_flags(serve)
+    serve.set_defaults(func=cmd_serve)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench_cmd", required=True)
@@ -105,8 +204,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     from engine.model_store import ModelError  # light import: no torch
+
+    if getattr(args, "config", None):
+        try:
+            args = _apply_yaml(parser, args, argv)
+        except ValueError as e:
+            print(f"pdserve: error: {e}", file=sys.stderr)
+            return 2
 
     try:
         return args.func(args)

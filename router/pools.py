@@ -30,8 +30,10 @@ class Pools:
     prefill_peers: list[PeerInfo] = field(default_factory=list)
     decode_peers: list[PeerInfo] = field(default_factory=list)
 
-    def shutdown(self) -> None:
-        ray.get([w.shutdown.remote() for w in self.prefill + self.decode])
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Stop every worker: a graceful stop for up to `timeout_s`, then the actors are killed."""
+        refs = [w.shutdown.remote() for w in self.prefill + self.decode]
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         for w in self.prefill + self.decode:
             ray.kill(w)
         self.prefill, self.decode, self.prefill_peers, self.decode_peers = [], [], [], []

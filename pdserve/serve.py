@@ -1,0 +1,159 @@
+"""`pdserve serve`: Ray, the pools, calibration, then HTTP and gRPC until SIGINT / SIGTERM.
+
+1. Connect to Ray: a local cluster (whose custom resources make room for the pools) or an
+   existing one (`--address`), whose nodes advertise `prefill_pool` / `decode_pool`.
+2. Start the prefill and decode actors; read their KV geometry and limits.
+3. Calibrate the cost model on them (prefill, decode step, transfer, round trip).
+4. Serve the OpenAI-compatible HTTP API and the gRPC API from one event loop.
+5. On a signal: stop accepting, cancel in-flight streams (their blocks are freed), stop the actors.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+
+from engine import EngineConfig
+from kv_transfer import TransferConfig
+from router.config import RouterConfig
+
+log = logging.getLogger("pdserve.serve")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """Everything `pdserve serve` runs with.
+
+    Args:
+        engine: each worker's engine; transfer: the KV transfer backend; router: placement and admission.
+        address: Ray cluster to join (None: start a local one; "auto": the one this machine belongs to).
+        num_prefill / num_decode: workers per pool (num_prefill may be 0: local prefill only).
+        cpus_per_worker: Ray CPUs each actor claims.
+        host: interface both servers bind (loopback by default; 0.0.0.0 exposes them).
+        http_port / grpc_port: their ports (0 picks a free one).
+    """
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    address: str | None = None
+    num_prefill: int = 1
+    num_decode: int = 1
+    cpus_per_worker: float = 1.0
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 50051
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.num_prefill, int) or self.num_prefill < 0:
+            raise ValueError(f"prefill: must be an integer >= 0 workers, got {self.num_prefill!r}")
+        if not isinstance(self.num_decode, int) or self.num_decode < 1:
+            raise ValueError(f"decode: must be an integer >= 1 workers, got {self.num_decode!r}")
+        if not self.cpus_per_worker >= 0:
+            raise ValueError(f"cpus_per_worker: must be >= 0, got {self.cpus_per_worker!r}")
+        for name in ("http_port", "grpc_port"):
+            if not 0 <= getattr(self, name) <= 65535:
+                raise ValueError(f"{name}: must be in [0, 65535] (0 = any free port), got {getattr(self, name)}")
+
+
+def _connect(cfg: ServeConfig) -> None:
+    import ray
+
+    from router.pools import DECODE_RESOURCE, PREFILL_RESOURCE
+
+    if cfg.address is not None:
+        ray.init(address=cfg.address, log_to_driver=True)
+        return
+    need = (cfg.num_prefill + cfg.num_decode) * cfg.cpus_per_worker
+    ray.init(num_cpus=max(os.cpu_count() or 1, int(need + 0.999)), include_dashboard=False,
+             resources={PREFILL_RESOURCE: cfg.num_prefill, DECODE_RESOURCE: cfg.num_decode})
+
+
+def _start_pools(cfg: ServeConfig):  # noqa: ANN202 - (Pools, prefill infos, decode infos)
+    import ray
+    from tqdm import tqdm
+
+    from router.pools import Pools, add_decode_worker, add_prefill_worker
+
+    pools = Pools()
+    with tqdm(total=cfg.num_prefill + cfg.num_decode, desc="starting workers", unit="worker",
+              file=sys.stderr) as bar:
+        for _ in range(cfg.num_prefill):
+            add_prefill_worker(pools, cfg.engine, cfg.transfer, cfg.cpus_per_worker)
+            bar.update()
+        for _ in range(cfg.num_decode):
+            add_decode_worker(pools, cfg.engine, cfg.transfer, cfg.cpus_per_worker)
+            bar.update()
+    infos = ray.get([w.info.remote() for w in pools.prefill + pools.decode])
+    return pools, infos[:cfg.num_prefill], infos[cfg.num_prefill:]
+
+
+async def serve(cfg: ServeConfig, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
+    """Run pdserve until `stop` is set or a SIGINT / SIGTERM arrives. Sets `ready` once serving."""
+    from engine.model_loader import load_tokenizer
+    from engine.model_store import resolve_model
+    from router.calibrate import calibrate
+    from router.grpc_server import start_grpc_server
+    from router.http_server import start_http_server
+    from router.service import Router
+
+    model_dir = resolve_model(cfg.engine.model)
+    tokenizer = load_tokenizer(model_dir)
+    _connect(cfg)
+    pools = None
+    try:
+        t0 = time.perf_counter()
+        pools, p_infos, d_infos = await asyncio.get_running_loop().run_in_executor(None, _start_pools, cfg)
+        print(f"[pdserve] {len(pools.prefill)} prefill + {len(pools.decode)} decode workers up in "
+              f"{time.perf_counter() - t0:.1f} s; calibrating the cost model ...", file=sys.stderr, flush=True)
+        cost = await calibrate(pools, d_infos[0])
+        router = Router(pools, p_infos, d_infos, tokenizer, model_dir, cfg.router, cost)
+        await router.poll_once()
+        router.start_polling()
+        http, http_port = await start_http_server(router, cfg.host, cfg.http_port)
+        grpc_server, grpc_port = await start_grpc_server(router, cfg.host, cfg.grpc_port)
+        _announce(router, cfg, cost, http_port, grpc_port)
+        stop = stop or asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, stop.set)
+            except (NotImplementedError, RuntimeError):  # not the main thread (tests)
+                pass
+        if ready is not None:
+            ready.set()
+        await stop.wait()
+        print("[pdserve] shutting down: in-flight requests are cancelled", file=sys.stderr, flush=True)
+        await grpc_server.stop(grace=2.0)
+        await http.cleanup()
+        await router.stop_polling()
+    finally:
+        if pools is not None:
+            pools.shutdown()
+        import ray
+
+        ray.shutdown()
+
+
+def _announce(router: object, cfg: ServeConfig, cost: object, http_port: int, grpc_port: int) -> None:
+    host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
+    name = router.model_name  # type: ignore[attr-defined]
+    c = cost.to_dict()  # type: ignore[attr-defined]
+    print(f"[pdserve] cost model: {c}", file=sys.stderr)
+    print(f"[pdserve] serving {name!r} with policy {cfg.router.policy}: HTTP http://{host}:{http_port}  "
+          f"gRPC {host}:{grpc_port}\n"
+          f"  curl http://{host}:{http_port}/v1/chat/completions -H 'Content-Type: application/json' "
+          f"-d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], "
+          f"\"max_tokens\": 32}}'\n"
+          f"  pdserve generate --server {host}:{grpc_port} \"Hello!\"", file=sys.stderr, flush=True)
+    print(f"READY http={http_port} grpc={grpc_port}", flush=True)
+
+
+def run(cfg: ServeConfig, log_level: str = "info") -> int:
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(serve(cfg))
+    return 0

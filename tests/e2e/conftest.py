@@ -1,0 +1,105 @@
+"""A real `pdserve serve` (separate process, local Ray, embedded model, fp32) for the e2e tests,
+and transformers' greedy `generate` on the same model as the oracle."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+STARTUP_S = 300
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    http: str  # base URL
+    grpc: str  # host:port
+    model: str
+    proc: subprocess.Popen
+    log: list[str]
+
+
+def start_server(extra: list[str]) -> Server:
+    http_port, grpc_port = free_port(), free_port()
+    cmd = [sys.executable, "-m", "pdserve", "serve", "--dtype", "float32", "--kv-memory-gib", "0.25",
+           "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--served-model-name", "smollm2",
+           *extra]
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    log: list[str] = []
+    ready = threading.Event()
+
+    def pump() -> None:
+        for line in proc.stdout:
+            log.append(line)
+            if line.startswith("READY "):
+                ready.set()
+    threading.Thread(target=pump, daemon=True).start()
+    deadline = time.monotonic() + STARTUP_S
+    while not ready.wait(0.5):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_server(proc)
+            raise RuntimeError("pdserve serve did not start:\n" + "".join(log[-60:]))
+    return Server(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", "smollm2", proc, log)
+
+
+def stop_server(proc: subprocess.Popen, timeout_s: float = 60) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise AssertionError("pdserve serve did not exit within 60 s of SIGTERM") from None
+    return proc.returncode
+
+
+@pytest.fixture(scope="session")
+def server():
+    srv = start_server(["--prefill", "1", "--decode", "1"])
+    yield srv
+    code = stop_server(srv.proc)
+    assert code == 0, "".join(srv.log[-40:])
+
+
+@pytest.fixture(scope="session")
+def oracle():
+    """(model, tokenizer) of the embedded model in fp32, for greedy references."""
+    from engine.model_loader import load_model
+
+    torch.set_num_threads(1)
+    model, tokenizer = load_model(None, "float32", "cpu")
+    return model, tokenizer
+
+
+def greedy_ids(oracle, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    model, tokenizer = oracle
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=tokenizer.eos_token_id)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def chat_ids(oracle, messages: list[dict]) -> list[int]:
+    from engine.model_loader import encode_prompt
+
+    return encode_prompt(oracle[1], messages, chat=True)
+
+
+def text_of(oracle, ids: list[int]) -> str:
+    return oracle[1].decode(ids, skip_special_tokens=True)

@@ -1,0 +1,132 @@
+"""The OpenAI-compatible HTTP API of a real running pdserve, through the official `openai` SDK and raw
+HTTP: completions and chat, streamed and not, equal to transformers greedy `generate`; metrics; errors."""
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.e2e.conftest import chat_ids, greedy_ids, text_of
+
+pytestmark = pytest.mark.model
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.http + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_chat_matches_generate(client, server, oracle):
+    want = text_of(oracle, greedy_ids(oracle, chat_ids(oracle, MESSAGES), 24))
+    resp = client.chat.completions.create(model=server.model, messages=MESSAGES, max_tokens=24, temperature=0)
+    assert resp.choices[0].message.content == want
+    assert resp.choices[0].message.role == "assistant"
+    assert resp.usage.prompt_tokens == len(chat_ids(oracle, MESSAGES))
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+    timings = resp.model_extra["usage"]["pdserve_timings"] if "usage" in (resp.model_extra or {}) else \
+        resp.usage.model_extra["pdserve_timings"]
+    assert timings["path"] in ("remote", "local") and timings["ttft_s"] > 0
+
+
+def test_chat_stream_matches_generate(client, server, oracle):
+    want = text_of(oracle, greedy_ids(oracle, chat_ids(oracle, MESSAGES), 24))
+    stream = client.chat.completions.create(model=server.model, messages=MESSAGES, max_tokens=24, stream=True,
+                                            temperature=0, stream_options={"include_usage": True})
+    parts, reasons, usage = [], [], None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            parts.append(choice.delta.content or "")
+            reasons.append(choice.finish_reason)
+    assert "".join(parts) == want
+    assert reasons[-1] in ("stop", "length") and all(r is None for r in reasons[:-1])
+    assert usage is not None and usage.completion_tokens >= 1
+
+
+def test_completion_matches_generate(client, server, oracle):
+    prompt = "The three primary colours are"
+    ids = oracle[1](prompt)["input_ids"]
+    want_ids = greedy_ids(oracle, ids, 20)
+    resp = client.completions.create(model=server.model, prompt=prompt, max_tokens=20, temperature=0)
+    assert resp.choices[0].text == text_of(oracle, want_ids)
+    assert resp.usage.completion_tokens == len(want_ids)
+    stream = client.completions.create(model=server.model, prompt=prompt, max_tokens=20, stream=True, temperature=0)
+    assert "".join(c.choices[0].text for c in stream if c.choices) == text_of(oracle, want_ids)
+
+
+def test_long_prompt_through_the_server_matches_generate(client, server, oracle):
+    prompt = " ".join(f"Item {i} is a {['red', 'green', 'blue'][i % 3]} box." for i in range(60)) + " Item 60 is"
+    ids = oracle[1](prompt)["input_ids"]
+    assert len(ids) > 400
+    resp = client.completions.create(model=server.model, prompt=prompt, max_tokens=8, temperature=0)
+    assert resp.choices[0].text == text_of(oracle, greedy_ids(oracle, ids, 8))
+
+
+def test_models_and_health(client, server):
+    assert [m.id for m in client.models.list().data] == [server.model]
+    with urllib.request.urlopen(server.http + "/health", timeout=10) as r:
+        assert r.status == 200
+
+
+def test_metrics_scrape_has_ttft_samples(client, server):
+    client.completions.create(model=server.model, prompt="Hello", max_tokens=4)
+    with urllib.request.urlopen(server.http + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    ttft = families["pdserve_time_to_first_token_seconds"]
+    counts = [s.value for s in ttft.samples if s.name.endswith("_count")]
+    assert counts and sum(counts) >= 1
+    for name in ("pdserve_inter_token_latency_seconds", "pdserve_e2e_request_latency_seconds",
+                 "pdserve_requests", "pdserve_placement_decisions", "pdserve_kv_blocks_used",
+                 "pdserve_running_sequences", "pdserve_request_prefill_seconds"):
+        assert name in families, name
+    decisions = [s for s in families["pdserve_placement_decisions"].samples if s.name.endswith("_total")]
+    assert decisions and all(s.labels["reason"] for s in decisions)
+
+
+def post(server, path: str, body: bytes | dict) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(server.http + path, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.mark.parametrize("path,body,status,param", [
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", {"model": "smollm2"}, 400, "prompt"),
+    ("/v1/completions", {"model": "smollm2", "prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"model": "smollm2", "prompt": "hi " * 9000}, 400, "prompt"),
+    ("/v1/completions", {"model": "smollm2", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"model": "smollm2", "prompt": "hi", "max_tokens": 10**9}, 400, "max_tokens"),
+    ("/v1/completions", {"model": "smollm2", "prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
+    ("/v1/completions", {"model": "smollm2", "prompt": "hi", "n": 2}, 400, "n"),
+    ("/v1/completions", {"model": "smollm2", "prompt": "hi", "logprobs": 3}, 400, "logprobs"),
+    ("/v1/completions", {"model": "smollm2", "prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"model": "nope", "prompt": "hi"}, 404, "model"),
+    ("/v1/chat/completions", {"model": "smollm2", "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": "smollm2", "messages": "hi"}, 400, "messages"),
+    ("/v1/chat/completions", {"model": "smollm2", "messages": MESSAGES, "top_p": 2}, 400, "top_p"),
+])
+def test_bad_input_gets_a_clear_error(server, path, body, status, param):
+    code, payload = post(server, path, body)
+    assert code == status, payload
+    err = payload["error"]
+    assert set(err) >= {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    assert "Traceback" not in json.dumps(payload)
+
+
+def test_still_serving_after_errors(client, server):
+    post(server, "/v1/completions", b"[1, 2")
+    resp = client.completions.create(model=server.model, prompt="Hello", max_tokens=2)
+    assert resp.choices[0].finish_reason in ("stop", "length")
