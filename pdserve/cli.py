@@ -16,7 +16,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true", help="torch.compile the decode step (faster decode, ~15 s start)")
 
 
-def _engine_config(args: argparse.Namespace) -> "EngineConfig":  # noqa: F821
+def _engine_config(args: argparse.Namespace) -> EngineConfig:  # noqa: F821
     from engine import CacheConfig, EngineConfig
 
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, num_threads=args.threads,
@@ -97,7 +97,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     transfer = TransferConfig(backend=args.transfer_backend, timeout_s=args.transfer_timeout)
     router = RouterConfig(policy=args.policy, ttft_target_s=args.ttft_target, tpot_target_s=args.tpot_target,
                           max_queued=args.max_queued, queue_timeout_s=args.queue_timeout,
-                          served_model_name=args.served_model_name)
+                          served_model_name=args.served_model_name, default_max_tokens=args.default_max_tokens)
     cfg = ServeConfig(engine=engine, transfer=transfer, router=router, address=args.address,
                       num_prefill=args.prefill, num_decode=args.decode, cpus_per_worker=args.cpus_per_worker,
                       host=args.host, http_port=args.http_port, grpc_port=args.grpc_port)
@@ -127,6 +127,8 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tpot-target", type=float, default=0.15, help="time-per-output-token target (s)")
     p.add_argument("--max-queued", type=int, default=256, help="requests that may wait for room before 429")
     p.add_argument("--queue-timeout", type=float, default=30.0, help="longest wait for room before 429 (s)")
+    p.add_argument("--default-max-tokens", type=int, default=1024,
+                   help="output limit of chat / gRPC requests that set none (cut to the room left in the context)")
     p.add_argument("--served-model-name", default=None, help="model id clients use (default: the directory name)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 

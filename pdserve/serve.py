@@ -73,7 +73,7 @@ def _connect(cfg: ServeConfig) -> None:
              resources={PREFILL_RESOURCE: cfg.num_prefill, DECODE_RESOURCE: cfg.num_decode})
 
 
-def _start_pools(cfg: ServeConfig):  # noqa: ANN202 - (Pools, prefill infos, decode infos)
+def _start_pools(cfg: ServeConfig):
     import ray
     from tqdm import tqdm
 

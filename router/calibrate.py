@@ -52,7 +52,7 @@ async def _transfer_fit(prefill: ray.actor.ActorHandle, decode: ray.actor.ActorH
     return LinearFit.fit(sizes[1:], times[1:])
 
 
-def _one_token():  # noqa: ANN202
+def _one_token():
     from engine import SamplingParams
 
     return SamplingParams(max_tokens=1)
@@ -81,7 +81,7 @@ async def calibrate(pools: Pools, info: dict) -> CostModel:
     lengths = _lengths(info["max_model_len"], info["num_blocks"], info["block_size"])
     local = await _prefill_fit(decode, lengths)
     batches = sorted({b for b in (1, 4, 16, 32) if b <= info["max_num_seqs"]} | {1})
-    context = min(128, lengths[-1])
+    context = min(64, lengths[-1])
     step_times = await decode.profile_decode.remote([batches[0]] + batches, context)
     steps = tuple(zip(batches, step_times[1:]))
     rtt = await _round_trip_s(decode)

@@ -20,6 +20,8 @@ class RouterConfig:
         queue_timeout_s: longest wait for room before "overloaded".
         served_model_name: the model id clients use; None: the model directory's name.
         load_poll_s: how often workers' load (KV blocks, batch) is read for gauges and health.
+        default_max_tokens: output limit of requests that give none (chat, gRPC), cut to the room left
+            in the context.
     """
 
     policy: str = "ratio"
@@ -29,6 +31,7 @@ class RouterConfig:
     queue_timeout_s: float = 30.0
     served_model_name: str | None = None
     load_poll_s: float = 1.0
+    default_max_tokens: int = 1024
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -36,6 +39,8 @@ class RouterConfig:
         for name in ("ttft_target_s", "tpot_target_s", "queue_timeout_s", "load_poll_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
+        if not isinstance(self.default_max_tokens, int) or self.default_max_tokens < 1:
+            raise ValueError(f"default_max_tokens must be an integer >= 1, got {self.default_max_tokens!r}")
         if not isinstance(self.max_queued, int) or self.max_queued < 0:
             raise ValueError(f"max_queued must be an integer >= 0, got {self.max_queued!r}")
         if self.served_model_name is not None and not self.served_model_name.strip():

@@ -62,7 +62,8 @@ def to_generate_request(msg: pb.GenerateRequest) -> GenerateRequest:
     else:
         raise InvalidRequestError("input", "set exactly one of text, token_ids or chat")
     return GenerateRequest(prompt=prompt, messages=messages, sampling=to_sampling_params(msg.sampling),
-                           request_id=msg.request_id or None, model=msg.model or None)
+                           request_id=msg.request_id or None, model=msg.model or None,
+                           max_tokens_default=not msg.sampling.HasField("max_tokens"))
 
 
 def to_sampling_params(msg: pb.SamplingParams) -> SamplingParams:

@@ -5,7 +5,8 @@ raising `InvalidRequestError(field, message)` that names the field and what is a
 cannot honour (n > 1, logprobs, penalties, tools, ...) are refused rather than silently ignored.
 Unknown top-level fields are ignored, as OpenAI-compatible servers commonly do.
 
-Defaults follow OpenAI: temperature 1.0, top_p 1.0, max_tokens 16. Extensions (vLLM names):
+Defaults follow OpenAI: temperature 1.0, top_p 1.0, max_tokens 16 for completions; chat without
+max_tokens gets the server's default (cut to the room left in the context). Extensions (vLLM names):
 top_k (-1 or 0 disables), ignore_eos, stop_token_ids.
 """
 from __future__ import annotations
@@ -67,7 +68,9 @@ def parse_chat_request(body: Any, default_max_tokens: int = DEFAULT_MAX_TOKENS) 
     else:
         max_tokens = _int_field(body, "max_tokens", default_max_tokens)
     sampling = _sampling(body, max_tokens)
-    return _parsed(body, GenerateRequest(messages=messages, sampling=sampling, model=_model(body)))
+    unset = body.get("max_completion_tokens") is None and body.get("max_tokens") is None
+    return _parsed(body, GenerateRequest(messages=messages, sampling=sampling, model=_model(body),
+                                         max_tokens_default=unset))
 
 
 def _parsed(body: dict, request: GenerateRequest) -> ParsedRequest:

@@ -16,6 +16,7 @@ import asyncio
 import logging
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 import ray
@@ -99,6 +100,9 @@ class Router:
             raise ModelNotFoundError(request.model, self.model_name)
         prompt = self._tokenize(request)
         sp = request.sampling
+        if request.max_tokens_default:
+            room = min(self.max_model_len, self._max_blocks * self._block_size) - len(prompt)
+            sp = replace(sp, max_tokens=max(1, min(self.config.default_max_tokens, room)))
         self._validate(prompt, sp.max_tokens, "messages" if request.messages is not None else "prompt")
         features = RequestFeatures(len(prompt), self.estimator.expected(sp.max_tokens, sp.ignore_eos), sp.max_tokens)
         placement = await self._place(features)
@@ -206,7 +210,7 @@ class Router:
         for pool, actor, slot in workers:
             try:
                 load = await asyncio.wait_for(actor.load.remote(), timeout=max(5.0, self.config.load_poll_s))
-            except (asyncio.TimeoutError, ray.exceptions.RayError) as e:
+            except (TimeoutError, ray.exceptions.RayError) as e:
                 if slot.healthy:
                     log.warning("%s worker %s failed its health check: %r", pool, slot.worker_id, e)
                 slot.healthy = False

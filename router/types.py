@@ -43,6 +43,8 @@ class GenerateRequest:
         sampling: sampling and stop settings (already validated on construction).
         request_id: the client's id for logs; the router mints its own when None.
         model: the model the client asked for; None means the served one.
+        max_tokens_default: the client gave no max_tokens: the router uses its default, cut to the
+            room left in the context (`sampling.max_tokens` is then ignored).
     """
 
     prompt: str | list[int] | None = None
@@ -50,6 +52,7 @@ class GenerateRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     request_id: str | None = None
     model: str | None = None
+    max_tokens_default: bool = False
 
 
 @dataclass

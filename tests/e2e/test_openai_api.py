@@ -49,6 +49,15 @@ def test_chat_stream_matches_generate(client, server, oracle):
     assert usage is not None and usage.completion_tokens >= 1
 
 
+def test_chat_without_max_tokens_runs_to_its_natural_end(client, server, oracle):
+    messages = [{"role": "user", "content": "Write a haiku about the sea."}]
+    want = greedy_ids(oracle, chat_ids(oracle, messages), 120)
+    assert len(want) > 16 and len(want) < 120  # it ends on its own, past OpenAI's completions default
+    resp = client.chat.completions.create(model=server.model, messages=messages, temperature=0)
+    assert resp.choices[0].message.content == text_of(oracle, want)
+    assert resp.choices[0].finish_reason == "stop"
+
+
 def test_completion_matches_generate(client, server, oracle):
     prompt = "The three primary colours are"
     ids = oracle[1](prompt)["input_ids"]

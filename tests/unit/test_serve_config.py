@@ -1,0 +1,57 @@
+"""`pdserve serve` configuration: flags, the YAML file (flags win), and validation naming the field."""
+from __future__ import annotations
+
+import pytest
+
+from pdserve.cli import _apply_yaml, build_parser
+from pdserve.serve import ServeConfig
+from router.config import RouterConfig
+
+
+def parse(argv: list[str]):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return _apply_yaml(parser, args, argv) if args.config else args
+
+
+def test_yaml_values_apply_and_flags_win(tmp_path):
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("policy: always_local\nhttp-port: 9100\ngrpc_port: 9101\nprefill: 2\nttft_target: 1.5\n")
+    args = parse(["serve", "--config", str(cfg), "--http-port", "9200"])
+    assert args.policy == "always_local" and args.grpc_port == 9101 and args.prefill == 2
+    assert args.ttft_target == 1.5
+    assert args.http_port == 9200  # the command line wins
+
+
+def test_yaml_unknown_key_is_named(tmp_path):
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("polcy: ratio\n")
+    with pytest.raises(ValueError, match="polcy"):
+        parse(["serve", "--config", str(cfg)])
+
+
+def test_yaml_must_be_a_mapping(tmp_path):
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("- a\n- b\n")
+    with pytest.raises(ValueError, match="mapping"):
+        parse(["serve", "--config", str(cfg)])
+
+
+def test_defaults_bind_loopback():
+    args = parse(["serve"])
+    assert args.host == "127.0.0.1" and args.policy == "ratio" and args.prefill == 1 and args.decode == 1
+
+
+@pytest.mark.parametrize("kw,field", [({"num_decode": 0}, "decode"), ({"num_prefill": -1}, "prefill"),
+                                      ({"http_port": 70000}, "http_port"), ({"cpus_per_worker": -1}, "cpus_per_worker")])
+def test_serve_config_validation_names_the_field(kw, field):
+    with pytest.raises(ValueError, match=field):
+        ServeConfig(**kw)
+
+
+@pytest.mark.parametrize("kw,field", [({"policy": "fastest"}, "policy"), ({"ttft_target_s": 0}, "ttft_target_s"),
+                                      ({"max_queued": -1}, "max_queued"), ({"served_model_name": " "},
+                                                                           "served_model_name")])
+def test_router_config_validation_names_the_field(kw, field):
+    with pytest.raises(ValueError, match=field):
+        RouterConfig(**kw)
