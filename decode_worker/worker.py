@@ -14,6 +14,7 @@ Only the engine loop thread touches the engine; actor methods hand it commands.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import time
 from collections.abc import Iterator
@@ -41,6 +42,10 @@ class DecodeWorker:
         self._owner = OwnerThread(self._work, name=f"engine-{worker_id}")  # last: it starts running
 
     # -- actor API (any thread) --------------------------------------------------------------------
+    def pid(self) -> int:
+        """This worker's process id (fault-injection tests kill it)."""
+        return os.getpid()
+
     def node_id(self) -> str:
         """The Ray node this worker runs on."""
         import ray

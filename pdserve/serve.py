@@ -99,6 +99,7 @@ async def serve(cfg: ServeConfig, ready: asyncio.Event | None = None, stop: asyn
     from router.calibrate import calibrate
     from router.grpc_server import start_grpc_server
     from router.http_server import start_http_server
+    from router.pools import replace_worker
     from router.service import Router
 
     model_dir = resolve_model(cfg.engine.model)
@@ -111,7 +112,10 @@ async def serve(cfg: ServeConfig, ready: asyncio.Event | None = None, stop: asyn
         print(f"[pdserve] {len(pools.prefill)} prefill + {len(pools.decode)} decode workers up in "
               f"{time.perf_counter() - t0:.1f} s; calibrating the cost model ...", file=sys.stderr, flush=True)
         cost = await calibrate(pools, d_infos[0])
-        router = Router(pools, p_infos, d_infos, tokenizer, model_dir, cfg.router, cost)
+        def respawn(pool: str, index: int) -> dict:
+            return replace_worker(pools, pool, index, cfg.engine, cfg.transfer, cfg.cpus_per_worker)
+
+        router = Router(pools, p_infos, d_infos, tokenizer, model_dir, cfg.router, cost, respawn=respawn)
         await router.poll_once()
         router.start_polling()
         http, http_port = await start_http_server(router, cfg.host, cfg.http_port)

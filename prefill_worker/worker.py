@@ -12,6 +12,7 @@ Only the engine loop thread touches the engine; actor methods hand it commands.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from concurrent.futures import Future
 
@@ -39,6 +40,10 @@ class PrefillWorker:
         self._owner = OwnerThread(self._work, name=f"engine-{worker_id}")  # last: it starts running
 
     # -- actor API (any thread) --------------------------------------------------------------------
+    def pid(self) -> int:
+        """This worker's process id (fault-injection tests kill it)."""
+        return os.getpid()
+
     def node_id(self) -> str:
         """The Ray node this worker runs on."""
         import ray

@@ -2,7 +2,8 @@
 
 The router reserves, per decode worker, the KV blocks a request may need at worst (prompt +
 max_tokens), so a decode worker is never promised more than it holds: memory pressure makes
-requests wait at the router instead of stalling or preempting decode batches.
+requests wait at the router instead of stalling or preempting decode batches. A `Booking` points
+at the slot objects it charged, so a replaced worker's fresh slot is never charged for old work.
 """
 from __future__ import annotations
 
@@ -11,14 +12,14 @@ from dataclasses import dataclass
 from router.policy import DecodeLoad, Placement, PoolState, PrefillLoad
 
 
-@dataclass
+@dataclass(eq=False)
 class PrefillSlot:
     worker_id: str
     queued_tokens: int = 0  # prompt tokens sent to it and not yet prefilled
     healthy: bool = True
 
 
-@dataclass
+@dataclass(eq=False)
 class DecodeSlot:
     worker_id: str
     num_blocks: int
@@ -33,6 +34,19 @@ class DecodeSlot:
         return -(-tokens // self.block_size)
 
 
+@dataclass(eq=False)
+class Booking:
+    """What one placed request holds in the book; released once (`prefilled`, then `finished`)."""
+
+    placement: Placement
+    prefill: PrefillSlot | None
+    decode: DecodeSlot
+    prompt_tokens: int
+    blocks: int
+    prefill_open: bool = True
+    open: bool = True
+
+
 class PoolBook:
     """Per-worker load as the router sees it. Args: prefill and decode slots, index-aligned with the pools."""
 
@@ -45,30 +59,37 @@ class PoolBook:
         return PoolState(
             prefill=tuple(PrefillLoad(p.worker_id, p.queued_tokens, p.healthy) for p in self.prefill),
             decode=tuple(DecodeLoad(d.worker_id, d.running,
-                                    0 if d.running >= d.max_num_seqs else d.num_blocks - d.reserved_blocks,
+                                    0 if d.running >= d.max_num_seqs else max(0, d.num_blocks - d.reserved_blocks),
                                     d.block_size, d.queued_prefill_tokens, d.healthy) for d in self.decode))
 
-    def admit(self, placement: Placement, prompt_tokens: int, max_tokens: int) -> int:
-        """Book a placed request. Returns the blocks reserved on its decode worker."""
+    def admit(self, placement: Placement, prompt_tokens: int, max_tokens: int) -> Booking:
+        """Book a placed request on its workers."""
         d = self.decode[placement.decode]
-        blocks = d.blocks_for(prompt_tokens + max_tokens)
+        p = self.prefill[placement.prefill] if placement.path == "remote" else None
+        booking = Booking(placement, p, d, prompt_tokens, d.blocks_for(prompt_tokens + max_tokens))
         d.running += 1
-        d.reserved_blocks += blocks
-        if placement.path == "remote":
-            self.prefill[placement.prefill].queued_tokens += prompt_tokens
+        d.reserved_blocks += booking.blocks
+        if p is not None:
+            p.queued_tokens += prompt_tokens
         else:
             d.queued_prefill_tokens += prompt_tokens
-        return blocks
+        return booking
 
-    def prefilled(self, placement: Placement, prompt_tokens: int) -> None:
-        """The request's prefill is over (first token known, or it ended before)."""
-        if placement.path == "remote":
-            self.prefill[placement.prefill].queued_tokens -= prompt_tokens
-        else:
-            self.decode[placement.decode].queued_prefill_tokens -= prompt_tokens
+    @staticmethod
+    def prefilled(booking: Booking) -> None:
+        """The request's prefill is over (first token known, or it ended before). Idempotent."""
+        if booking.prefill_open:
+            booking.prefill_open = False
+            if booking.prefill is not None:
+                booking.prefill.queued_tokens -= booking.prompt_tokens
+            else:
+                booking.decode.queued_prefill_tokens -= booking.prompt_tokens
 
-    def finished(self, placement: Placement, blocks: int) -> None:
-        d = self.decode[placement.decode]
-        d.running -= 1
-        d.reserved_blocks -= blocks
-        assert d.running >= 0 and d.reserved_blocks >= 0, d
+    def finished(self, booking: Booking) -> None:
+        """The request left its decode worker. Idempotent."""
+        self.prefilled(booking)
+        if booking.open:
+            booking.open = False
+            booking.decode.running -= 1
+            booking.decode.reserved_blocks -= booking.blocks
+            assert booking.decode.running >= 0 and booking.decode.reserved_blocks >= 0, booking.decode

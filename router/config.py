@@ -22,6 +22,11 @@ class RouterConfig:
         load_poll_s: how often workers' load (KV blocks, batch) is read for gauges and health.
         default_max_tokens: output limit of requests that give none (chat, gRPC), cut to the room left
             in the context.
+        on_prefill_failure: when a prefill worker dies or a KV transfer fails before the first token:
+            "retry" (another prefill worker; local prefill when none is healthy), "local" (prefill on
+            the decode worker), "fail" (the client gets the error).
+        max_attempts: most placements of one request before it fails (first one included).
+        max_migrations: most times one request moves to another decode worker after one died mid-stream.
     """
 
     policy: str = "ratio"
@@ -32,6 +37,9 @@ class RouterConfig:
     served_model_name: str | None = None
     load_poll_s: float = 1.0
     default_max_tokens: int = 1024
+    on_prefill_failure: str = "retry"
+    max_attempts: int = 3
+    max_migrations: int = 2
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -39,6 +47,12 @@ class RouterConfig:
         for name in ("ttft_target_s", "tpot_target_s", "queue_timeout_s", "load_poll_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
+        if self.on_prefill_failure not in ("retry", "local", "fail"):
+            raise ValueError(f"on_prefill_failure must be one of retry, local, fail; got {self.on_prefill_failure!r}")
+        if not isinstance(self.max_attempts, int) or self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be an integer >= 1, got {self.max_attempts!r}")
+        if not isinstance(self.max_migrations, int) or self.max_migrations < 0:
+            raise ValueError(f"max_migrations must be an integer >= 0, got {self.max_migrations!r}")
         if not isinstance(self.default_max_tokens, int) or self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens must be an integer >= 1, got {self.default_max_tokens!r}")
         if not isinstance(self.max_queued, int) or self.max_queued < 0:

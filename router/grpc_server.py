@@ -1,9 +1,13 @@
 """The gRPC API (protos/pdserve/v1/pdserve.proto) on grpc.aio, in front of a `RouterAPI`.
 
 Lifecycle of one Generate call:
+0. With API keys: `ApiKeyInterceptor` wants metadata `authorization: Bearer <key>` or `x-api-key: <key>`
+   (missing or wrong → UNAUTHENTICATED, before the request is even decoded). Messages larger than
+   `max_message_bytes` (default 8 MiB) are refused by grpc itself with RESOURCE_EXHAUSTED.
 1. Translate the proto request into a `GenerateRequest`: the oneof `input` becomes the prompt or
    chat messages, unset `sampling` fields take `SamplingParams`' defaults, empty strings mean unset.
-   `SamplingParams` validates on construction.
+   `SamplingParams` validates on construction; chat roles and the size limits of
+   `router.limits.RequestLimits` (prompt characters, messages, stop strings and ids) are checked.
 2. `router.submit` validates, tokenizes and places it, or raises before anything runs.
 3. Relay each `Chunk` of the returned `RequestStream` as a `GenerateResponse` (request id on every
    one; finish_reason, usage and timings on the last).
@@ -15,12 +19,14 @@ Lifecycle of one Generate call:
    cancelled), that aborts the request on the workers; after a normal end it is a no-op.
 
 The server also serves grpc.health.v1.Health (SERVING while `router.healthy()`, for "" and for the
-generation service) and server reflection listing both services.
+generation service) and server reflection listing both services; both stay open when API keys are
+set (probes and tooling need no secret), as does nothing else. Keys and metadata are never logged.
 """
 from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Awaitable, Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -30,6 +36,9 @@ from engine.errors import CapacityError, InvalidRequestError
 from engine.sampling_params import SamplingParams
 from protos.pdserve.v1 import pdserve_pb2 as pb
 from protos.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from router.auth import as_key_set, bearer_token, key_allowed
+from router.limits import DEFAULT_LIMITS, RequestLimits, check_limits
+from router.openai_protocol import CHAT_ROLES
 from router.types import (
     Chunk,
     GenerateRequest,
@@ -46,10 +55,15 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
 # SamplingParams fields whose proto field is `optional`: unset takes the dataclass default.
 _OPTIONAL_SAMPLING = ("max_tokens", "temperature", "top_p", "seed")
+# Methods callable without an API key: health checks and reflection.
+OPEN_METHOD_PREFIXES = (f"/{health.SERVICE_NAME}/", f"/{reflection.SERVICE_NAME}/",
+                        "/grpc.reflection.v1.ServerReflection/")
+DEFAULT_MAX_MESSAGE_BYTES = 8 << 20
 
 
-def to_generate_request(msg: pb.GenerateRequest) -> GenerateRequest:
-    """Args: the proto request. Returns: the router's request. Raises InvalidRequestError (names the field)."""
+def to_generate_request(msg: pb.GenerateRequest, limits: RequestLimits = DEFAULT_LIMITS) -> GenerateRequest:
+    """Args: the proto request; the size limits. Returns: the router's request.
+    Raises InvalidRequestError (names the field)."""
     kind = msg.WhichOneof("input")
     prompt: str | list[int] | None = None
     messages: list[dict] | None = None
@@ -58,12 +72,26 @@ def to_generate_request(msg: pb.GenerateRequest) -> GenerateRequest:
     elif kind == "token_ids":
         prompt = list(msg.token_ids.ids)
     elif kind == "chat":
-        messages = [{"role": m.role, "content": m.content} for m in msg.chat.messages]
+        messages = _chat_messages(msg.chat, limits.max_messages)
     else:
         raise InvalidRequestError("input", "set exactly one of text, token_ids or chat")
-    return GenerateRequest(prompt=prompt, messages=messages, sampling=to_sampling_params(msg.sampling),
-                           request_id=msg.request_id or None, model=msg.model or None,
-                           max_tokens_default=not msg.sampling.HasField("max_tokens"))
+    request = GenerateRequest(prompt=prompt, messages=messages, sampling=to_sampling_params(msg.sampling),
+                              request_id=msg.request_id or None, model=msg.model or None,
+                              max_tokens_default=not msg.sampling.HasField("max_tokens"))
+    return check_limits(request, limits)
+
+
+def _chat_messages(chat: pb.ChatMessages, max_messages: int) -> list[dict]:
+    if not chat.messages:
+        raise InvalidRequestError("messages", "must be a non-empty list of {role, content} messages")
+    if len(chat.messages) > max_messages:
+        raise InvalidRequestError("messages", f"has {len(chat.messages)} messages; at most {max_messages} "
+                                              "are allowed")
+    for i, m in enumerate(chat.messages):
+        if m.role not in CHAT_ROLES:
+            raise InvalidRequestError(f"messages[{i}].role", f"must be one of {', '.join(CHAT_ROLES)}; "
+                                                             f"got {m.role[:40]!r}")
+    return [{"role": m.role, "content": m.content} for m in chat.messages]
 
 
 def to_sampling_params(msg: pb.SamplingParams) -> SamplingParams:
@@ -113,15 +141,16 @@ def error_status(exc: Exception, request_id: str) -> tuple[grpc.StatusCode, str,
 class GenerationServicer(pb_grpc.GenerationServiceServicer):
     """pdserve.v1.GenerationService over a RouterAPI."""
 
-    def __init__(self, router: RouterAPI) -> None:
+    def __init__(self, router: RouterAPI, limits: RequestLimits = DEFAULT_LIMITS) -> None:
         self._router = router
+        self._limits = limits
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         # Writes with context.write (not a generator) so a cancellation always lands in this coroutine.
         request_id = request.request_id or f"grpc-{uuid.uuid4().hex[:12]}"
         stream: RequestStream | None = None
         try:
-            stream = await self._router.submit(to_generate_request(request))
+            stream = await self._router.submit(to_generate_request(request, self._limits))
             request_id = stream.request_id
             async for chunk in stream:
                 await context.write(to_response(request_id, chunk))
@@ -161,18 +190,72 @@ class RouterHealthServicer(health.aio.HealthServicer):
                 await self.set(service, status)
 
 
-async def start_grpc_server(router: RouterAPI, host: str, port: int) -> tuple[grpc.aio.Server, int]:
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses calls without a valid key (UNAUTHENTICATED), except health and reflection.
+
+    Accepts metadata `authorization: Bearer <key>` or `x-api-key: <key>`. A refused call's request
+    is never decoded, and the status message never echoes what was sent.
+    """
+
+    def __init__(self, keys: frozenset[str]) -> None:
+        assert keys, "an ApiKeyInterceptor without keys would refuse every call"
+        self._keys = keys
+
+    async def intercept_service(
+            self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+            details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(OPEN_METHOD_PREFIXES):
+            return handler
+        metadata = {}
+        for key, value in details.invocation_metadata or ():
+            metadata.setdefault(key.lower(), value)
+        authorization, api_key = metadata.get("authorization"), metadata.get("x-api-key")
+        token = bearer_token(authorization) if isinstance(authorization, str) else None
+        if key_allowed(token, self._keys) or (isinstance(api_key, str) and key_allowed(api_key, self._keys)):
+            return handler
+        if authorization is None and api_key is None:
+            message = "missing API key: send metadata 'authorization: Bearer <key>' or 'x-api-key: <key>'"
+        else:
+            message = "invalid API key (the key sent is not shown)"
+        log.info("gRPC %s refused: %s", details.method, "no key" if authorization is None and api_key is None
+                 else "wrong or malformed key")
+        return _deny(handler, message)
+
+
+def _deny(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as `handler` that aborts with UNAUTHENTICATED without decoding the request."""
+    async def deny(request: object, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(deny)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(deny)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(deny)
+    return grpc.unary_unary_rpc_method_handler(deny)
+
+
+async def start_grpc_server(router: RouterAPI, host: str, port: int, *, api_keys: frozenset[str] = frozenset(),
+                            max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                            limits: RequestLimits = DEFAULT_LIMITS) -> tuple[grpc.aio.Server, int]:
     """Start the gRPC API; stop it with `await server.stop(grace_s)`.
 
     Args:
         router: the router core the calls go to.
         host: address to listen on ("0.0.0.0" for all IPv4 interfaces, "127.0.0.1" for local only).
         port: TCP port; 0 picks a free one.
+        api_keys: when non-empty, every call but health and reflection needs one of them.
+        max_message_bytes: larger request messages are refused with RESOURCE_EXHAUSTED.
+        limits: size limits on prompts, messages and stop lists (over → INVALID_ARGUMENT).
     Returns:
         (the started server, the port it is bound to).
     """
-    server = grpc.aio.server()
-    pb_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(router), server)
+    keys = as_key_set(api_keys)
+    server = grpc.aio.server(interceptors=[ApiKeyInterceptor(keys)] if keys else None,
+                             options=[("grpc.max_receive_message_length", max_message_bytes)])
+    pb_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(router, limits), server)
     health_servicer = RouterHealthServicer(router)
     await health_servicer.refresh()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

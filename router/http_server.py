@@ -1,9 +1,11 @@
 """The OpenAI-compatible HTTP API on aiohttp, in front of a `RouterAPI`.
 
 Lifecycle of one POST /v1/completions or /v1/chat/completions:
-1. The error middleware gives the request a log id (the client's `X-Request-Id` when valid).
+1. The error middleware gives the request a log id (the client's `X-Request-Id` when valid) and,
+   when the server has API keys, checks `Authorization: Bearer <key>` (missing or wrong → 401).
 2. Read the body (over `max_body_bytes` → 413) and decode it as strict JSON (no NaN/Infinity).
-3. `openai_protocol` parses it into a `GenerateRequest` (invalid field → 400 naming it).
+3. `openai_protocol` parses it into a `GenerateRequest` (invalid field, or over a size limit of
+   `router.limits.RequestLimits` → 400 naming it).
 4. `router.submit` validates, tokenizes and places it, or raises before anything runs
    (unknown model → 404, overload → 429 + Retry-After, invalid → 400).
 5. Non-streamed: collect the chunks, answer one JSON body. Streamed (`stream: true`): send
@@ -18,6 +20,7 @@ Errors are always `{"error": {"message", "type", "param", "code"}}`:
 | cause                                | status | type                  | code                |
 |--------------------------------------|--------|-----------------------|---------------------|
 | malformed JSON, invalid field        | 400    | invalid_request_error | null (param: field) |
+| API key missing or wrong             | 401    | invalid_request_error | invalid_api_key     |
 | unknown model                        | 404    | invalid_request_error | model_not_found     |
 | unknown route                        | 404    | invalid_request_error | null                |
 | wrong method                         | 405    | invalid_request_error | null (+ Allow)      |
@@ -28,6 +31,13 @@ Errors are always `{"error": {"message", "type", "param", "code"}}`:
 
 429 carries `Retry-After` (whole seconds) and `retry-after-ms`, which the openai SDKs honour when
 they retry; clients key off the status, the type is informational. Tracebacks go to the log only.
+
+API keys (`api_keys`, see `router.auth`): when non-empty, every route needs one except GET /health
+(liveness probes) and GET /metrics (so Prometheus scrapes without a secret; it exposes aggregate
+counters and worker load only, no prompts or keys; keep the port off the public network, or put
+the scrape behind a proxy, if that matters). Unknown routes need a key too (401 before 404). A 401
+never echoes what was sent. Keys and the Authorization header are never logged: the access log
+format (`ACCESS_LOG_FORMAT`) writes the request line, status, size, Referer and User-Agent only.
 """
 from __future__ import annotations
 
@@ -45,6 +55,8 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from engine.errors import CapacityError, InvalidRequestError
+from router.auth import as_key_set, bearer_token, key_allowed
+from router.limits import DEFAULT_LIMITS, RequestLimits
 from router.openai_protocol import (
     ParsedRequest,
     ResponseBuilder,
@@ -60,17 +72,30 @@ log = logging.getLogger(__name__)
 
 ROUTER_KEY = web.AppKey("pdserve_router", object)
 MAX_BODY_KEY = web.AppKey("pdserve_max_body_bytes", int)
+API_KEYS_KEY = web.AppKey("pdserve_api_keys", frozenset)
+LIMITS_KEY = web.AppKey("pdserve_limits", RequestLimits)
+OPEN_ROUTES = frozenset({"/health", "/metrics"})  # served without an API key
+# aiohttp's default access log format, pinned: no header but Referer and User-Agent is ever logged.
+ACCESS_LOG_FORMAT = '%a %t "%r" %s %b "%{Referer}i" "%{User-Agent}i"'
 _LOG_ID = web.RequestKey("pdserve_log_id", str)
 _CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 _DONE = b"data: [DONE]\n\n"
 
 
-def build_app(router: RouterAPI, max_body_bytes: int = 4 << 20) -> web.Application:
-    """Args: the router core; max_body_bytes: larger request bodies get 413. Returns: the aiohttp app."""
+def build_app(router: RouterAPI, max_body_bytes: int = 4 << 20, *, api_keys: frozenset[str] = frozenset(),
+              limits: RequestLimits = DEFAULT_LIMITS) -> web.Application:
+    """Args:
+        router: the router core.
+        max_body_bytes: larger request bodies get 413.
+        api_keys: when non-empty, every route but /health and /metrics needs `Authorization: Bearer <key>`.
+        limits: size limits on prompts, messages and stop lists (over → 400).
+    Returns: the aiohttp app."""
     app = web.Application(middlewares=[error_middleware], client_max_size=max_body_bytes)
     app[ROUTER_KEY] = router
     app[MAX_BODY_KEY] = max_body_bytes
+    app[API_KEYS_KEY] = as_key_set(api_keys)
+    app[LIMITS_KEY] = limits
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
@@ -79,10 +104,14 @@ def build_app(router: RouterAPI, max_body_bytes: int = 4 << 20) -> web.Applicati
     return app
 
 
-async def start_http_server(router: RouterAPI, host: str, port: int) -> tuple[web.AppRunner, int]:
-    """Serve on host:port (0 picks a free port). Returns: (runner — `await runner.cleanup()` stops it,
-    the bound port). Handlers are cancelled when their client disconnects, which aborts the request."""
-    runner = web.AppRunner(build_app(router), handler_cancellation=True)
+async def start_http_server(router: RouterAPI, host: str, port: int, *, api_keys: frozenset[str] = frozenset(),
+                            max_body_bytes: int = 4 << 20,
+                            limits: RequestLimits = DEFAULT_LIMITS) -> tuple[web.AppRunner, int]:
+    """Serve on host:port (0 picks a free port); api_keys, max_body_bytes, limits: as `build_app`.
+    Returns: (runner — `await runner.cleanup()` stops it, the bound port). Handlers are cancelled when
+    their client disconnects, which aborts the request."""
+    app = build_app(router, max_body_bytes, api_keys=api_keys, limits=limits)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log_format=ACCESS_LOG_FORMAT)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
     return runner, runner.addresses[0][1]
@@ -92,11 +121,13 @@ async def start_http_server(router: RouterAPI, host: str, port: int) -> tuple[we
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, parse_completion_request(await _read_json(request)), chat=False)
+    parsed = parse_completion_request(await _read_json(request), limits=request.app[LIMITS_KEY])
+    return await _generate(request, parsed, chat=False)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, parse_chat_request(await _read_json(request)), chat=True)
+    parsed = parse_chat_request(await _read_json(request), limits=request.app[LIMITS_KEY])
+    return await _generate(request, parsed, chat=True)
 
 
 async def models(request: web.Request) -> web.Response:
@@ -230,6 +261,9 @@ def _router(request: web.Request) -> RouterAPI:
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Turns every exception into OpenAI's error shape; the traceback of unexpected ones goes to the log."""
     request[_LOG_ID] = _client_request_id(request) or uuid.uuid4().hex[:16]
+    denied = _check_api_key(request)
+    if denied is not None:
+        return denied
     try:
         return await handler(request)
     except web.HTTPException as exc:
@@ -239,6 +273,29 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except Exception as exc:  # noqa: BLE001 - every error gets a JSON body; CancelledError passes
         status, body, headers = _error(exc, request[_LOG_ID])
         return web.json_response(body, status=status, headers=headers)
+
+
+def _check_api_key(request: web.Request) -> web.Response | None:
+    """None when the request may go on; else the 401 answer (it never echoes what the client sent)."""
+    keys = request.app[API_KEYS_KEY]
+    if not keys:
+        return None
+    resource = request.match_info.route.resource  # the matched route, not the raw path: no "/health/../x"
+    if resource is not None and resource.canonical in OPEN_ROUTES:
+        return None
+    header = request.headers.get("Authorization")
+    if key_allowed(bearer_token(header), keys):
+        return None
+    if header is None:
+        message = "missing API key: send it in the header 'Authorization: Bearer <key>'"
+    elif bearer_token(header) is None:
+        message = "malformed Authorization header: it must be 'Bearer <key>'"
+    else:
+        message = "invalid API key (the key sent is not shown); send a valid one as 'Authorization: Bearer <key>'"
+    log.info("request %s: %s %s refused with 401 (%s)", request[_LOG_ID], request.method, request.path,
+             "no key" if header is None else "wrong or malformed key")
+    body = error_body(message, "invalid_request_error", None, "invalid_api_key")
+    return web.json_response(body, status=401, headers={"WWW-Authenticate": 'Bearer realm="pdserve"'})
 
 
 def _error(exc: Exception, log_id: str) -> tuple[int, dict, dict[str, str]]:

@@ -50,6 +50,13 @@ class Metrics:
                                 "(stop, length, cancelled, error)", ["path", "outcome"], registry=r)
         self.errors = Counter("pdserve_request_errors", "Requests refused or failed, by kind", ["kind"],
                               registry=r)
+        self.recoveries = Counter("pdserve_request_recoveries", "Requests placed again after a worker failure, by "
+                                  "action (retry: another prefill worker, local: prefill on the decode worker, "
+                                  "migrate: continued on another decode worker)", ["action"], registry=r)
+        self.worker_failures = Counter("pdserve_worker_failures", "Workers found dead or failing, by pool", ["pool"],
+                                       registry=r)
+        self.worker_replacements = Counter("pdserve_worker_replacements", "Dead workers replaced, by pool",
+                                           ["pool"], registry=r)
         self.decisions = Counter("pdserve_placement_decisions", "Placement decisions by policy, path and reason",
                                  ["policy", "path", "reason"], registry=r)
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens of admitted requests", registry=r)

@@ -8,6 +8,9 @@ Unknown top-level fields are ignored, as OpenAI-compatible servers commonly do.
 Defaults follow OpenAI: temperature 1.0, top_p 1.0, max_tokens 16 for completions; chat without
 max_tokens gets the server's default (cut to the room left in the context). Extensions (vLLM names):
 top_k (-1 or 0 disables), ignore_eos, stop_token_ids.
+
+Size limits (`router.limits.RequestLimits`: prompt characters, messages, stop strings, stop token
+ids) are checked here too, shared with the gRPC API; over a limit → InvalidRequestError naming the field.
 """
 from __future__ import annotations
 
@@ -16,10 +19,10 @@ from typing import Any
 
 from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
+from router.limits import DEFAULT_LIMITS, RequestLimits, check_limits
 from router.types import Chunk, GenerateRequest, PhaseTimings, RequestFailed, Usage
 
 DEFAULT_MAX_TOKENS = 16
-MAX_STOP = 4
 MAX_TOKEN_ID = 2**31 - 1
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 FINISH_REASONS = ("stop", "length")
@@ -38,9 +41,10 @@ class ParsedRequest:
 # ---------------------------------------------------------------- parsing
 
 
-def parse_completion_request(body: Any, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> ParsedRequest:
-    """Args: the decoded JSON body of POST /v1/completions. Returns: the parsed request.
-    Raises: InvalidRequestError naming the offending field."""
+def parse_completion_request(body: Any, default_max_tokens: int = DEFAULT_MAX_TOKENS,
+                             limits: RequestLimits = DEFAULT_LIMITS) -> ParsedRequest:
+    """Args: the decoded JSON body of POST /v1/completions; the default max_tokens; the size limits.
+    Returns: the parsed request. Raises: InvalidRequestError naming the offending field."""
     body = _object(body)
     _only_null_or(body, "logprobs", (), "is not supported; use null or leave it out")
     _only_null_or(body, "echo", (False,), "is not supported; use false")
@@ -48,12 +52,13 @@ def parse_completion_request(body: Any, default_max_tokens: int = DEFAULT_MAX_TO
     _only_null_or(body, "suffix", ("",), "is not supported; use null or leave it out", str)
     prompt = _prompt(body.get("prompt", _MISSING))
     sampling = _sampling(body, _int_field(body, "max_tokens", default_max_tokens))
-    return _parsed(body, GenerateRequest(prompt=prompt, sampling=sampling, model=_model(body)))
+    return _parsed(body, check_limits(GenerateRequest(prompt=prompt, sampling=sampling, model=_model(body)), limits))
 
 
-def parse_chat_request(body: Any, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> ParsedRequest:
-    """Args: the decoded JSON body of POST /v1/chat/completions. Returns: the parsed request.
-    Raises: InvalidRequestError naming the offending field."""
+def parse_chat_request(body: Any, default_max_tokens: int = DEFAULT_MAX_TOKENS,
+                       limits: RequestLimits = DEFAULT_LIMITS) -> ParsedRequest:
+    """Args: the decoded JSON body of POST /v1/chat/completions; the default max_tokens; the size limits.
+    Returns: the parsed request. Raises: InvalidRequestError naming the offending field."""
     body = _object(body)
     _only_null_or(body, "logprobs", (False,), "is not supported; use false", bool)
     _only_null_or(body, "top_logprobs", (), "is not supported; use null or leave it out")
@@ -62,15 +67,15 @@ def parse_chat_request(body: Any, default_max_tokens: int = DEFAULT_MAX_TOKENS) 
     _only_null_or(body, "functions", ([],), "function calling is not supported; leave functions out")
     _only_null_or(body, "function_call", ("none",), "function calling is not supported; use \"none\"")
     _response_format(body.get("response_format"))
-    messages = _messages(body.get("messages", _MISSING))
+    messages = _messages(body.get("messages", _MISSING), limits.max_messages)
     if body.get("max_completion_tokens") is not None:
         max_tokens = _int_field(body, "max_completion_tokens", default_max_tokens)
     else:
         max_tokens = _int_field(body, "max_tokens", default_max_tokens)
     sampling = _sampling(body, max_tokens)
     unset = body.get("max_completion_tokens") is None and body.get("max_tokens") is None
-    return _parsed(body, GenerateRequest(messages=messages, sampling=sampling, model=_model(body),
-                                         max_tokens_default=unset))
+    request = GenerateRequest(messages=messages, sampling=sampling, model=_model(body), max_tokens_default=unset)
+    return _parsed(body, check_limits(request, limits))
 
 
 def _parsed(body: dict, request: GenerateRequest) -> ParsedRequest:
@@ -133,11 +138,13 @@ def _prompt(value: Any) -> str | list[int]:
     return list(value)
 
 
-def _messages(value: Any) -> list[dict]:
+def _messages(value: Any, max_messages: int) -> list[dict]:
     if value is _MISSING or value is None:
         raise InvalidRequestError("messages", "is required: a non-empty list of messages")
     if not isinstance(value, list) or not value:
         raise InvalidRequestError("messages", "must be a non-empty list of {role, content} objects")
+    if len(value) > max_messages:  # before parsing each one
+        raise InvalidRequestError("messages", f"has {len(value)} messages; at most {max_messages} are allowed")
     return [_message(i, m) for i, m in enumerate(value)]
 
 
@@ -179,8 +186,6 @@ def _stop(value: Any) -> tuple[str, ...]:
         value = [value]
     if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
         raise InvalidRequestError("stop", "must be a string or a list of strings")
-    if len(value) > MAX_STOP:
-        raise InvalidRequestError("stop", f"at most {MAX_STOP} stop sequences are allowed, got {len(value)}")
     return tuple(value)
 
 

@@ -66,6 +66,22 @@ def add_decode_worker(pools: Pools, engine_config: EngineConfig, transfer_config
     pools.decode_peers.append(peer)
 
 
+def replace_worker(pools: Pools, pool: str, index: int, engine_config: EngineConfig,
+                   transfer_config: TransferConfig, num_cpus: float = 1) -> dict:
+    """Start a fresh actor in place of worker `index` of `pool` ("prefill" | "decode"), which died or
+    hangs (it is killed first). The new worker has a new id, so no transfer pair of the old one is
+    reused. Returns the new worker's `info()`."""
+    cls, resource = (PrefillWorker, PREFILL_RESOURCE) if pool == "prefill" else (DecodeWorker, DECODE_RESOURCE)
+    actors, peers = (pools.prefill, pools.prefill_peers) if pool == "prefill" else (pools.decode, pools.decode_peers)
+    try:
+        ray.kill(actors[index], no_restart=True)
+    except Exception:  # noqa: S110 - already gone
+        pass
+    actor, peer = _start(cls, resource, f"{pool}-{index}", engine_config, transfer_config, num_cpus)
+    actors[index], peers[index] = actor, peer
+    return ray.get(actor.info.remote())
+
+
 def create_pools(num_prefill: int, num_decode: int, engine_config: EngineConfig,
                  transfer_config: TransferConfig, num_cpus: float = 1) -> Pools:
     """Start `num_prefill` prefill and `num_decode` decode actors on the connected Ray cluster."""

@@ -6,22 +6,29 @@ Request lifecycle at the router (after `Router.submit` validated, tokenized and 
    token; D starts the sequence once every layer landed. Local path: D runs the whole request.
 2. D streams tokens (with their text, stop strings already applied); each becomes a `Chunk`,
    timed for TTFT, inter-token latency and the phase split.
-3. The last chunk carries usage and timings. A worker error ends the stream with `RequestFailed`.
-4. `aclose()` before the end (client gone) aborts the request on P and D; the blocks return.
-Whatever happens, the router's booking is released exactly once and metrics record the outcome.
+3. Failures before the first token (P died, KV transfer failed or timed out, D refused): both
+   sides abort and the request is placed again (another P, or local prefill), bounded attempts.
+   D died mid-stream: the prompt plus the tokens already sent are replayed on another decode
+   worker, which continues the stream where it stopped (bounded migrations).
+4. The last chunk carries usage and timings. `aclose()` before the end (client gone) aborts the
+   request on P and D; the blocks return. The booking is released exactly once, whatever happens.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Protocol
 
 import ray
 
+from engine.errors import CapacityError
 from engine.sampling_params import SamplingParams
+from router.book import Booking, PoolBook
+from router.config import RouterConfig
 from router.metrics import Metrics
-from router.policy import Placement
 from router.pools import Pools
 from router.types import Chunk, PhaseTimings, RequestFailed, Usage
 
@@ -29,29 +36,49 @@ log = logging.getLogger(__name__)
 _END = object()
 
 
+class Planner(Protocol):
+    """The router side a running request needs: placing it again and releasing its booking."""
+
+    config: RouterConfig
+
+    async def replan(self, prompt_tokens: int, max_tokens: int, avoid: set[str], local: bool) -> Booking: ...
+
+    def release(self, booking: Booking, output_tokens: int, outcome: str) -> None: ...
+
+    def worker_failed(self, booking: Booking, pool: str) -> None: ...
+
+
+class _WorkerFailure(Exception):
+    """A worker died or could not do its part; `pool` says which side, `before_first` whether the client
+    has seen a token of this request yet."""
+
+    def __init__(self, pool: str, cause: BaseException | str, dead: bool) -> None:
+        super().__init__(f"{pool} worker: {cause!r}" if isinstance(cause, BaseException) else f"{pool} worker: {cause}")
+        self.pool, self.dead = pool, dead
+
+
 class RouterStream:
     """Runs one request on the workers in a task of its own and hands out its chunks.
 
     Args:
-        pools: the live workers; placement: where it runs; prompt: token ids; sampling: its params;
-        arrival: perf_counter() when it arrived; metrics: where timings go;
-        on_prefilled / on_done: the router's booking callbacks (each called exactly once).
+        request_id: the router's id; pools: the live workers; booking: where it runs (placed and booked);
+        prompt: token ids; sampling: its params; arrival: perf_counter() at arrival; metrics: where
+        timings go; planner: the router (re-placement after failures, booking release).
     """
 
-    def __init__(self, request_id: str, pools: Pools, placement: Placement, prompt: list[int],
-                 sampling: SamplingParams, arrival: float, metrics: Metrics,
-                 on_prefilled: Callable[[], None], on_done: Callable[[int, str], None]) -> None:
+    def __init__(self, request_id: str, pools: Pools, booking: Booking, prompt: list[int],
+                 sampling: SamplingParams, arrival: float, metrics: Metrics, planner: Planner) -> None:
         self.request_id = request_id
         self.prompt_tokens = len(prompt)
-        self._pools, self._placement, self._prompt, self._sampling = pools, placement, prompt, sampling
-        self._arrival, self._metrics = arrival, metrics
-        self._on_prefilled, self._on_done = on_prefilled, on_done
+        self._pools, self._booking, self._prompt, self._sampling = pools, booking, prompt, sampling
+        self._arrival, self._metrics, self._planner = arrival, metrics, planner
         self._queue: asyncio.Queue = asyncio.Queue()
-        self._prefill_pending = True
-        self._finished = False
-        path = placement.path
-        self.timings = PhaseTimings(path, pools.prefill_peers[placement.prefill].worker_id if path == "remote"
-                                    else None, pools.decode_peers[placement.decode].worker_id)
+        self._sent: list[int] = []  # tokens handed to the client so far
+        self._cached = 0
+        self._first_at: float | None = None
+        self._last_at: float | None = None
+        self.timings = self._new_timings(booking)
+        self.migrations = 0
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     # -- consumer side ----------------------------------------------------------------------------
@@ -68,93 +95,148 @@ class RouterStream:
             yield item
 
     async def aclose(self) -> None:
-        """Abort the request if it is still running; returns once the workers were told."""
+        """Abort the request if it is still running; returns once the workers were told. Idempotent."""
         if not self._task.done():
             self._task.cancel()
-        try:
-            await self._task
-        except (asyncio.CancelledError, Exception):  # noqa: S110 - the outcome is already recorded
-            pass
+        await asyncio.gather(self._task, return_exceptions=True)
 
     # -- the run ----------------------------------------------------------------------------------
     async def _run(self) -> None:
-        outcome, completion = "error", 0
+        outcome = "error"
         try:
-            completion, outcome = await self._drive()
+            outcome = await self._drive()
         except asyncio.CancelledError:
             outcome = "cancelled"
-            await asyncio.shield(self._abort())
-        except RequestFailed as e:
-            await asyncio.shield(self._abort())
+            await asyncio.shield(self._abort(self._booking))
+        except (RequestFailed, CapacityError) as e:
+            await asyncio.shield(self._abort(self._booking))
             self._queue.put_nowait(e)
-        except Exception as e:  # a worker died or refused: the client gets a clear message, logs the rest
-            log.warning("request %s failed: %r", self.request_id, e)
-            await asyncio.shield(self._abort())
-            self._queue.put_nowait(RequestFailed(f"request {self.request_id} failed on a worker: "
-                                                 f"{type(e).__name__}"))
+        except Exception as e:  # unexpected: the client gets a clear message, the log the rest
+            log.exception("request %s failed", self.request_id)
+            await asyncio.shield(self._abort(self._booking))
+            self._queue.put_nowait(RequestFailed(f"request {self.request_id} failed: {type(e).__name__}"))
         finally:
-            self._prefill_done()
-            self._on_done(completion, outcome)
-            self._metrics.requests.labels(self._placement.path, outcome).inc()
+            self._planner.release(self._booking, len(self._sent), outcome)
+            self._metrics.requests.labels(self._booking.placement.path, outcome).inc()
             if outcome == "error":
                 self._metrics.errors.labels("worker_failure").inc()
             self._queue.put_nowait(_END)
 
-    async def _drive(self) -> tuple[int, str]:
-        p_idx, d_idx = self._placement.prefill, self._placement.decode
-        d = self._pools.decode[d_idx]
-        rid, t = self.request_id, self.timings
-        dispatched = time.perf_counter()
-        t.queue_s = dispatched - self._arrival
-        if self._placement.path == "remote":
-            p = self._pools.prefill[p_idx]
-            await d.reserve.remote(rid, self._prompt, self._sampling, self._pools.prefill_peers[p_idx])
-            first = await p.prefill.remote(rid, self._prompt, self._sampling, self._pools.decode_peers[d_idx])
-            self._prefill_done()
-            t.prefill_s = first["prefill_s"]
-            await d.start_remote.remote(rid, first["first_token"], first["handoff"])
+    async def _drive(self) -> str:
+        cfg = self._planner.config
+        attempts = 0
+        while True:
+            b = self._booking
+            try:
+                prompt, sampling = self._resume_point()
+                dispatched = time.perf_counter()
+                if self._first_at is None:
+                    self.timings.queue_s = dispatched - self._arrival
+                await self._start(b, prompt, sampling)
+                return await self._relay(b, dispatched)
+            except _WorkerFailure as e:
+                await asyncio.shield(self._abort(b))
+                if e.dead:
+                    self._planner.worker_failed(b, e.pool)
+                self._planner.release(b, len(self._sent), "retried")
+                self._booking = await self._recover(e, b, cfg, attempts := attempts + 1)
+
+    async def _recover(self, e: _WorkerFailure, b: Booking, cfg: RouterConfig, attempts: int) -> Booking:
+        """Place the request again after `e`, or raise RequestFailed when the bounds are spent."""
+        log.warning("request %s: %s; %d tokens sent so far", self.request_id, e, len(self._sent))
+        migrating = e.pool == "decode" and self._sent
+        if migrating:
+            self.migrations += 1
+            self._metrics.recoveries.labels("migrate").inc()
+            if self.migrations > cfg.max_migrations:
+                raise RequestFailed(f"request {self.request_id}: decode workers failed {self.migrations} times; "
+                                    f"gave up after {len(self._sent)} tokens") from None
         else:
-            await d.submit_local.remote(rid, self._prompt, self._sampling)
-        return await self._relay(d, dispatched)
+            policy = cfg.on_prefill_failure if e.pool == "prefill" else "retry"
+            if policy == "fail" or attempts >= cfg.max_attempts:
+                raise RequestFailed(f"request {self.request_id}: could not start it ({e})") from None
+            self._metrics.recoveries.labels(policy).inc()
+        avoid = {b.decode.worker_id} if e.pool == "decode" else ({b.prefill.worker_id} if b.prefill else set())
+        prompt, sampling = self._resume_point()
+        booking = await self._planner.replan(len(prompt), sampling.max_tokens, avoid,
+                                             local=bool(migrating) or cfg.on_prefill_failure == "local")
+        t = self.timings
+        self.timings = replace(self._new_timings(booking), queue_s=t.queue_s, ttft_s=t.ttft_s, prefill_s=t.prefill_s,
+                               transfer_s=t.transfer_s)
+        return booking
 
-    async def _relay(self, d: ray.actor.ActorHandle, dispatched: float) -> tuple[int, str]:
-        t, m, path = self.timings, self._metrics, self._placement.path
-        n_out, cached, first_at, last_at = 0, 0, None, None
-        async for ref in d.stream.options(num_returns="streaming").remote(self.request_id):
-            item = await ref
-            now = time.perf_counter()
-            if item["error"]:
-                raise RequestFailed(f"request {self.request_id}: {item['error']}")
-            cached = item.get("cached_tokens", cached)
-            if "transfer_s" in item:
-                t.transfer_s = item["transfer_s"]
-                m.transfer.observe(t.transfer_s)
-            if item["token_ids"]:
-                if first_at is None:
-                    first_at = now
-                    t.ttft_s = now - self._arrival
-                    if path == "local":
-                        t.prefill_s = now - dispatched
-                    self._prefill_done()
-                    m.ttft.labels(path).observe(t.ttft_s)
-                else:
-                    m.itl.labels(path).observe(now - last_at)
-                last_at = now
-                n_out += len(item["token_ids"])
-            if not item["finished"]:
-                self._queue.put_nowait(Chunk(item["text"], item["token_ids"]))
-                continue
-            t.e2e_s = now - self._arrival
-            t.decode_s = (last_at - first_at) if first_at is not None else 0.0
-            self._observe(n_out)
-            self._finished = True
-            self._queue.put_nowait(Chunk(item["text"], item["token_ids"], item["finish_reason"],
-                                         Usage(self.prompt_tokens, n_out, cached), t))
-            return n_out, item["finish_reason"]
-        raise RequestFailed(f"request {self.request_id}: the decode worker ended the stream early")
+    def _resume_point(self) -> tuple[list[int], SamplingParams]:
+        """Prompt and params to (re)start from: the tokens already sent become part of the prompt."""
+        if not self._sent:
+            return self._prompt, self._sampling
+        return self._prompt + self._sent, replace(self._sampling, max_tokens=self._sampling.max_tokens - len(self._sent))
 
-    def _observe(self, n_out: int) -> None:
-        t, m, path = self.timings, self._metrics, self._placement.path
+    async def _start(self, b: Booking, prompt: list[int], sampling: SamplingParams) -> None:
+        rid, p_idx, d_idx = self.request_id, b.placement.prefill, b.placement.decode
+        d = self._pools.decode[d_idx]
+        if b.placement.path == "local":
+            await _call("decode", d.submit_local.remote(rid, prompt, sampling))
+            return
+        p = self._pools.prefill[p_idx]
+        await _call("decode", d.reserve.remote(rid, prompt, sampling, self._pools.prefill_peers[p_idx]))
+        first = await _call("prefill", p.prefill.remote(rid, prompt, sampling, self._pools.decode_peers[d_idx]))
+        self._planner_prefilled(b)
+        self.timings.prefill_s = first["prefill_s"]
+        try:
+            await d.start_remote.remote(rid, first["first_token"], first["handoff"])
+        except ray.exceptions.RayActorError as e:
+            raise _WorkerFailure("decode", e, dead=True) from None
+        except Exception as e:  # its reservation expired: the transfer never completed
+            raise _WorkerFailure("prefill", e, dead=False) from None
+
+    async def _relay(self, b: Booking, dispatched: float) -> str:
+        d = self._pools.decode[b.placement.decode]
+        got_any = False
+        try:
+            async for ref in d.stream.options(num_returns="streaming").remote(self.request_id):
+                item = await ref
+                if item["error"]:
+                    if not got_any and "transfer" in item["error"]:  # the KV never landed: start again
+                        raise _WorkerFailure("prefill", item["error"], dead=False)
+                    raise RequestFailed(f"request {self.request_id}: {item['error']}")
+                got_any = True
+                if self._on_item(item, b, dispatched):
+                    return item["finish_reason"]
+        except ray.exceptions.RayActorError as e:
+            raise _WorkerFailure("decode", e, dead=True) from None
+        raise _WorkerFailure("decode", "its stream ended early", dead=False)
+
+    def _on_item(self, item: dict, b: Booking, dispatched: float) -> bool:
+        """Record one stream item and hand it on. Returns whether it was the last."""
+        now, t, m, path = time.perf_counter(), self.timings, self._metrics, b.placement.path
+        self._cached = item.get("cached_tokens", self._cached)
+        if "transfer_s" in item:
+            t.transfer_s = item["transfer_s"]
+            m.transfer.observe(t.transfer_s)
+        if item["token_ids"]:
+            if self._first_at is None:
+                self._first_at = now
+                t.ttft_s = now - self._arrival
+                if path == "local":
+                    t.prefill_s = now - dispatched
+                m.ttft.labels(path).observe(t.ttft_s)
+            elif self._last_at is not None:
+                m.itl.labels(path).observe(now - self._last_at)
+            self._planner_prefilled(b)
+            self._last_at = now
+            self._sent += item["token_ids"]
+        if not item["finished"]:
+            self._queue.put_nowait(Chunk(item["text"], item["token_ids"]))
+            return False
+        t.e2e_s = now - self._arrival
+        t.decode_s = (self._last_at - self._first_at) if self._first_at is not None else 0.0
+        self._observe(len(self._sent), path)
+        self._queue.put_nowait(Chunk(item["text"], item["token_ids"], item["finish_reason"],
+                                     Usage(self.prompt_tokens, len(self._sent), self._cached), t))
+        return True
+
+    def _observe(self, n_out: int, path: str) -> None:
+        t, m = self.timings, self._metrics
         m.e2e.labels(path).observe(t.e2e_s)
         m.queue.labels(path).observe(t.queue_s)
         m.prefill.labels(path).observe(t.prefill_s)
@@ -163,18 +245,30 @@ class RouterStream:
             m.tpot.labels(path).observe(t.decode_s / (n_out - 1))
         m.output_tokens.inc(n_out)
 
-    def _prefill_done(self) -> None:
-        if self._prefill_pending:
-            self._prefill_pending = False
-            self._on_prefilled()
+    @staticmethod
+    def _planner_prefilled(b: Booking) -> None:
+        PoolBook.prefilled(b)
 
-    async def _abort(self) -> None:
-        """Tell both workers to drop the request (idempotent on their side)."""
-        calls = [self._pools.decode[self._placement.decode].abort.remote(self.request_id)]
-        if self._placement.path == "remote":
-            calls.append(self._pools.prefill[self._placement.prefill].abort.remote(self.request_id))
+    def _new_timings(self, b: Booking) -> PhaseTimings:
+        return PhaseTimings(b.placement.path, b.prefill.worker_id if b.prefill else None, b.decode.worker_id)
+
+    async def _abort(self, b: Booking) -> None:
+        """Tell both workers to drop the request (idempotent on their side; dead ones are skipped)."""
+        calls = [self._pools.decode[b.placement.decode].abort.remote(self.request_id)]
+        if b.placement.path == "remote":
+            calls.append(self._pools.prefill[b.placement.prefill].abort.remote(self.request_id))
         for ref in calls:
             try:
                 await asyncio.wait_for(ref, timeout=10)
             except Exception as e:  # a dead worker has nothing left to free
-                log.warning("abort of %s: %r", self.request_id, e)
+                log.debug("abort of %s: %r", self.request_id, e)
+
+
+async def _call(pool: str, ref: ray.ObjectRef) -> object:
+    """Await a worker call; its failure becomes a `_WorkerFailure` of that pool."""
+    try:
+        return await ref
+    except ray.exceptions.RayActorError as e:
+        raise _WorkerFailure(pool, e, dead=True) from None
+    except (ray.exceptions.RayTaskError, CapacityError, RuntimeError) as e:
+        raise _WorkerFailure(pool, e, dead=False) from None

@@ -16,6 +16,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -25,11 +26,12 @@ from transformers import PreTrainedTokenizerBase
 from engine.errors import InvalidRequestError
 from engine.model_loader import encode_prompt
 from engine.model_store import ModelError
-from router.book import DecodeSlot, PoolBook, PrefillSlot
+from router.book import Booking, DecodeSlot, PoolBook, PrefillSlot
 from router.config import RouterConfig
 from router.cost_model import CostModel
 from router.metrics import Metrics
-from router.policy import NoCapacity, OutputLengthEstimator, Placement, RequestFeatures, make_policy
+from router.policy import (NoCapacity, OutputLengthEstimator, Placement, Policy, PoolState, RequestFeatures,
+                           make_policy)
 from router.pools import Pools
 from router.request import RouterStream
 from router.types import GenerateRequest, ModelCard, ModelNotFoundError, OverloadedError
@@ -43,12 +45,15 @@ class Router:
     Args:
         pools: the workers; infos: each worker's `info()` (prefill first, then decode, index-aligned);
         tokenizer: the model's tokenizer (None: token-id prompts only); model_dir: the served model;
-        config: router settings; cost: the calibrated cost model.
+        config: router settings; cost: the calibrated cost model; metrics: where to count;
+        respawn: `respawn(pool, index)` replaces a dead worker and returns its `info()` (blocking;
+            run in a thread); None: dead workers stay out of rotation.
     """
 
     def __init__(self, pools: Pools, prefill_infos: list[dict], decode_infos: list[dict],
                  tokenizer: PreTrainedTokenizerBase | None, model_dir: Path, config: RouterConfig,
-                 cost: CostModel, metrics: Metrics | None = None) -> None:
+                 cost: CostModel, metrics: Metrics | None = None,
+                 respawn: Callable[[str, int], dict] | None = None) -> None:
         if not decode_infos:
             raise ValueError("the router needs at least one decode worker")
         self.pools, self.config, self.cost, self.tokenizer = pools, config, cost, tokenizer
@@ -63,11 +68,15 @@ class Router:
                              [DecodeSlot(i["worker_id"], i["num_blocks"], i["block_size"], i["max_num_seqs"])
                               for i in decode_infos])
         self.policy = make_policy(config.policy, cost, config.ttft_target_s, config.tpot_target_s)
+        self._local_policy = make_policy("always_local", cost)
+        self._max_tokens: dict[int, int] = {}  # booking -> its max_tokens (for the output-length estimate)
         self.estimator = OutputLengthEstimator()
         self._room = asyncio.Condition()
         self._waiting = 0
         self._created = int(time.time())
         self._poller: asyncio.Task | None = None
+        self._respawn = respawn
+        self._respawning: set[tuple[str, int]] = set()
 
     # -- RouterAPI ---------------------------------------------------------------------------------
     async def submit(self, request: GenerateRequest) -> RouterStream:
@@ -105,24 +114,43 @@ class Router:
             sp = replace(sp, max_tokens=max(1, min(self.config.default_max_tokens, room)))
         self._validate(prompt, sp.max_tokens, "messages" if request.messages is not None else "prompt")
         features = RequestFeatures(len(prompt), self.estimator.expected(sp.max_tokens, sp.ignore_eos), sp.max_tokens)
-        placement = await self._place(features)
+        placement = await self._place(features, self.policy)
         log.debug("%s: %s on %s (%s) %s", rid, placement.path, placement.decode, placement.reason, placement.detail)
         self.metrics.decisions.labels(self.policy.name, placement.path, placement.reason).inc()
         self.metrics.prompt_tokens.inc(len(prompt))
-        blocks = self.book.admit(placement, len(prompt), sp.max_tokens)
+        booking = self.book.admit(placement, len(prompt), sp.max_tokens)
         self.metrics.in_flight.inc()
+        self._max_tokens[id(booking)] = sp.max_tokens
+        return RouterStream(rid, self.pools, booking, prompt, sp, arrival, self.metrics, self)
 
-        def prefilled() -> None:
-            self.book.prefilled(placement, len(prompt))
+    # -- Planner (for running requests) --------------------------------------------------------------
+    async def replan(self, prompt_tokens: int, max_tokens: int, avoid: set[str], local: bool) -> Booking:
+        """Place a running request again, away from the workers in `avoid`; `local` forces local prefill."""
+        features = RequestFeatures(prompt_tokens, max_tokens, max_tokens)
+        policy = self._local_policy if local else self.policy
+        placement = await self._place(features, policy, avoid)
+        self.metrics.decisions.labels(policy.name, placement.path, "recovery").inc()
+        booking = self.book.admit(placement, prompt_tokens, max_tokens)
+        self.metrics.in_flight.inc()
+        self._max_tokens[id(booking)] = max_tokens
+        return booking
 
-        def done(output_tokens: int, outcome: str) -> None:
-            self.book.finished(placement, blocks)
-            self.metrics.in_flight.dec()
-            if outcome in ("stop", "length"):
-                self.estimator.observe(output_tokens, sp.max_tokens, outcome)
-            asyncio.get_running_loop().create_task(self._notify_room())
+    def release(self, booking: Booking, output_tokens: int, outcome: str) -> None:
+        if not booking.open:
+            return
+        self.book.finished(booking)
+        self.metrics.in_flight.dec()
+        max_tokens = self._max_tokens.pop(id(booking), None)
+        if outcome in ("stop", "length") and max_tokens is not None:
+            self.estimator.observe(min(output_tokens, max_tokens), max_tokens, outcome)
+        asyncio.get_running_loop().create_task(self._notify_room())
 
-        return RouterStream(rid, self.pools, placement, prompt, sp, arrival, self.metrics, prefilled, done)
+    def worker_failed(self, booking: Booking, pool: str) -> None:
+        slot = booking.decode if pool == "decode" else booking.prefill
+        if slot is not None and slot.healthy:
+            log.warning("%s worker %s failed; no new requests go to it until it answers again", pool, slot.worker_id)
+            slot.healthy = False
+            self.metrics.worker_failures.labels(pool).inc()
 
     def _tokenize(self, request: GenerateRequest) -> list[int]:
         if (request.prompt is None) == (request.messages is None):
@@ -159,12 +187,12 @@ class Router:
             raise InvalidRequestError("max_tokens", f"prompt ({n} tokens) + max_tokens ({max_tokens}) needs "
                                                     f"{need} KV blocks; a decode worker holds {self._max_blocks}")
 
-    async def _place(self, features: RequestFeatures) -> Placement:
-        """The policy's placement; waits (bounded) while no decode worker has room."""
+    async def _place(self, features: RequestFeatures, policy: Policy, avoid: set[str] = frozenset()) -> Placement:
+        """The policy's placement away from `avoid`; waits (bounded) while no decode worker has room."""
         deadline = time.monotonic() + self.config.queue_timeout_s
         while True:
             try:
-                placement = self.policy.place(features, self.book.state())
+                placement = policy.place(features, self._state(avoid))
             except NoCapacity:
                 placement = None
             if placement is not None:
@@ -190,6 +218,13 @@ class Router:
                 self._waiting -= 1
                 self.metrics.queued.set(self._waiting)
 
+    def _state(self, avoid: set[str]) -> PoolState:
+        state = self.book.state()
+        if not avoid:
+            return state
+        return PoolState(tuple(replace(p, healthy=p.healthy and p.worker_id not in avoid) for p in state.prefill),
+                         tuple(replace(d, healthy=d.healthy and d.worker_id not in avoid) for d in state.decode))
+
     async def _notify_room(self) -> None:
         async with self._room:
             self._room.notify_all()
@@ -205,18 +240,43 @@ class Router:
             await asyncio.gather(self._poller, return_exceptions=True)
 
     async def poll_once(self) -> None:
-        workers = [("prefill", w, s) for w, s in zip(self.pools.prefill, self.book.prefill)] + \
-                  [("decode", w, s) for w, s in zip(self.pools.decode, self.book.decode)]
-        for pool, actor, slot in workers:
+        workers = [("prefill", i, w, s) for i, (w, s) in enumerate(zip(self.pools.prefill, self.book.prefill))] + \
+                  [("decode", i, w, s) for i, (w, s) in enumerate(zip(self.pools.decode, self.book.decode))]
+        for pool, i, actor, slot in workers:
+            if (pool, i) in self._respawning:
+                continue
             try:
                 load = await asyncio.wait_for(actor.load.remote(), timeout=max(5.0, self.config.load_poll_s))
             except (TimeoutError, ray.exceptions.RayError) as e:
                 if slot.healthy:
                     log.warning("%s worker %s failed its health check: %r", pool, slot.worker_id, e)
+                    self.metrics.worker_failures.labels(pool).inc()
                 slot.healthy = False
+                if isinstance(e, ray.exceptions.RayActorError) and self._respawn is not None:
+                    self._respawning.add((pool, i))
+                    asyncio.get_running_loop().create_task(self._replace(pool, i))
                 continue
+            if not slot.healthy:
+                log.info("%s worker %s is healthy again", pool, slot.worker_id)
             slot.healthy = True
             self.metrics.observe_worker(pool, slot.worker_id, load)
+
+    async def _replace(self, pool: str, index: int) -> None:
+        """Start a worker in place of a dead one; its fresh slot joins the book once it answers."""
+        try:
+            info = await asyncio.get_running_loop().run_in_executor(None, self._respawn, pool, index)
+            if pool == "prefill":
+                self.book.prefill[index] = PrefillSlot(info["worker_id"])
+            else:
+                self.book.decode[index] = DecodeSlot(info["worker_id"], info["num_blocks"], info["block_size"],
+                                                     info["max_num_seqs"])
+            log.info("%s worker %d replaced by %s", pool, index, info["worker_id"])
+            self.metrics.worker_replacements.labels(pool).inc()
+            await self._notify_room()
+        except Exception:
+            log.exception("replacing %s worker %d failed; will try again", pool, index)
+        finally:
+            self._respawning.discard((pool, index))
 
     async def _poll_loop(self) -> None:
         while True:

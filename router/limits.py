@@ -1,0 +1,60 @@
+"""Size limits on one generation request, shared by the HTTP and gRPC APIs.
+
+They bound what a single request can make the router do before the context-length check
+(tokenizing megabytes of text, matching hundreds of stop strings on every token). Bytes on the
+wire are bounded separately: the HTTP body limit (413) and gRPC's max receive message size
+(RESOURCE_EXHAUSTED). A request over a limit is refused with `InvalidRequestError` naming the field
+(HTTP 400, gRPC INVALID_ARGUMENT).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.errors import InvalidRequestError
+from router.types import GenerateRequest
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Args:
+        max_prompt_chars: characters of prompt text, or of all chat message contents together.
+        max_messages: chat messages per request.
+        max_stop: stop strings per request (OpenAI allows 4).
+        max_stop_token_ids: stop token ids per request.
+    """
+
+    max_prompt_chars: int = 1_000_000
+    max_messages: int = 1024
+    max_stop: int = 4
+    max_stop_token_ids: int = 64
+
+    def __post_init__(self) -> None:
+        for name, value in self.__dict__.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"RequestLimits.{name} must be an integer >= 1, got {value!r}")
+
+
+DEFAULT_LIMITS = RequestLimits()
+
+
+def check_limits(request: GenerateRequest, limits: RequestLimits = DEFAULT_LIMITS) -> GenerateRequest:
+    """Args: a parsed request. Returns: the same request. Raises: InvalidRequestError naming the field."""
+    if isinstance(request.prompt, str) and len(request.prompt) > limits.max_prompt_chars:
+        raise InvalidRequestError("prompt", f"has {len(request.prompt)} characters; at most "
+                                            f"{limits.max_prompt_chars} are allowed")
+    if request.messages is not None:
+        if len(request.messages) > limits.max_messages:
+            raise InvalidRequestError("messages", f"has {len(request.messages)} messages; at most "
+                                                  f"{limits.max_messages} are allowed")
+        chars = sum(len(m.get("content") or "") for m in request.messages)
+        if chars > limits.max_prompt_chars:
+            raise InvalidRequestError("messages", f"have {chars} characters of content together; at most "
+                                                  f"{limits.max_prompt_chars} are allowed")
+    sampling = request.sampling
+    if len(sampling.stop) > limits.max_stop:
+        raise InvalidRequestError("stop", f"at most {limits.max_stop} stop sequences are allowed, "
+                                          f"got {len(sampling.stop)}")
+    if len(sampling.stop_token_ids) > limits.max_stop_token_ids:
+        raise InvalidRequestError("stop_token_ids", f"at most {limits.max_stop_token_ids} stop token ids are "
+                                                    f"allowed, got {len(sampling.stop_token_ids)}")
+    return request
