@@ -84,7 +84,7 @@ def test_every_policy_matches_generate(cluster, policy):
     if policy in expected:
         assert paths == expected[policy]
     text = router.metrics_text()[0].decode()
-    assert f'pdserve_placement_decisions_total{{path="' in text and f'policy="{policy}"' in text
+    assert 'pdserve_placement_decisions_total{path="' in text and f'policy="{policy}"' in text
     assert all(d.running == 0 and d.reserved_blocks == 0 for d in router.book.decode)
     assert all(p.queued_tokens == 0 for p in router.book.prefill)
     assert_all_free(pools)

