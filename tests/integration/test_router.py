@@ -137,3 +137,62 @@ def test_full_decode_worker_queues_then_overloads(cluster):
 
     assert len(asyncio.run(main())) >= 4
     assert_all_free(cluster[1])
+
+
+def test_twenty_streams_dropped_halfway_free_their_blocks_within_a_second(cluster):
+    pools = cluster[1]
+
+    async def main():
+        router = make_router(cluster, policy="round_robin", max_queued=64)
+        streams = [await router.submit(GenerateRequest(prompt=random_prompt(20 + i, 300 + i),
+                                                       sampling=SamplingParams(max_tokens=200)))
+                   for i in range(20)]
+
+        async def half(stream):
+            got = 0
+            async for chunk in stream:
+                got += len(chunk.token_ids)
+                if got >= 5:
+                    break
+        await asyncio.wait_for(asyncio.gather(*(half(s) for s in streams)), 60)
+        await asyncio.gather(*(s.aclose() for s in streams))  # the clients went away
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        while True:
+            loads = await asyncio.gather(*(w.load.remote() for w in pools.prefill + pools.decode))
+            if all(x["free_blocks"] == x["num_blocks"] for x in loads):
+                return loop.time() - t0, router
+            assert loop.time() - t0 < 1.0, loads
+            await asyncio.sleep(0.02)
+
+    elapsed, router = asyncio.run(main())
+    assert elapsed < 1.0
+    assert all(d.running == 0 for d in router.book.decode)
+
+
+def test_ten_times_capacity_gets_fast_overload_errors_and_the_rest_completes(cluster):
+    ref = cluster[0]
+    prompts = [random_prompt(8, 400 + i) for i in range(80)]  # capacity: 8 running + 8 waiting
+
+    async def one(router, prompt):
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        try:
+            stream = await router.submit(GenerateRequest(prompt=prompt, sampling=SamplingParams(max_tokens=16)))
+        except OverloadedError:
+            return "overloaded", loop.time() - t0
+        return [t async for ch in stream for t in ch.token_ids], loop.time() - t0
+
+    async def main():
+        router = make_router(cluster, policy="always_local", max_queued=8)
+        return await asyncio.gather(*(one(router, p) for p in prompts)), router
+
+    results, router = asyncio.run(main())
+    refused = [dt for out, dt in results if out == "overloaded"]
+    served = [(p, out) for p, (out, _) in zip(prompts, results) if out != "overloaded"]
+    assert len(refused) >= 60 and max(refused) < 1.0  # refused at once, not after a wait
+    assert len(served) >= 8
+    for prompt, out in served:
+        assert out == greedy_reference(ref, prompt, 16)
+    assert router._waiting == 0 and all(d.running == 0 for d in router.book.decode)
+    assert_all_free(cluster[1])
