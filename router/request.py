@@ -30,7 +30,7 @@ from router.book import Booking, PoolBook
 from router.config import RouterConfig
 from router.metrics import Metrics
 from router.pools import Pools
-from router.types import Chunk, PhaseTimings, RequestFailed, Usage
+from router.types import Chunk, DeadlineExceeded, PhaseTimings, RequestFailed, Usage
 
 log = logging.getLogger(__name__)
 _END = object()
@@ -63,11 +63,13 @@ class RouterStream:
     Args:
         request_id: the router's id; pools: the live workers; booking: where it runs (placed and booked);
         prompt: token ids; sampling: its params; arrival: perf_counter() at arrival; metrics: where
-        timings go; planner: the router (re-placement after failures, booking release).
+        timings go; planner: the router (re-placement after failures, booking release);
+        deadline: time.monotonic() by which it must end, or None.
     """
 
     def __init__(self, request_id: str, pools: Pools, booking: Booking, prompt: list[int],
-                 sampling: SamplingParams, arrival: float, metrics: Metrics, planner: Planner) -> None:
+                 sampling: SamplingParams, arrival: float, metrics: Metrics, planner: Planner,
+                 deadline: float | None = None) -> None:
         self.request_id = request_id
         self.prompt_tokens = len(prompt)
         self._pools, self._booking, self._prompt, self._sampling = pools, booking, prompt, sampling
@@ -79,6 +81,7 @@ class RouterStream:
         self._last_at: float | None = None
         self.timings = self._new_timings(booking)
         self.migrations = 0
+        self._deadline = deadline
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     # -- consumer side ----------------------------------------------------------------------------
@@ -104,7 +107,18 @@ class RouterStream:
     async def _run(self) -> None:
         outcome = "error"
         try:
-            outcome = await self._drive()
+            if self._deadline is None:
+                outcome = await self._drive()
+            else:
+                loop = asyncio.get_running_loop()
+                async with asyncio.timeout_at(loop.time() + self._deadline - time.monotonic()):
+                    outcome = await self._drive()
+        except TimeoutError:
+            outcome = "deadline"
+            await asyncio.shield(self._abort(self._booking))
+            self._metrics.errors.labels("deadline").inc()
+            self._queue.put_nowait(DeadlineExceeded(f"request {self.request_id}: its timeout passed after "
+                                                    f"{len(self._sent)} tokens; it was aborted"))
         except asyncio.CancelledError:
             outcome = "cancelled"
             await asyncio.shield(self._abort(self._booking))

@@ -34,7 +34,7 @@ from router.policy import (NoCapacity, OutputLengthEstimator, Placement, Policy,
                            make_policy)
 from router.pools import Pools
 from router.request import RouterStream
-from router.types import GenerateRequest, ModelCard, ModelNotFoundError, OverloadedError
+from router.types import DeadlineExceeded, GenerateRequest, ModelCard, ModelNotFoundError, OverloadedError
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +92,9 @@ class Router:
         except OverloadedError:
             self.metrics.errors.labels("overloaded").inc()
             raise
+        except DeadlineExceeded:
+            self.metrics.errors.labels("deadline").inc()
+            raise
 
     def models(self) -> list[ModelCard]:
         return [ModelCard(self.model_name, self._created, "pdserve", self.max_model_len)]
@@ -114,14 +117,15 @@ class Router:
             sp = replace(sp, max_tokens=max(1, min(self.config.default_max_tokens, room)))
         self._validate(prompt, sp.max_tokens, "messages" if request.messages is not None else "prompt")
         features = RequestFeatures(len(prompt), self.estimator.expected(sp.max_tokens, sp.ignore_eos), sp.max_tokens)
-        placement = await self._place(features, self.policy)
+        deadline = None if request.timeout_s is None else time.monotonic() + request.timeout_s
+        placement = await self._place(features, self.policy, deadline=deadline)
         log.debug("%s: %s on %s (%s) %s", rid, placement.path, placement.decode, placement.reason, placement.detail)
         self.metrics.decisions.labels(self.policy.name, placement.path, placement.reason).inc()
         self.metrics.prompt_tokens.inc(len(prompt))
         booking = self.book.admit(placement, len(prompt), sp.max_tokens)
         self.metrics.in_flight.inc()
         self._max_tokens[id(booking)] = sp.max_tokens
-        return RouterStream(rid, self.pools, booking, prompt, sp, arrival, self.metrics, self)
+        return RouterStream(rid, self.pools, booking, prompt, sp, arrival, self.metrics, self, deadline)
 
     # -- Planner (for running requests) --------------------------------------------------------------
     async def replan(self, prompt_tokens: int, max_tokens: int, avoid: set[str], local: bool) -> Booking:
@@ -187,9 +191,14 @@ class Router:
             raise InvalidRequestError("max_tokens", f"prompt ({n} tokens) + max_tokens ({max_tokens}) needs "
                                                     f"{need} KV blocks; a decode worker holds {self._max_blocks}")
 
-    async def _place(self, features: RequestFeatures, policy: Policy, avoid: set[str] = frozenset()) -> Placement:
-        """The policy's placement away from `avoid`; waits (bounded) while no decode worker has room."""
+    async def _place(self, features: RequestFeatures, policy: Policy, avoid: set[str] = frozenset(),
+                     deadline: float | None = None) -> Placement:
+        """The policy's placement away from `avoid`; waits (bounded; until the request's own monotonic
+        `deadline` at most) while no decode worker has room."""
+        own = deadline
         deadline = time.monotonic() + self.config.queue_timeout_s
+        if own is not None and own < deadline:
+            deadline = own
         while True:
             try:
                 placement = policy.place(features, self._state(avoid))
@@ -204,6 +213,8 @@ class Router:
                 raise OverloadedError(f"every decode worker is full and {self._waiting} requests are already "
                                       "waiting; retry later", retry_after_s=1.0)
             left = deadline - time.monotonic()
+            if left <= 0 and own is not None and own <= deadline:
+                raise DeadlineExceeded("the request's timeout passed while it waited for a decode worker with room")
             if left <= 0:
                 raise OverloadedError(f"no decode worker had room within {self.config.queue_timeout_s:.0f} s; "
                                       "retry later", retry_after_s=2.0)

@@ -33,6 +33,11 @@ class RequestFailed(RuntimeError):
     """A request ended with an error on a worker (e.g. a lost KV transfer). The message is safe to show."""
 
 
+class DeadlineExceeded(RequestFailed):
+    """The request's own deadline (`timeout_s`) passed first; it was aborted everywhere (HTTP 408,
+    gRPC DEADLINE_EXCEEDED)."""
+
+
 @dataclass(frozen=True)
 class GenerateRequest:
     """One generation request, whichever API it came through.
@@ -45,6 +50,7 @@ class GenerateRequest:
         model: the model the client asked for; None means the served one.
         max_tokens_default: the client gave no max_tokens: the router uses its default, cut to the
             room left in the context (`sampling.max_tokens` is then ignored).
+        timeout_s: the request's deadline in seconds from arrival (queueing included); None: none.
     """
 
     prompt: str | list[int] | None = None
@@ -53,6 +59,11 @@ class GenerateRequest:
     request_id: str | None = None
     model: str | None = None
     max_tokens_default: bool = False
+    timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.timeout_s is not None and not (isinstance(self.timeout_s, (int, float)) and 0 < self.timeout_s < 1e7):
+            raise InvalidRequestError("timeout", f"must be a number of seconds in (0, 1e7), got {self.timeout_s!r}")
 
 
 @dataclass

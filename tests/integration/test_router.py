@@ -196,3 +196,22 @@ def test_ten_times_capacity_gets_fast_overload_errors_and_the_rest_completes(clu
         assert out == greedy_reference(ref, prompt, 16)
     assert router._waiting == 0 and all(d.running == 0 for d in router.book.decode)
     assert_all_free(cluster[1])
+
+
+def test_request_timeout_aborts_it_everywhere(cluster):
+    from router.types import DeadlineExceeded
+
+    async def main():
+        router = make_router(cluster, policy="always_remote")
+        stream = await router.submit(GenerateRequest(prompt=random_prompt(12, 7), timeout_s=0.3,
+                                                     sampling=SamplingParams(max_tokens=2000)))
+        got = []
+        with pytest.raises(DeadlineExceeded, match="timeout"):
+            async for chunk in stream:
+                got += chunk.token_ids
+        return got, router
+
+    got, router = asyncio.run(main())
+    assert 0 < len(got) < 2000
+    assert 'outcome="deadline"' in router.metrics_text()[0].decode()
+    assert_all_free(cluster[1])
