@@ -97,7 +97,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     transfer = TransferConfig(backend=args.transfer_backend, timeout_s=args.transfer_timeout)
     router = RouterConfig(policy=args.policy, ttft_target_s=args.ttft_target, tpot_target_s=args.tpot_target,
                           max_queued=args.max_queued, queue_timeout_s=args.queue_timeout,
-                          served_model_name=args.served_model_name, default_max_tokens=args.default_max_tokens)
+                          served_model_name=args.served_model_name, default_max_tokens=args.default_max_tokens,
+                          on_prefill_failure=args.on_prefill_failure, max_attempts=args.max_attempts,
+                          max_migrations=args.max_migrations)
     cfg = ServeConfig(engine=engine, transfer=transfer, router=router, address=args.address,
                       num_prefill=args.prefill, num_decode=args.decode, cpus_per_worker=args.cpus_per_worker,
                       host=args.host, http_port=args.http_port, grpc_port=args.grpc_port)
@@ -129,6 +131,12 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--queue-timeout", type=float, default=30.0, help="longest wait for room before 429 (s)")
     p.add_argument("--default-max-tokens", type=int, default=1024,
                    help="output limit of chat / gRPC requests that set none (cut to the room left in the context)")
+    p.add_argument("--on-prefill-failure", default="retry", choices=["retry", "local", "fail"],
+                   help="a prefill worker died or a KV transfer failed before the first token: retry on another "
+                   "prefill worker (local prefill when none is healthy), prefill locally, or fail the request")
+    p.add_argument("--max-attempts", type=int, default=3, help="most placements of one request before it fails")
+    p.add_argument("--max-migrations", type=int, default=2,
+                   help="most moves of one request to another decode worker after one died mid-stream")
     p.add_argument("--served-model-name", default=None, help="model id clients use (default: the directory name)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
