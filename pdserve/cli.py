@@ -163,6 +163,18 @@ def _apply_yaml(parser: argparse.ArgumentParser, args: argparse.Namespace, argv:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.bench_cmd == "serve":
+        from loadtest.cli import run
+
+        return run(args)
+    if args.bench_cmd == "compare":
+        from loadtest.cli import run_compare
+
+        return run_compare(args)
+    if args.bench_cmd == "phases":
+        from pdserve.bench_phases import run_phases
+
+        return run_phases(args)
     from pdserve.bench_engine import run_engine_bench
 
     run_engine_bench(args)
@@ -209,6 +221,16 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--no-compile", action="store_true", help="measure the eager decode path instead")
     eng.add_argument("--out", default="bench/results/engine.json")
     eng.add_argument("--report", default="BENCHMARKS.md")
+    from loadtest.cli import add_arguments as add_loadtest_arguments
+    from loadtest.cli import add_compare_arguments
+
+    from pdserve.bench_phases import add_arguments as add_phases_arguments
+
+    add_loadtest_arguments(bsub.add_parser("serve", help="load-test a running server: pdserve (gRPC or HTTP) or "
+                                           "any OpenAI-compatible one; goodput under TTFT/TPOT targets"))
+    add_compare_arguments(bsub.add_parser("compare", help="goodput vs rate of several load-test results, one chart"))
+    add_phases_arguments(bsub.add_parser("phases", help="prefill vs decode time over a grid of lengths on a "
+                                         "running pdserve, next to the cost model's prediction"))
     bench.set_defaults(func=cmd_bench)
     return parser
 

@@ -1,0 +1,168 @@
+"""Command line: `python -m loadtest ...` (also `pdserve bench serve`) and `python -m loadtest compare ...`.
+
+  python -m loadtest --target http://127.0.0.1:8000 --api openai --workload decode-heavy --rates 0.5,1,2 \\
+      --num-requests 50 --ttft-target 2 --tpot-target 0.15 --vocab-size 49152 --out r.json --plots plots/
+  python -m loadtest compare a.json b.json --out goodput.png
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from typing import Any
+
+from loadtest.clients import APIS, make_client
+from loadtest.report import format_summary, load_results, results_document, write_results
+from loadtest.runner import RunResult, run_closed_loop, run_open_loop
+from loadtest.workload import RequestSpec, WorkloadError, build_workload, load_token_counter
+
+API_KEY_ENV = "PDSERVE_API_KEY"
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = -1.0
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return v
+
+
+def _rates(text: str) -> list[float]:
+    return [_positive_float(t.strip()) for t in text.split(",") if t.strip()] or _rates("x")
+
+
+def _token_range(text: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(t) for t in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LO:HI (token ids in [LO, HI)), got {text!r}") from None
+    if not 0 <= lo < hi:
+        raise argparse.ArgumentTypeError(f"token range {text!r} must have 0 <= LO < HI")
+    return lo, hi
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Adds the load-test flags to a parser (for `pdserve bench serve`)."""
+    p.add_argument("--target", required=True, help="server: base URL for --api openai (http://HOST:PORT), "
+                   "HOST:PORT for --api grpc")
+    p.add_argument("--api", choices=APIS, default="openai", help="openai: POST /v1/completions (any "
+                   "OpenAI-compatible server); grpc: pdserve's GenerationService (default: openai)")
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None, help="API key, sent as a Bearer "
+                   f"token (default: ${API_KEY_ENV}; none when unset)")
+    p.add_argument("--model", default=None, help="model name to send (default: none; the server's own)")
+    p.add_argument("--workload", default="decode-heavy", help="fixed:P:O, prompt-heavy (2000/50), decode-heavy "
+                   "(200/1000), chat, mixed[:F], or a JSONL file (default: decode-heavy)")
+    load = p.add_mutually_exclusive_group(required=True)
+    load.add_argument("--rate", type=_positive_float, help="open loop: Poisson arrivals, requests/s (inf: all "
+                      "at once)")
+    load.add_argument("--rates", type=_rates, help="open-loop sweep: comma-separated rates, one run each")
+    load.add_argument("--concurrency", type=int, help="closed loop: requests kept in flight")
+    p.add_argument("--num-requests", type=int, default=50, help="requests per run (default: 50)")
+    p.add_argument("--max-duration", type=_positive_float, default=600.0, help="seconds per run; then in-flight "
+                   "requests are cancelled (default: 600)")
+    p.add_argument("--timeout", type=_positive_float, default=300.0, help="per-request timeout, s (default: 300)")
+    p.add_argument("--ttft-target", type=_positive_float, default=2.0, help="goodput: TTFT target, s (default: 2)")
+    p.add_argument("--tpot-target", type=_positive_float, default=0.15,
+                   help="goodput: TPOT target, s (default: 0.15)")
+    p.add_argument("--vocab-size", type=int, default=None, help="send token-id prompts of exact lengths, ids in a "
+                   "range free of special tokens (e.g. 49152 for SmolLM2)")
+    p.add_argument("--token-range", type=_token_range, default=None, help="token-id prompts with ids in [LO, HI)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer.json or a model directory: text prompts "
+                   "calibrated to exact lengths")
+    p.add_argument("--max-context", type=int, default=8192, help="most prompt + output tokens per request "
+                   "(default: 8192)")
+    p.add_argument("--seed", type=int, default=0, help="seeds lengths, prompts and arrivals (default: 0)")
+    p.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos (servers that refuse "
+                   "it); outputs may then stop early")
+    p.add_argument("--label", default=None, help="name of this server/config in results and plots "
+                   "(default: API@TARGET)")
+    p.add_argument("--out", default=None, help="write the results JSON here")
+    p.add_argument("--plots", default=None, help="write PNG charts into this directory")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _specs(args: argparse.Namespace) -> list[RequestSpec]:
+    counter = load_token_counter(args.tokenizer) if args.tokenizer else None
+    if args.vocab_size is None and args.token_range is None and counter is None:
+        print("loadtest: no --vocab-size, --token-range or --tokenizer: text prompts of about one token per "
+              "word (prompt lengths approximate)", file=sys.stderr)
+    return build_workload(args.workload, args.num_requests, args.seed, args.max_context, args.vocab_size,
+                          args.token_range, counter)
+
+
+async def _run_all(args: argparse.Namespace, specs: list[RequestSpec]) -> list[RunResult]:
+    client = make_client(args.api, args.target, args.model, args.timeout, not args.no_ignore_eos, args.api_key)
+    progress = not args.no_progress
+    try:
+        if args.concurrency is not None:
+            return [await run_closed_loop(client, specs, args.concurrency, args.max_duration, progress)]
+        rates = args.rates if args.rates is not None else [args.rate]
+        return [await run_open_loop(client, specs, r, args.seed, args.max_duration, progress) for r in rates]
+    finally:
+        await client.aclose()
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs the load test the flags describe, prints summaries, writes JSON and plots.
+    Returns: 0, 1 when every request failed, 2 for a bad workload or flag."""
+    if args.num_requests < 1 or (args.concurrency is not None and args.concurrency < 1):
+        print("loadtest: error: --num-requests and --concurrency must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        specs = _specs(args)
+    except WorkloadError as e:
+        print(f"loadtest: error: {e}", file=sys.stderr)
+        return 2
+    runs = asyncio.run(_run_all(args, specs))
+    meta: dict[str, Any] = {"target": args.target, "api": args.api, "model": args.model,
+                            "workload": args.workload, "ignore_eos": not args.no_ignore_eos,
+                            "prompt_form": "token_ids" if specs[0].prompt_token_ids is not None else "text",
+                            "timeout_s": args.timeout}
+    doc = results_document(args.label or f"{args.api}@{args.target}", meta, runs, args.ttft_target,
+                           args.tpot_target)
+    for r in doc["runs"]:
+        print(format_summary(r["config"], r["summary"]))
+    if args.out:
+        print(f"results: {write_results(args.out, doc)}")
+    if args.plots:
+        from loadtest.plots import write_plots
+
+        for path in write_plots(doc, args.plots):
+            print(f"plot: {path}")
+    return 1 if all(r["summary"]["requests"]["ok"] == 0 for r in doc["runs"]) else 0
+
+
+def add_compare_arguments(p: argparse.ArgumentParser) -> None:
+    """Adds the flags of `compare` (goodput vs rate of several results files on one chart)."""
+    p.add_argument("results", nargs="+", help="results JSON files (from --out), one label each")
+    p.add_argument("--out", default="goodput_vs_rate.png", help="the PNG to write (default: goodput_vs_rate.png)")
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    """Plots goodput vs rate of the given results files. Returns: 0, or 2 when a file is unusable."""
+    from loadtest.plots import plot_goodput_vs_rate
+
+    try:
+        docs = [load_results(p) for p in args.results]
+        print(f"plot: {plot_goodput_vs_rate(docs, args.out)}")
+    except ValueError as e:
+        print(f"loadtest: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["compare"]:
+        p = argparse.ArgumentParser(prog="python -m loadtest compare",
+                                    description="goodput vs rate of several load-test results on one chart")
+        add_compare_arguments(p)
+        return run_compare(p.parse_args(argv[1:]))
+    p = argparse.ArgumentParser(prog="python -m loadtest", description="load test an LLM server (pdserve gRPC or "
+                                "any OpenAI-compatible HTTP server); `python -m loadtest compare -h` for charts")
+    add_arguments(p)
+    return run(p.parse_args(argv))
+

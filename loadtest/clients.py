@@ -1,0 +1,41 @@
+"""Clients that stream one request and time it: the interface and the factory.
+
+Backends: `openai` (`loadtest.openai_client.OpenAIClient`, any OpenAI-compatible HTTP server) and `grpc`
+(`loadtest.grpc_client.GrpcClient`, pdserve's gRPC API).
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+from loadtest.records import RequestRecord
+from loadtest.workload import RequestSpec
+
+APIS = ("openai", "grpc")
+
+
+class Client(Protocol):
+    async def send(self, spec: RequestSpec) -> RequestRecord:
+        """Streams one request. Returns: its record; failures are recorded in it (error, error_kind), never
+        raised. Raises: only asyncio.CancelledError."""
+        ...
+
+    async def aclose(self) -> None:
+        """Releases connections."""
+        ...
+
+
+def make_client(api: str, target: str, model: str | None = None, timeout_s: float = 300.0,
+                ignore_eos: bool = True, api_key: str | None = None) -> Client:
+    """Args: api ("openai" or "grpc"), target (base URL or HOST:PORT), model (None: the server's default),
+    timeout_s (per request), ignore_eos (ask for exactly max_tokens), api_key (sent as a Bearer token).
+    Returns: a client.
+    Raises: ValueError for an unknown api."""
+    if api == "openai":
+        from loadtest.openai_client import OpenAIClient
+
+        return OpenAIClient(target, model, timeout_s, ignore_eos, api_key)
+    if api == "grpc":
+        from loadtest.grpc_client import GrpcClient
+
+        return GrpcClient(target, model, timeout_s, ignore_eos, api_key)
+    raise ValueError(f"unknown api {api!r}; allowed: {', '.join(APIS)}")

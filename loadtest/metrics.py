@@ -1,0 +1,107 @@
+"""Summaries of a run's request records. Pure functions.
+
+Definitions (all over successful requests only, i.e. records with no error):
+  TTFT    send → first chunk carrying output (RequestRecord.ttft_s).
+  ITL     gaps between consecutive output chunks of one request, pooled over all requests (a chunk may carry
+          several tokens when the server batches text, so this is inter-chunk latency).
+  TPOT    (e2e - ttft) / (output_tokens - 1) per request; requests with fewer than 2 output tokens have no
+          TPOT and are left out of its statistics.
+  e2e     send → end of the stream.
+  Percentiles: linear interpolation between closest ranks (numpy.percentile's default "linear" method):
+          for sorted x[0..n-1], p-th percentile = x[i] + (x[i+1] - x[i]) * f where i + f = p/100 * (n - 1).
+  Throughput: successful requests / wall time, and their output tokens / wall time; wall time is the
+          run's (first send to last end).
+  Goodput: requests / wall time that succeeded AND met both targets: TTFT <= ttft_target_s and
+          TPOT <= tpot_target_s (a request without a TPOT meets the TPOT target; a None target is not checked).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from loadtest.records import RequestRecord
+
+PERCENTILES = (50, 90, 99)
+
+
+def percentile(values: Sequence[float], p: float) -> float:
+    """Args: values (non-empty), p in [0, 100]. Returns: the p-th percentile, linear interpolation."""
+    if not values:
+        raise ValueError("percentile of no values")
+    if not 0 <= p <= 100:
+        raise ValueError(f"percentile must be in [0, 100], got {p}")
+    xs = sorted(values)
+    pos = p / 100 * (len(xs) - 1)
+    i = math.floor(pos)
+    if i >= len(xs) - 1:
+        return float(xs[-1])
+    return float(xs[i] + (xs[i + 1] - xs[i]) * (pos - i))
+
+
+def stats(values: Sequence[float]) -> dict[str, float | int | None]:
+    """Returns: count, mean, min, max and p50/p90/p99 (None when there are no values)."""
+    out: dict[str, float | int | None] = {"count": len(values)}
+    if not values:
+        return {**out, "mean": None, "min": None, "max": None, **{f"p{p}": None for p in PERCENTILES}}
+    out.update(mean=math.fsum(values) / len(values), min=float(min(values)), max=float(max(values)))
+    out.update({f"p{p}": percentile(values, p) for p in PERCENTILES})
+    return out
+
+
+def request_tpot(rec: RequestRecord) -> float | None:
+    """Time per output token after the first, or None (failed, no TTFT, or fewer than 2 output tokens)."""
+    if not rec.ok or rec.ttft_s is None or rec.e2e_s is None or rec.output_tokens < 2:
+        return None
+    return (rec.e2e_s - rec.ttft_s) / (rec.output_tokens - 1)
+
+
+def request_itls(rec: RequestRecord) -> list[float]:
+    """Gaps between the request's consecutive output chunks (empty for a failed request)."""
+    if not rec.ok:
+        return []
+    ts = rec.chunk_times_s
+    return [b - a for a, b in itertools.pairwise(ts)]
+
+
+def is_good(rec: RequestRecord, ttft_target_s: float | None, tpot_target_s: float | None) -> bool:
+    """Whether the request succeeded and met both latency targets (None: target not checked)."""
+    if not rec.ok or rec.ttft_s is None:
+        return False
+    if ttft_target_s is not None and rec.ttft_s > ttft_target_s:
+        return False
+    tpot = request_tpot(rec)
+    return tpot_target_s is None or tpot is None or tpot <= tpot_target_s
+
+
+def summarize(records: Iterable[RequestRecord], wall_time_s: float, ttft_target_s: float | None = None,
+              tpot_target_s: float | None = None) -> dict[str, Any]:
+    """Args: a run's records, its wall time (> 0), the goodput targets. Returns: a JSON-ready summary:
+    requests {total, ok, errors, short_outputs}, errors_by_kind, wall_time_s, ttft_s / itl_s / tpot_s / e2e_s
+    (see `stats`), send_lag_s (how late requests were sent against the open-loop schedule; a large lag means
+    the client, not the server, was the bottleneck), throughput {requests_per_s, output_tokens_per_s}, goodput {ttft_target_s, tpot_target_s,
+    good_requests, requests_per_s, fraction}. short_outputs: successful requests that got fewer tokens than
+    asked for (the server stopped early: EOS without ignore_eos, or a context limit)."""
+    recs = list(records)
+    if not wall_time_s > 0:
+        raise ValueError(f"wall time must be > 0 s, got {wall_time_s}")
+    ok = [r for r in recs if r.ok]
+    good = sum(is_good(r, ttft_target_s, tpot_target_s) for r in recs)
+    tpots = [t for t in map(request_tpot, ok) if t is not None]
+    return {
+        "requests": {"total": len(recs), "ok": len(ok), "errors": len(recs) - len(ok),
+                     "short_outputs": sum(r.output_tokens < r.requested_output_tokens for r in ok)},
+        "errors_by_kind": dict(sorted(Counter(r.error_kind or "unknown" for r in recs if not r.ok).items())),
+        "wall_time_s": wall_time_s,
+        "ttft_s": stats([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "itl_s": stats([g for r in ok for g in request_itls(r)]),
+        "tpot_s": stats(tpots),
+        "e2e_s": stats([r.e2e_s for r in ok if r.e2e_s is not None]),
+        "send_lag_s": stats([r.start_s - r.scheduled_s for r in recs]),
+        "throughput": {"requests_per_s": len(ok) / wall_time_s,
+                       "output_tokens_per_s": sum(r.output_tokens for r in ok) / wall_time_s},
+        "goodput": {"ttft_target_s": ttft_target_s, "tpot_target_s": tpot_target_s, "good_requests": good,
+                    "requests_per_s": good / wall_time_s, "fraction": good / len(recs) if recs else 0.0},
+    }

@@ -1,0 +1,95 @@
+"""Results as JSON and as text.
+
+A results file (format "pdserve-loadtest/1"):
+  {"format", "label", "created_unix", "meta": {target, api, model, workload, ...},
+   "runs": [{"config": RunResult.config, "summary": metrics.summarize(...), "records": [RequestRecord...]}]}
+One file holds one run, or one run per rate of a sweep. `plots.plot_goodput_vs_rate` reads several.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from loadtest.metrics import summarize
+from loadtest.records import RequestRecord
+from loadtest.runner import RunResult
+
+FORMAT = "pdserve-loadtest/1"
+LAG_WARN_S = 0.1
+
+
+def results_document(label: str, meta: dict[str, Any], runs: list[RunResult], ttft_target_s: float | None,
+                     tpot_target_s: float | None) -> dict[str, Any]:
+    """Returns: the JSON-ready document of these runs, each summarized against the targets."""
+    return {"format": FORMAT, "label": label, "created_unix": time.time(), "meta": meta,
+            "runs": [{"config": r.config,
+                      "summary": summarize(r.records, max(r.wall_time_s, 1e-9), ttft_target_s, tpot_target_s),
+                      "records": [rec.to_dict() for rec in r.records]} for r in runs]}
+
+
+def write_results(path: str | Path, doc: dict[str, Any]) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(_strict(doc), indent=1, allow_nan=False) + "\n")
+    return path
+
+
+def _strict(obj: Any) -> Any:
+    """Non-finite floats (an unlimited max duration, rate inf) become the strings "inf" / "nan"."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {k: _strict(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_strict(v) for v in obj]
+    return obj
+
+
+def load_results(path: str | Path) -> dict[str, Any]:
+    """Args: a results file. Returns: its document. Raises: ValueError when it is not one."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read results file {path}: {e}") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT or not isinstance(doc.get("runs"), list):
+        raise ValueError(f"{path} is not a loadtest results file (format {FORMAT!r})")
+    return doc
+
+
+def run_records(run: dict[str, Any]) -> list[RequestRecord]:
+    """The RequestRecords of one run of a loaded document."""
+    return [RequestRecord.from_dict(d) for d in run.get("records", [])]
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1000:.1f}"
+
+
+def format_summary(config: dict[str, Any], summary: dict[str, Any]) -> str:
+    """A few human-readable lines for one run."""
+    mode = (f"open loop, {config['rate']:g} req/s" if config.get("mode") == "open"
+            else f"closed loop, concurrency {config.get('concurrency')}")
+    req, thr, gp = summary["requests"], summary["throughput"], summary["goodput"]
+    lines = [f"== {mode}: {req['total']} requests, {req['ok']} ok, {req['errors']} errors "
+             f"in {summary['wall_time_s']:.2f} s" + (" (stopped by max duration)"
+                                                       if config.get("stopped_by_max_duration") else "")]
+    if summary["errors_by_kind"]:
+        lines.append("   errors: " + ", ".join(f"{k}={v}" for k, v in summary["errors_by_kind"].items()))
+    if req.get("short_outputs"):
+        lines.append(f"   {req['short_outputs']} successful requests got fewer tokens than asked for")
+    lines.append(f"   {'ms':<6}{'mean':>9}{'p50':>9}{'p90':>9}{'p99':>9}")
+    for key, name in (("ttft_s", "TTFT"), ("itl_s", "ITL"), ("tpot_s", "TPOT"), ("e2e_s", "E2E")):
+        s = summary[key]
+        lines.append(f"   {name:<6}" + "".join(f"{_ms(s[k]):>9}" for k in ("mean", "p50", "p90", "p99")))
+    lag = summary.get("send_lag_s", {}).get("max")
+    if lag is not None and lag > LAG_WARN_S:
+        lines.append(f"   warning: requests were sent up to {lag * 1000:.0f} ms behind schedule (client-bound)")
+    lines.append(f"   throughput {thr['requests_per_s']:.3f} req/s, {thr['output_tokens_per_s']:.1f} output tok/s")
+    targets = ", ".join(f"{n} <= {t:g} s" for n, t in (("TTFT", gp["ttft_target_s"]), ("TPOT", gp["tpot_target_s"]))
+                        if t is not None) or "no targets"
+    lines.append(f"   goodput {gp['requests_per_s']:.3f} req/s ({gp['good_requests']} requests, "
+                 f"{gp['fraction']:.0%}; {targets})")
+    return "\n".join(lines)

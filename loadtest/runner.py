@@ -1,0 +1,160 @@
+"""Drives a client through a workload: open loop (Poisson arrivals at a rate; a sweep of rates) or closed
+loop (fixed concurrency). A run ends when every request is done or at max_duration_s: then no new request
+starts and the ones in flight are cancelled and recorded with error kind "cancelled".
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from tqdm import tqdm
+
+from loadtest import records as R
+from loadtest.clients import Client
+from loadtest.records import RequestRecord
+from loadtest.workload import RequestSpec
+
+
+@dataclass
+class RunResult:
+    """One run. config: mode ("open" | "closed"), rate, concurrency, num_requests (planned), sent, seed,
+    max_duration_s, stopped_by_max_duration. wall_time_s: from the run's start until its last request ended.
+    records: one per request sent, in workload order."""
+
+    config: dict[str, Any]
+    records: list[RequestRecord] = field(default_factory=list)
+    wall_time_s: float = 0.0
+
+
+def poisson_arrivals(rate: float, n: int, seed: int = 0) -> list[float]:
+    """Send times of a Poisson process: the first at 0, then exponential gaps of mean 1/rate, seeded.
+
+    Args: rate: requests per second (> 0; inf sends all at once). n: how many. Returns: n sorted times (s).
+    """
+    if not rate > 0:
+        raise ValueError(f"rate must be > 0 requests/s (or inf), got {rate}")
+    if math.isinf(rate):
+        return [0.0] * n
+    rng = random.Random(seed)
+    times, t = [], 0.0
+    for _ in range(n):
+        times.append(t)
+        t += rng.expovariate(rate)
+    return times
+
+
+class _Tracker:
+    """Launches request tasks, timestamps them against the run's start, and counts progress."""
+
+    def __init__(self, client: Client, total: int, desc: str, progress: bool) -> None:
+        self.client = client
+        self.t0 = time.perf_counter()
+        self.records: list[RequestRecord] = []
+        self.inflight: set[asyncio.Task] = set()
+        self.errors = 0
+        self.stopping = False
+        self.bar = tqdm(total=total, desc=desc, unit="req", disable=not progress, file=sys.stderr,
+                        dynamic_ncols=True)
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def launch(self, spec: RequestSpec, scheduled_s: float) -> asyncio.Task:
+        task = asyncio.create_task(self._one(spec, scheduled_s))
+        self.inflight.add(task)
+        task.add_done_callback(self.inflight.discard)
+        return task
+
+    async def _one(self, spec: RequestSpec, scheduled_s: float) -> RequestRecord:
+        start = self.now()
+        try:
+            rec = await self.client.send(spec)
+        except asyncio.CancelledError:  # only the runner cancels these tasks: at max_duration
+            rec = RequestRecord(spec.index, spec.prompt_tokens, spec.output_tokens)
+            rec.fail(R.CANCELLED, "the run's max duration ended while the request was in flight")
+        rec.start_s, rec.scheduled_s = start, scheduled_s
+        self.records.append(rec)
+        self.errors += not rec.ok
+        self.bar.update(1)
+        self.bar.set_postfix(errors=self.errors, refresh=False)
+        return rec
+
+    async def cancel_inflight(self) -> None:
+        self.stopping = True
+        tasks = list(self.inflight)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def result(self, config: dict[str, Any], stopped: bool) -> RunResult:
+        self.bar.close()
+        wall = self.now()
+        recs = sorted(self.records, key=lambda r: r.index)
+        return RunResult({**config, "sent": len(recs), "stopped_by_max_duration": stopped}, recs, wall)
+
+
+async def run_open_loop(client: Client, specs: list[RequestSpec], rate: float, seed: int = 0,
+                        max_duration_s: float = math.inf, progress: bool = True) -> RunResult:
+    """Sends specs at Poisson arrival times (`poisson_arrivals(rate, len(specs), seed)`), never waiting for
+    responses. Returns: the run's result."""
+    arrivals = poisson_arrivals(rate, len(specs), seed)
+    tr = _Tracker(client, len(specs), f"rate {rate:g}/s", progress)
+    stopped = False
+    for spec, at in zip(specs, arrivals):
+        if at >= max_duration_s:
+            stopped = True
+            break
+        delay = at - tr.now()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tr.launch(spec, at)
+    if tr.inflight:
+        _, pending = await asyncio.wait(set(tr.inflight), timeout=_left(tr, max_duration_s))
+        if pending:
+            stopped = True
+            await tr.cancel_inflight()
+    config = {"mode": "open", "rate": rate, "concurrency": None, "num_requests": len(specs), "seed": seed,
+              "max_duration_s": max_duration_s}
+    return tr.result(config, stopped)
+
+
+async def run_closed_loop(client: Client, specs: list[RequestSpec], concurrency: int,
+                          max_duration_s: float = math.inf, progress: bool = True) -> RunResult:
+    """Keeps `concurrency` requests in flight: each worker sends its next spec when its last one ends.
+    Returns: the run's result."""
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    tr = _Tracker(client, len(specs), f"concurrency {concurrency}", progress)
+    queue = iter(specs)
+
+    async def worker() -> None:
+        for spec in queue:
+            if tr.stopping or tr.now() >= max_duration_s:
+                return
+            await tr.launch(spec, tr.now())
+
+    workers = [asyncio.create_task(worker()) for _ in range(min(concurrency, len(specs)))]
+    _, pending = await asyncio.wait(workers, timeout=_left(tr, max_duration_s))
+    stopped = bool(pending)
+    if pending:
+        await tr.cancel_inflight()
+        await asyncio.gather(*workers, return_exceptions=True)
+    stopped = stopped or len(tr.records) < len(specs)
+    config = {"mode": "closed", "rate": None, "concurrency": concurrency, "num_requests": len(specs), "seed": None,
+              "max_duration_s": max_duration_s}
+    return tr.result(config, stopped)
+
+
+async def run_sweep(client: Client, specs: list[RequestSpec], rates: list[float], seed: int = 0,
+                    max_duration_s: float = math.inf, progress: bool = True) -> list[RunResult]:
+    """One open-loop run per rate, in the given order, each with the same specs and seed."""
+    return [await run_open_loop(client, specs, rate, seed, max_duration_s, progress) for rate in rates]
+
+
+def _left(tr: _Tracker, max_duration_s: float) -> float | None:
+    return None if math.isinf(max_duration_s) else max(0.0, max_duration_s - tr.now())
