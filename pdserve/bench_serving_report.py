@@ -1,0 +1,93 @@
+"""Turns the serving benchmark's result files into tables, plots and the `BENCHMARKS.md` section."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from loadtest.plots import plot_goodput_vs_rate, plot_phase_breakdown
+
+MARK_START, MARK_END = "<!-- serving-bench:start -->", "<!-- serving-bench:end -->"
+LABELS = {"ratio": "pdserve ratio", "always_remote": "pdserve always_remote", "colocated": "pdserve colocated",
+          "vllm": "vLLM-CPU"}
+
+
+def _f(v: float | None, fmt: str = "{:.2f}") -> str:
+    return "–" if v is None else fmt.format(v)
+
+
+def _docs(out: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(out.glob("*--*.json"))]
+
+
+def _open_table(docs: list[dict], workload: str) -> list[str]:
+    lines = ["| server | rate (req/s) | ok / sent | goodput (req/s) | TTFT p50 / p99 (s) | ITL p50 / p99 (s) | "
+             "TPOT p50 (s) | output tok/s |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for doc in docs:
+        if doc["meta"]["workload"] != workload:
+            continue
+        for run in doc["runs"]:
+            c, s = run["config"], run["summary"]
+            if c["mode"] != "open":
+                continue
+            lines.append(f"| {LABELS.get(doc['meta']['server'], doc['meta']['server'])} | {c['rate']:g} | "
+                         f"{s['requests']['ok']} / {c['sent']} | {_f(s['goodput']['requests_per_s'], '{:.3f}')} | "
+                         f"{_f(s['ttft_s']['p50'])} / {_f(s['ttft_s']['p99'])} | {_f(s['itl_s']['p50'], '{:.3f}')} / "
+                         f"{_f(s['itl_s']['p99'], '{:.3f}')} | {_f(s['tpot_s']['p50'], '{:.3f}')} | "
+                         f"{_f(s['throughput']['output_tokens_per_s'], '{:.1f}')} |")
+    return lines
+
+
+def _closed_table(docs: list[dict]) -> list[str]:
+    lines = ["| server | concurrency | ok / sent | output tok/s | TPOT p50 (s) | TTFT p50 (s) |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for doc in docs:
+        for run in doc["runs"]:
+            c, s = run["config"], run["summary"]
+            if c["mode"] == "closed":
+                lines.append(f"| {LABELS.get(doc['meta']['server'], doc['meta']['server'])} | {c['concurrency']} | "
+                             f"{s['requests']['ok']} / {c['sent']} | "
+                             f"{_f(s['throughput']['output_tokens_per_s'], '{:.1f}')} | "
+                             f"{_f(s['tpot_s']['p50'], '{:.3f}')} | {_f(s['ttft_s']['p50'])} |")
+    return lines
+
+
+def _plots(out: Path, docs: list[dict], workloads: list) -> list[str]:
+    lines = []
+    for w in workloads:
+        sel = [d for d in docs if d["meta"]["workload"] == w.name]
+        try:
+            path = plot_goodput_vs_rate(sel, out / f"goodput--{w.name}.png")
+            lines.append(f"![goodput vs rate, {w.name}]({path.as_posix()})")
+        except ValueError:
+            pass
+    for d in docs:
+        if d["meta"]["server"] == "ratio" and d["meta"]["workload"] == "mixed":
+            path = plot_phase_breakdown(d, out / "phases--ratio--mixed.png")
+            if path is not None:
+                lines.append(f"![per-request phases, ratio, mixed]({Path(path).as_posix()})")
+    return lines
+
+
+def write_report(out: Path, args: argparse.Namespace, workloads: list, machine: str) -> str:
+    """Build the section, write it into the report file between the markers. Returns the section."""
+    docs = _docs(out)
+    section = [MARK_START, "", f"Machine: {machine}. Model: `{Path(args.model_dir).name}`, {args.dtype}. "
+               f"Goodput targets: TTFT ≤ {args.ttft_target} s and TPOT ≤ {args.tpot_target} s. "
+               f"{args.num_requests} requests per run. Command: `make bench` (`pdserve bench report`).", ""]
+    for w in workloads:
+        parts = " + ".join(f"{p}/{o}" for p, o in w.parts)
+        section += [f"**{w.name}** (prompt/output tokens: {parts}; open loop, Poisson)", ""]
+        section += _open_table(docs, w.name) + [""]
+    section += ["**Saturated throughput**, decode-heavy, closed loop", ""] + _closed_table(docs) + [""]
+    section += _plots(out, docs, workloads) + ["", MARK_END]
+    text = "\n".join(section)
+    report = Path(args.report)
+    old = report.read_text() if report.exists() else ""
+    if MARK_START in old and MARK_END in old:
+        head, rest = old.split(MARK_START, 1)
+        new = head + text + rest.split(MARK_END, 1)[1]
+    else:
+        new = old.rstrip() + "\n\n## Serving: pdserve vs vLLM-CPU\n\n" + text + "\n"
+    report.write_text(new)
+    return text
