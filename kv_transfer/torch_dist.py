@@ -162,18 +162,17 @@ class TorchDistConnector(KVConnector):
                     continue
                 tx.started = True
             try:
-                if pair is None:
-                    store = dist.TCPStore(peer.host, peer.port, None, False, timeout=self._timeout())
-                    pair = PairGroup(pair_key(self.worker_id, peer.worker_id), 0, store, self.config.timeout_s,
-                                     self.pool.device)
-                if pair.group is None:
-                    pair.connect_sender()
-                buf = gather_layer(self.pool, layer, blocks)
-                nbytes = buf.numel() * buf.element_size()
-                header = torch.tensor([transfer_hash(tid), layer, len(blocks), nbytes], dtype=torch.int64,
-                                      device=self.pool.device)
-                pair.send(header)
-                pair.send(buf.view(-1).view(torch.uint8))
+                try:
+                    pair = self._send_layer(pair, peer, tid, layer, blocks)
+                except Exception as e:
+                    if tx.sent:  # part of this transfer went through: the receiver cannot take it again
+                        raise
+                    # nothing of it arrived: the pair may have been closed by the receiver (e.g. after a
+                    # timed-out transfer); rebuild it once and send again
+                    log.info("pair %s->%s broken (%s); rebuilding it for %s", self.worker_id, peer.worker_id, e, tid)
+                    if pair is not None:
+                        pair.teardown()
+                    pair = self._send_layer(None, peer, tid, layer, blocks)
                 with self._lock:
                     tx.sent += 1
             except Exception as e:
@@ -188,6 +187,24 @@ class TorchDistConnector(KVConnector):
                     pair = None  # a fresh store connection too, in case the receiver restarted
         if pair is not None:
             pair.teardown()
+
+    def _send_layer(self, pair: PairGroup | None, peer: PeerInfo, tid: str, layer: int,
+                    blocks: list[int]) -> PairGroup:
+        """Send one layer's header and buffer, connecting the pair first if needed. Returns the pair."""
+        assert self.pool is not None
+        if pair is None:
+            store = dist.TCPStore(peer.host, peer.port, None, False, timeout=self._timeout())
+            pair = PairGroup(pair_key(self.worker_id, peer.worker_id), 0, store, self.config.timeout_s,
+                             self.pool.device)
+        if pair.group is None:
+            pair.connect_sender()
+        buf = gather_layer(self.pool, layer, blocks)
+        nbytes = buf.numel() * buf.element_size()
+        header = torch.tensor([transfer_hash(tid), layer, len(blocks), nbytes], dtype=torch.int64,
+                              device=self.pool.device)
+        pair.send(header)
+        pair.send(buf.view(-1).view(torch.uint8))
+        return pair
 
     # -- receiver -----------------------------------------------------------------------------------
     def recv(self, transfer_id: str, blocks: list[int], num_layers: int, peer: PeerInfo) -> None:

@@ -37,12 +37,22 @@ class PrefillWorker:
         self._peers: dict[str, PeerInfo] = {}  # request id -> its decode worker
         self._first: dict[str, Future] = {}  # request id -> first token, for the caller
         self._sending: set[str] = set()
+        self._fault: str | None = None  # fault injection (tests): applies to the next request prefilled
+        self._dropped: set[str] = set()  # requests whose KV was never sent (fault "drop")
         self._owner = OwnerThread(self._work, name=f"engine-{worker_id}")  # last: it starts running
 
     # -- actor API (any thread) --------------------------------------------------------------------
     def pid(self) -> int:
         """This worker's process id (fault-injection tests kill it)."""
         return os.getpid()
+
+    def inject_fault(self, kind: str | None) -> None:
+        """Fault injection for tests, applied to the next request prefilled: "drop" (its KV is never
+        sent: the receiver waits until its timeout), "bad_header" (a layer arrives with the wrong
+        block count), "die" (this process exits halfway through its layers). None clears it."""
+        if kind not in (None, "drop", "bad_header", "die"):
+            raise ValueError(f"kind must be drop, bad_header, die or None; got {kind!r}")
+        self._owner.call(lambda: setattr(self, "_fault", kind))
 
     def node_id(self) -> str:
         """The Ray node this worker runs on."""
@@ -123,18 +133,43 @@ class PrefillWorker:
     def _ship_layer(self, layer: int, seqs: list[Sequence]) -> None:
         for seq in seqs:
             peer = self._peers.get(seq.request_id)
-            if peer is not None:  # calibration prompts have no destination
-                self.connector.send(seq.request_id, layer, seq.block_table, peer)
+            if peer is None:  # calibration prompts have no destination
+                continue
+            if self._fault is not None and not self._injected(seq, layer):
+                continue
+            self.connector.send(seq.request_id, layer, seq.block_table, peer)
+
+    def _injected(self, seq: Sequence, layer: int) -> bool:
+        """Apply the injected fault to this layer of `seq`. Returns whether to send it normally."""
+        fault, last = self._fault, layer == self.engine.layout.num_layers - 1
+        if fault == "die" and layer == self.engine.layout.num_layers // 2:
+            log.warning("fault injection: exiting in the middle of %s", seq.request_id)
+            os._exit(1)
+        if fault == "bad_header" and layer == 0:
+            self.connector.send(seq.request_id, layer, seq.block_table[:-1], self._peers[seq.request_id])
+            return False
+        if fault == "drop":
+            self._dropped.add(seq.request_id)
+            return False
+        if last:
+            self._fault = None
+        return True
 
     def _work(self) -> bool:
         """One round: a prefill step of every queued prompt, then free what has been sent. Returns
         whether more prompts wait."""
         if self.engine.has_unfinished():
             for out in self.engine.step():
-                self._sending.add(out.request_id)
                 fut = self._first.pop(out.request_id, None)
                 if fut is not None:
                     fut.set_result((out.new_token_ids[0], self.connector.handoff(out.request_id)))
+                if out.request_id in self._dropped:  # fault "drop": nothing in flight to wait for
+                    self._dropped.discard(out.request_id)
+                    self._fault = None
+                    self.engine.release(out.request_id)
+                    self._forget(out.request_id)
+                else:
+                    self._sending.add(out.request_id)
         self._release_sent()
         return self.engine.has_unfinished()
 

@@ -3,7 +3,9 @@
 Lifecycle of one Generate call:
 0. With API keys: `ApiKeyInterceptor` wants metadata `authorization: Bearer <key>` or `x-api-key: <key>`
    (missing or wrong → UNAUTHENTICATED, before the request is even decoded). Messages larger than
-   `max_message_bytes` (default 8 MiB) are refused by grpc itself with RESOURCE_EXHAUSTED.
+   `max_message_bytes` (default 8 MiB) are refused by grpc itself with RESOURCE_EXHAUSTED; bytes that
+   are not a valid message (corrupt wire format, strings that are not UTF-8) get INVALID_ARGUMENT
+   (`MalformedRequestInterceptor`; grpc alone would answer UNKNOWN with the parser's exception).
 1. Translate the proto request into a `GenerateRequest`: the oneof `input` becomes the prompt or
    chat messages, unset `sampling` fields take `SamplingParams`' defaults, empty strings mean unset.
    `SamplingParams` validates on construction; chat roles and the size limits of
@@ -24,11 +26,13 @@ set (probes and tooling need no secret), as does nothing else. Keys and metadata
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -37,7 +41,7 @@ from engine.sampling_params import SamplingParams
 from protos.pdserve.v1 import pdserve_pb2 as pb
 from protos.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from router.auth import as_key_set, bearer_token, key_allowed
-from router.limits import DEFAULT_LIMITS, RequestLimits, check_limits
+from router.limits import CLIENT_REQUEST_ID, DEFAULT_LIMITS, RequestLimits, check_limits
 from router.openai_protocol import CHAT_ROLES
 from router.types import (
     Chunk,
@@ -75,6 +79,9 @@ def to_generate_request(msg: pb.GenerateRequest, limits: RequestLimits = DEFAULT
         messages = _chat_messages(msg.chat, limits.max_messages)
     else:
         raise InvalidRequestError("input", "set exactly one of text, token_ids or chat")
+    if msg.request_id and not CLIENT_REQUEST_ID.fullmatch(msg.request_id):
+        raise InvalidRequestError("request_id", "must be 1-128 characters: letters, digits and . _ : - "
+                                                "(or empty: the server mints one)")
     request = GenerateRequest(prompt=prompt, messages=messages, sampling=to_sampling_params(msg.sampling),
                               request_id=msg.request_id or None, model=msg.model or None,
                               max_tokens_default=not msg.sampling.HasField("max_tokens"))
@@ -223,6 +230,55 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         return _deny(handler, message)
 
 
+class _Malformed:
+    """What the tolerant deserializer hands on in place of a request it could not parse."""
+
+    def __init__(self, error: DecodeError) -> None:
+        self.message = f"request: not a valid protobuf message: {error}"
+
+
+class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
+    """Answers INVALID_ARGUMENT (not UNKNOWN) to a unary request whose bytes do not parse."""
+
+    async def intercept_service(
+            self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+            details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        behavior = handler.unary_stream if handler.response_streaming else handler.unary_unary
+        if not (inspect.isasyncgenfunction(behavior) or inspect.iscoroutinefunction(behavior)):
+            return handler  # a sync handler: grpc's own error handling
+        parse = handler.request_deserializer
+
+        def tolerant(data: bytes) -> object:
+            try:
+                return parse(data)
+            except DecodeError as exc:
+                return _Malformed(exc)
+
+        if handler.response_streaming:
+            return handler._replace(request_deserializer=tolerant, unary_stream=_checked(behavior))
+        return handler._replace(request_deserializer=tolerant, unary_unary=_checked(behavior))
+
+
+def _checked(behavior: Callable) -> Callable:
+    """`behavior` (async), aborting with INVALID_ARGUMENT first when the request did not parse; same kind."""
+    if inspect.isasyncgenfunction(behavior):
+        async def stream(request: object, context: grpc.aio.ServicerContext) -> AsyncIterator[object]:
+            if isinstance(request, _Malformed):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+            async for response in behavior(request, context):
+                yield response
+        return stream
+
+    async def call(request: object, context: grpc.aio.ServicerContext) -> object:
+        if isinstance(request, _Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+        return await behavior(request, context)
+    return call
+
+
 def _deny(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
     """A handler of the same kind as `handler` that aborts with UNAUTHENTICATED without decoding the request."""
     async def deny(request: object, context: grpc.aio.ServicerContext) -> None:
@@ -253,7 +309,8 @@ async def start_grpc_server(router: RouterAPI, host: str, port: int, *, api_keys
         (the started server, the port it is bound to).
     """
     keys = as_key_set(api_keys)
-    server = grpc.aio.server(interceptors=[ApiKeyInterceptor(keys)] if keys else None,
+    interceptors = [ApiKeyInterceptor(keys)] if keys else []  # outermost first: no key, nothing is parsed
+    server = grpc.aio.server(interceptors=[*interceptors, MalformedRequestInterceptor()],
                              options=[("grpc.max_receive_message_length", max_message_bytes)])
     pb_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(router, limits), server)
     health_servicer = RouterHealthServicer(router)

@@ -46,7 +46,6 @@ import dataclasses
 import json
 import logging
 import math
-import re
 import time
 import uuid
 from typing import Any
@@ -56,7 +55,7 @@ from aiohttp.typedefs import Handler
 
 from engine.errors import CapacityError, InvalidRequestError
 from router.auth import as_key_set, bearer_token, key_allowed
-from router.limits import DEFAULT_LIMITS, RequestLimits
+from router.limits import CLIENT_REQUEST_ID, DEFAULT_LIMITS, RequestLimits
 from router.openai_protocol import (
     ParsedRequest,
     ResponseBuilder,
@@ -78,7 +77,6 @@ OPEN_ROUTES = frozenset({"/health", "/metrics"})  # served without an API key
 # aiohttp's default access log format, pinned: no header but Referer and User-Agent is ever logged.
 ACCESS_LOG_FORMAT = '%a %t "%r" %s %b "%{Referer}i" "%{User-Agent}i"'
 _LOG_ID = web.RequestKey("pdserve_log_id", str)
-_CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 _DONE = b"data: [DONE]\n\n"
 
@@ -247,7 +245,7 @@ def _finite_float(text: str) -> float:
 
 def _client_request_id(request: web.Request) -> str | None:
     value = request.headers.get("X-Request-Id", "")
-    return value if _CLIENT_ID.fullmatch(value) else None
+    return value if CLIENT_REQUEST_ID.fullmatch(value) else None
 
 
 def _router(request: web.Request) -> RouterAPI:

@@ -5,9 +5,13 @@ They bound what a single request can make the router do before the context-lengt
 wire are bounded separately: the HTTP body limit (413) and gRPC's max receive message size
 (RESOURCE_EXHAUSTED). A request over a limit is refused with `InvalidRequestError` naming the field
 (HTTP 400, gRPC INVALID_ARGUMENT).
+
+A client's request id (HTTP `X-Request-Id`, gRPC `request_id`) goes into every log line and back to
+the client, so it must match `CLIENT_REQUEST_ID`: 1-128 letters, digits and `._:-`.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError
@@ -35,6 +39,7 @@ class RequestLimits:
 
 
 DEFAULT_LIMITS = RequestLimits()
+CLIENT_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
 def check_limits(request: GenerateRequest, limits: RequestLimits = DEFAULT_LIMITS) -> GenerateRequest:

@@ -128,7 +128,7 @@ def _prompt(value: Any) -> str | list[int]:
     if isinstance(value, str):
         if not value:
             raise InvalidRequestError("prompt", "must not be empty")
-        return value
+        return _unicode("prompt", value)
     if not isinstance(value, list):
         raise InvalidRequestError("prompt", f"must be a string or a list of token ids, got {_json_type(value)}")
     if not value:
@@ -160,7 +160,7 @@ def _message(i: int, message: Any) -> dict:
 
 def _content(where: str, content: Any) -> str:
     if isinstance(content, str):
-        return content
+        return _unicode(where, content)
     if not isinstance(content, list):
         raise InvalidRequestError(where, "must be a string or a list of {\"type\": \"text\", \"text\"} parts")
     texts = []
@@ -169,7 +169,7 @@ def _content(where: str, content: Any) -> str:
             raise InvalidRequestError(f"{where}[{j}]", "only {\"type\": \"text\", \"text\": ...} parts are supported")
         if not isinstance(part.get("text"), str):
             raise InvalidRequestError(f"{where}[{j}].text", "must be a string")
-        texts.append(part["text"])
+        texts.append(_unicode(f"{where}[{j}].text", part["text"]))
     return "\n".join(texts)
 
 
@@ -186,7 +186,17 @@ def _stop(value: Any) -> tuple[str, ...]:
         value = [value]
     if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
         raise InvalidRequestError("stop", "must be a string or a list of strings")
-    return tuple(value)
+    return tuple(_unicode("stop", s) for s in value)
+
+
+def _unicode(field: str, text: str) -> str:
+    """`text` if it is valid Unicode; JSON's \\uXXXX escapes can smuggle in unpaired surrogates."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(field, f"contains an unpaired surrogate (\\u{ord(text[exc.start]):04x}) at "
+                                         f"character {exc.start}; send valid Unicode text") from None
+    return text
 
 
 def _int_field(body: dict, name: str, default: int) -> int:

@@ -71,6 +71,7 @@ class RouterStream:
                  sampling: SamplingParams, arrival: float, metrics: Metrics, planner: Planner,
                  deadline: float | None = None) -> None:
         self.request_id = request_id
+        self._worker_rid = request_id  # the id workers know this attempt by: a fresh one per placement
         self.prompt_tokens = len(prompt)
         self._pools, self._booking, self._prompt, self._sampling = pools, booking, prompt, sampling
         self._arrival, self._metrics, self._planner = arrival, metrics, planner
@@ -174,6 +175,7 @@ class RouterStream:
         prompt, sampling = self._resume_point()
         booking = await self._planner.replan(len(prompt), sampling.max_tokens, avoid,
                                              local=bool(migrating) or cfg.on_prefill_failure == "local")
+        self._worker_rid = f"{self.request_id}.{attempts + self.migrations}"  # no leftovers of the last attempt
         t = self.timings
         self.timings = replace(self._new_timings(booking), queue_s=t.queue_s, ttft_s=t.ttft_s, prefill_s=t.prefill_s,
                                transfer_s=t.transfer_s)
@@ -186,7 +188,7 @@ class RouterStream:
         return self._prompt + self._sent, replace(self._sampling, max_tokens=self._sampling.max_tokens - len(self._sent))
 
     async def _start(self, b: Booking, prompt: list[int], sampling: SamplingParams) -> None:
-        rid, p_idx, d_idx = self.request_id, b.placement.prefill, b.placement.decode
+        rid, p_idx, d_idx = self._worker_rid, b.placement.prefill, b.placement.decode
         d = self._pools.decode[d_idx]
         if b.placement.path == "local":
             await _call("decode", d.submit_local.remote(rid, prompt, sampling))
@@ -207,7 +209,7 @@ class RouterStream:
         d = self._pools.decode[b.placement.decode]
         got_any = False
         try:
-            async for ref in d.stream.options(num_returns="streaming").remote(self.request_id):
+            async for ref in d.stream.options(num_returns="streaming").remote(self._worker_rid):
                 item = await ref
                 if item["error"]:
                     if not got_any and "transfer" in item["error"]:  # the KV never landed: start again
@@ -268,9 +270,10 @@ class RouterStream:
 
     async def _abort(self, b: Booking) -> None:
         """Tell both workers to drop the request (idempotent on their side; dead ones are skipped)."""
-        calls = [self._pools.decode[b.placement.decode].abort.remote(self.request_id)]
+        rid = self._worker_rid
+        calls = [self._pools.decode[b.placement.decode].abort.remote(rid)]
         if b.placement.path == "remote":
-            calls.append(self._pools.prefill[b.placement.prefill].abort.remote(self.request_id))
+            calls.append(self._pools.prefill[b.placement.prefill].abort.remote(rid))
         for ref in calls:
             try:
                 await asyncio.wait_for(ref, timeout=10)

@@ -137,3 +137,51 @@ def test_killed_decode_worker_mid_stream_migrates_without_losing_a_token(cluster
     text = router.metrics_text()[0].decode()
     assert 'pdserve_request_recoveries_total{action="migrate"}' in text
     assert_all_free(pools)
+
+
+@pytest.mark.parametrize("fault", ["drop", "bad_header", "die"])
+@pytest.mark.parametrize("on_failure", ["retry", "local", "fail"])
+def test_transfer_faults_abort_free_and_recover_as_configured(cluster, fault, on_failure):
+    ref, pools = cluster[0], cluster[1]
+    prompt = random_prompt(40, seed=hash((fault, on_failure)) % 1000)  # 3 blocks: a short header is visible
+
+    async def main():
+        router = make_router(cluster, policy="always_remote", on_prefill_failure=on_failure)
+        await settle(router)
+        for w in pools.prefill:
+            await w.inject_fault.remote(None)
+        await pools.prefill[0].inject_fault.remote(fault)
+        await pools.prefill[1].inject_fault.remote(fault)  # whichever prefill worker it lands on
+        out = await asyncio.wait_for(run_one(router, prompt, 10, {}, 0), 60)
+        for w in pools.prefill:
+            try:
+                await w.inject_fault.remote(None)
+            except ray.exceptions.RayActorError:
+                pass  # the one that died
+        router.start_polling()
+        await settle(router)
+        await router.stop_polling()
+        return out, router
+
+    out, router = asyncio.run(main())
+    if on_failure == "fail":
+        assert isinstance(out, RequestFailed) and "could not start" in str(out)
+    else:
+        assert out == greedy_reference(ref, prompt, 10)
+        action = on_failure if on_failure == "local" else "retry"
+        assert f'pdserve_request_recoveries_total{{action="{action}"}}' in router.metrics_text()[0].decode()
+    assert_all_free_eventually(pools)
+
+
+def assert_all_free_eventually(pools, timeout_s: float = 30) -> None:
+    """Blocks a failed transfer held on the sending side return once that side sees it fail."""
+    import time
+
+    end = time.monotonic() + timeout_s
+    while True:
+        loads = ray.get([w.load.remote() for w in pools.prefill + pools.decode])
+        if all(x["free_blocks"] == x["num_blocks"] for x in loads) or time.monotonic() > end:
+            break
+        time.sleep(0.2)
+    for load in loads:
+        assert load["free_blocks"] == load["num_blocks"], load
