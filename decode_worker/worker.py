@@ -144,10 +144,23 @@ class DecodeWorker:
         self._land()
         if not self.engine.has_unfinished():
             return False
-        for out in self.engine.step():
+        try:
+            outs = self.engine.step()
+        except Exception as e:  # a step that cannot run fails its requests, not the worker
+            log.exception("engine step failed on %s", self.worker_id)
+            self._fail_unfinished(f"the decode worker's engine failed ({type(e).__name__})")
+            return False
+        for out in outs:
             self._emit(out.request_id, out.new_token_ids, out.finish_reason, text=out.new_text,
                        cached=out.num_cached_tokens)
         return True
+
+    def _fail_unfinished(self, why: str) -> None:
+        """End every request that is waiting or running (not those still receiving KV) with an error."""
+        sched = self.engine.scheduler
+        for seq in list(sched.waiting) + list(sched.running):
+            self.engine.abort(seq.request_id)
+            self._emit(seq.request_id, [], "abort", error=why)
 
     def _land(self) -> None:
         for rid, first in list(self._landing.items()):

@@ -1,6 +1,7 @@
 """Hands work from any thread to the one thread that owns an engine, and returns the result."""
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections.abc import Callable
@@ -8,6 +9,7 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class CommandQueue:
@@ -70,4 +72,8 @@ class OwnerThread:
         busy = False
         while not self._stop.is_set():
             self.commands.drain(0.0 if busy else self._idle_wait_s)
-            busy = self._work()
+            try:
+                busy = self._work()
+            except Exception:  # the owner's own handler failed: keep serving commands (abort, shutdown)
+                log.exception("%s: a round of work failed", self._thread.name)
+                busy = False

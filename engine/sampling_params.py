@@ -5,6 +5,10 @@ from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError
 
+# Below this temperature sampling is greedy: logits / temperature would overflow float32 (a temperature
+# of 1e-300 even rounds to 0.0 there), and the softmax of inf is NaN. vLLM uses the same threshold.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -12,7 +16,7 @@ class SamplingParams:
 
     Args:
         max_tokens: most tokens to generate, >= 1.
-        temperature: 0 means greedy; otherwise >= 0 scales logits.
+        temperature: 0 (or anything below 1e-5) means greedy; otherwise it scales the logits; at most 100.
         top_k: keep the k most likely tokens; 0 disables.
         top_p: keep the smallest set whose probability reaches top_p, in (0, 1].
         seed: per-request seed; the same seed and prompt give the same tokens.
@@ -49,7 +53,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1
 
 
 def _as_tuple(value: object, kind: type, name: str) -> tuple:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -41,8 +42,9 @@ def _generate_remote(args: argparse.Namespace) -> int:
     from pdserve.grpc_client import generate_stream
 
     try:
+        metadata = [("authorization", f"Bearer {args.api_key}")] if args.api_key else None
         for resp in generate_stream(args.server, args.prompt, not args.no_chat, args.max_tokens, args.temperature,
-                                    args.top_p, args.top_k, args.seed, args.stop or []):
+                                    args.top_p, args.top_k, args.seed, args.stop or [], metadata=metadata):
             sys.stdout.write(resp.text)
             sys.stdout.flush()
             if resp.finish_reason:
@@ -100,9 +102,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
                           served_model_name=args.served_model_name, default_max_tokens=args.default_max_tokens,
                           on_prefill_failure=args.on_prefill_failure, max_attempts=args.max_attempts,
                           max_migrations=args.max_migrations)
+    from router.auth import load_api_keys
+
+    keys = load_api_keys(args.api_key, args.api_key_file, os.environ)
     cfg = ServeConfig(engine=engine, transfer=transfer, router=router, address=args.address,
                       num_prefill=args.prefill, num_decode=args.decode, cpus_per_worker=args.cpus_per_worker,
-                      host=args.host, http_port=args.http_port, grpc_port=args.grpc_port)
+                      host=args.host, http_port=args.http_port, grpc_port=args.grpc_port, api_keys=keys)
     return run(cfg, args.log_level)
 
 
@@ -138,6 +143,10 @@ def _serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-migrations", type=int, default=2,
                    help="most moves of one request to another decode worker after one died mid-stream")
     p.add_argument("--served-model-name", default=None, help="model id clients use (default: the directory name)")
+    p.add_argument("--api-key", action="append", default=None,
+                   help="require this API key (HTTP Authorization: Bearer, gRPC metadata); repeatable. Also "
+                   "$PDSERVE_API_KEYS (comma-separated) and --api-key-file")
+    p.add_argument("--api-key-file", default=None, help="file of API keys, one per line (# comments)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -160,6 +169,20 @@ def _apply_yaml(parser: argparse.ArgumentParser, args: argparse.Namespace, argv:
         raise ValueError(f"config: unknown keys {unknown}; allowed: {sorted(known)}")
     serve.set_defaults(**values)
     return parser.parse_args(argv)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import json
+
+    from pdserve.status import cluster_status, format_status
+
+    try:
+        status = cluster_status(args.address, timeout_s=args.timeout, include_dead=args.all)
+    except ConnectionError as e:
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(status, indent=2) if args.json else format_status(status))
+    return 0 if status["healthy"] else 1
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -201,6 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt")
     gen.add_argument("--server", default=None, help="HOST:PORT of a running pdserve's gRPC API (default: run "
                      "the engine in-process)")
+    gen.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
+                     help="API key for --server (default: $PDSERVE_API_KEY)")
     _engine_flags(gen)
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -215,6 +240,14 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_flags(serve)
     _serve_flags(serve)
     serve.set_defaults(func=cmd_serve)
+
+    st = sub.add_parser("status", help="pdserve's workers on a Ray cluster: pool, node, state, load, health")
+    st.add_argument("--address", default=None, help="Ray cluster: auto, HOST:PORT or ray://HOST:PORT "
+                    "(default: $RAY_ADDRESS, else auto)")
+    st.add_argument("--json", action="store_true", help="print the snapshot as JSON")
+    st.add_argument("--timeout", type=float, default=5.0, help="seconds each worker gets to answer load()")
+    st.add_argument("--all", action="store_true", help="also list dead workers of servers that have stopped")
+    st.set_defaults(func=cmd_status)
 
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench_cmd", required=True)

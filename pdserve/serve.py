@@ -35,6 +35,7 @@ class ServeConfig:
         cpus_per_worker: Ray CPUs each actor claims.
         host: interface both servers bind (loopback by default; 0.0.0.0 exposes them).
         http_port / grpc_port: their ports (0 picks a free one).
+        api_keys: keys clients must send (empty: no authentication); never printed.
     """
 
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -47,6 +48,7 @@ class ServeConfig:
     host: str = "127.0.0.1"
     http_port: int = 8000
     grpc_port: int = 50051
+    api_keys: frozenset[str] = field(default=frozenset(), repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_prefill, int) or self.num_prefill < 0:
@@ -118,8 +120,8 @@ async def serve(cfg: ServeConfig, ready: asyncio.Event | None = None, stop: asyn
         router = Router(pools, p_infos, d_infos, tokenizer, model_dir, cfg.router, cost, respawn=respawn)
         await router.poll_once()
         router.start_polling()
-        http, http_port = await start_http_server(router, cfg.host, cfg.http_port)
-        grpc_server, grpc_port = await start_grpc_server(router, cfg.host, cfg.grpc_port)
+        http, http_port = await start_http_server(router, cfg.host, cfg.http_port, api_keys=cfg.api_keys)
+        grpc_server, grpc_port = await start_grpc_server(router, cfg.host, cfg.grpc_port, api_keys=cfg.api_keys)
         _announce(router, cfg, cost, http_port, grpc_port)
         stop = stop or asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -148,9 +150,11 @@ def _announce(router: object, cfg: ServeConfig, cost: object, http_port: int, gr
     name = router.model_name  # type: ignore[attr-defined]
     c = cost.to_dict()  # type: ignore[attr-defined]
     print(f"[pdserve] cost model: {c}", file=sys.stderr)
+    auth = " -H 'Authorization: Bearer $PDSERVE_API_KEY'" if cfg.api_keys else ""
+    keys = f" ({len(cfg.api_keys)} API keys required)" if cfg.api_keys else ""
     print(f"[pdserve] serving {name!r} with policy {cfg.router.policy}: HTTP http://{host}:{http_port}  "
-          f"gRPC {host}:{grpc_port}\n"
-          f"  curl http://{host}:{http_port}/v1/chat/completions -H 'Content-Type: application/json' "
+          f"gRPC {host}:{grpc_port}{keys}\n"
+          f"  curl http://{host}:{http_port}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
           f"-d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], "
           f"\"max_tokens\": 32}}'\n"
           f"  pdserve generate --server {host}:{grpc_port} \"Hello!\"", file=sys.stderr, flush=True)

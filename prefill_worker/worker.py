@@ -159,7 +159,16 @@ class PrefillWorker:
         """One round: a prefill step of every queued prompt, then free what has been sent. Returns
         whether more prompts wait."""
         if self.engine.has_unfinished():
-            for out in self.engine.step():
+            try:
+                outs = self.engine.step()
+            except Exception as e:  # a step that cannot run fails its requests, not the worker
+                log.exception("engine step failed on %s", self.worker_id)
+                for seq in list(self.engine.scheduler.waiting) + list(self.engine.scheduler.running):
+                    self.engine.abort(seq.request_id)
+                    self.connector.abort(seq.request_id)  # layers already queued are not sent
+                    self._forget(seq.request_id, error=RuntimeError(f"prefill failed ({type(e).__name__})"))
+                return False
+            for out in outs:
                 fut = self._first.pop(out.request_id, None)
                 if fut is not None:
                     fut.set_result((out.new_token_ids[0], self.connector.handoff(out.request_id)))

@@ -98,6 +98,7 @@ def build_app(router: RouterAPI, max_body_bytes: int = 4 << 20, *, api_keys: fro
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
+    app.router.add_get("/pdserve/cost_model", cost_model)
     app.router.add_get("/metrics", metrics)
     return app
 
@@ -132,6 +133,11 @@ async def models(request: web.Request) -> web.Response:
     cards = [{"id": c.id, "object": "model", "created": c.created, "owned_by": c.owned_by,
               "max_model_len": c.max_model_len} for c in _router(request).models()]
     return web.json_response({"object": "list", "data": cards})
+
+
+async def cost_model(request: web.Request) -> web.Response:
+    """The cost model calibrated at start-up (pdserve's extension; `pdserve bench phases` reads it)."""
+    return web.json_response(_router(request).cost_model())
 
 
 async def health(request: web.Request) -> web.Response:

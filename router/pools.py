@@ -18,6 +18,7 @@ from prefill_worker import PrefillWorker
 
 PREFILL_RESOURCE = "prefill_pool"
 DECODE_RESOURCE = "decode_pool"
+NAMESPACE = "pdserve"  # every worker actor is named after its worker id in this Ray namespace (`pdserve status`)
 _MAX_CONCURRENCY = 256  # actor threads: one per in-flight call (streams block in theirs)
 
 
@@ -42,9 +43,10 @@ class Pools:
 def _start(cls: type, resource: str, name: str, engine_config: EngineConfig, transfer_config: TransferConfig,
            num_cpus: float) -> tuple[ray.actor.ActorHandle, PeerInfo]:
     gpus = 1 if engine_config.device.startswith("cuda") else 0
-    actor = ray.remote(cls).options(resources={resource: 1}, num_cpus=num_cpus, num_gpus=gpus,
-                                    max_concurrency=_MAX_CONCURRENCY).remote(
-        engine_config, transfer_config, f"{name}-{uuid.uuid4().hex[:6]}")
+    worker_id = f"{name}-{uuid.uuid4().hex[:6]}"
+    actor = ray.remote(cls).options(name=worker_id, namespace=NAMESPACE, resources={resource: 1}, num_cpus=num_cpus,
+                                    num_gpus=gpus, max_concurrency=_MAX_CONCURRENCY).remote(
+        engine_config, transfer_config, worker_id)
     return actor, ray.get(actor.peer_info.remote())
 
 

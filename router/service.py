@@ -99,6 +99,9 @@ class Router:
     def models(self) -> list[ModelCard]:
         return [ModelCard(self.model_name, self._created, "pdserve", self.max_model_len)]
 
+    def cost_model(self) -> dict:
+        return self.cost.to_dict()
+
     def healthy(self) -> bool:
         return any(d.healthy for d in self.book.decode)
 
@@ -110,7 +113,7 @@ class Router:
         rid = f"{request.request_id or 'req'}-{uuid.uuid4().hex[:12]}"
         if request.model is not None and request.model != self.model_name:
             raise ModelNotFoundError(request.model, self.model_name)
-        prompt = self._tokenize(request)
+        prompt = await self._tokenize_async(request)
         sp = request.sampling
         if request.max_tokens_default:
             room = min(self.max_model_len, self._max_blocks * self._block_size) - len(prompt)
@@ -156,6 +159,14 @@ class Router:
             slot.healthy = False
             self.metrics.worker_failures.labels(pool).inc()
 
+    async def _tokenize_async(self, request: GenerateRequest) -> list[int]:
+        """Tokenize; long texts in a thread, so streams keep flowing meanwhile."""
+        size = len(request.prompt) if isinstance(request.prompt, str) else \
+            sum(len(str(m.get("content", ""))) for m in request.messages or [])
+        if size < 4096:
+            return self._tokenize(request)
+        return await asyncio.get_running_loop().run_in_executor(None, self._tokenize, request)
+
     def _tokenize(self, request: GenerateRequest) -> list[int]:
         if (request.prompt is None) == (request.messages is None):
             raise InvalidRequestError("prompt", "give exactly one of prompt (text or token ids) or messages")
@@ -170,8 +181,10 @@ class Router:
             return encode_prompt(self.tokenizer, request.prompt, chat=False)
         except ModelError as e:  # no chat template
             raise InvalidRequestError("messages", str(e)) from None
-        except Exception as e:  # the template rejected the messages (roles, content shape)
-            raise InvalidRequestError("messages", f"the chat template could not render them: {e}") from None
+        except Exception as e:  # the template rejected the messages, or the tokenizer the text
+            if request.messages is not None:
+                raise InvalidRequestError("messages", f"the chat template could not render them: {e}") from None
+            raise InvalidRequestError("prompt", "the tokenizer could not encode it; send valid UTF-8 text") from None
 
     def _validate(self, prompt: list[int], max_tokens: int, field: str) -> None:
         n, limit = len(prompt), self.max_model_len

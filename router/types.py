@@ -151,6 +151,10 @@ class RouterAPI(Protocol):
 
     def healthy(self) -> bool: ...
 
+    def cost_model(self) -> dict:
+        """The calibrated cost model, as `CostModel.to_dict()`."""
+        ...
+
     def metrics_text(self) -> tuple[bytes, str]:
         """Prometheus exposition: (body, content type)."""
         ...

@@ -90,6 +90,9 @@ class FakeRouter:
     def healthy(self) -> bool:
         return True
 
+    def cost_model(self) -> dict:
+        return {"hop_s": 0.01}
+
     def metrics_text(self) -> tuple[bytes, str]:
         return b"# HELP pdserve_up 1 when serving\n# TYPE pdserve_up gauge\npdserve_up 1.0\n", \
             "text/plain; version=0.0.4; charset=utf-8"

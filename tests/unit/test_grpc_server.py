@@ -9,6 +9,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import grpc
 import pytest
@@ -20,6 +21,7 @@ from engine.sampling_params import SamplingParams
 from protos.pdserve.v1 import pdserve_pb2 as pb
 from protos.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from router.grpc_server import SERVICE_NAME, start_grpc_server
+from router.limits import RequestLimits
 from tests.unit.fake_router import MAX_MODEL_LEN, MODEL, FakeRouter
 
 TIMEOUT_S = 20
@@ -35,13 +37,15 @@ class Served:
         return list(self.stub.Generate(request, timeout=TIMEOUT_S))
 
 
-@pytest.fixture(scope="module")
-def served() -> Iterator[Served]:
+@contextmanager
+def serving(**options: object) -> Iterator[Served]:
+    """A server over a fresh FakeRouter; options go to `start_grpc_server`."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="grpc-server-loop", daemon=True)
     thread.start()
     router = FakeRouter()
-    server, port = asyncio.run_coroutine_threadsafe(start_grpc_server(router, "127.0.0.1", 0), loop).result(30)
+    server, port = asyncio.run_coroutine_threadsafe(start_grpc_server(router, "127.0.0.1", 0, **options),
+                                                    loop).result(30)
     assert port > 0
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     try:
@@ -52,6 +56,12 @@ def served() -> Iterator[Served]:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         loop.close()
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[Served]:
+    with serving() as s:
+        yield s
 
 
 def text_request(text: str, **sampling: object) -> pb.GenerateRequest:
@@ -150,6 +160,20 @@ ERROR_CASES = [
     (text_request("hi", seed=2**63), grpc.StatusCode.INVALID_ARGUMENT, "seed:"),
     (text_request("hi", stop=[""]), grpc.StatusCode.INVALID_ARGUMENT, "stop:"),
     (pb.GenerateRequest(text="hi", model="gpt-9"), grpc.StatusCode.NOT_FOUND, "model: the model 'gpt-9'"),
+    (pb.GenerateRequest(chat=pb.ChatMessages()), grpc.StatusCode.INVALID_ARGUMENT, "messages:"),
+    (pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="robot", content="x")])),
+     grpc.StatusCode.INVALID_ARGUMENT, "messages[0].role:"),
+    (pb.GenerateRequest(text="hi", request_id="two\nlines"), grpc.StatusCode.INVALID_ARGUMENT, "request_id:"),
+    (pb.GenerateRequest(text="hi", request_id="x" * 129), grpc.StatusCode.INVALID_ARGUMENT, "request_id:"),
+    # size limits (router.limits defaults)
+    (pb.GenerateRequest(text="x" * 1_000_001), grpc.StatusCode.INVALID_ARGUMENT, "prompt: has 1000001 characters"),
+    (text_request("hi", stop=["a", "b", "c", "d", "e"]), grpc.StatusCode.INVALID_ARGUMENT, "stop: at most 4"),
+    (text_request("hi", stop=["a"] * 100_000), grpc.StatusCode.INVALID_ARGUMENT, "stop: at most 4"),
+    (text_request("hi", stop_token_ids=range(65)), grpc.StatusCode.INVALID_ARGUMENT, "stop_token_ids: at most 64"),
+    (pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="x")] * 1025)),
+     grpc.StatusCode.INVALID_ARGUMENT, "messages: has 1025 messages"),
+    (pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="x" * 600_000)] * 2)),
+     grpc.StatusCode.INVALID_ARGUMENT, "messages: have 1200000 characters"),
 ]
 
 
@@ -218,3 +242,115 @@ def test_still_serves_after_errors(served: Served) -> None:
     health_stub = health_pb2_grpc.HealthStub(served.channel)
     assert health_stub.Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT_S).status == \
         health_pb2.HealthCheckResponse.SERVING
+
+
+def test_huge_message_is_resource_exhausted(served: Served) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        served.generate(pb.GenerateRequest(text="x" * (9 << 20)))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert_complete(served.generate(text_request("after", max_tokens=2)), n_tokens=2, prompt_tokens=1)
+
+
+@pytest.mark.parametrize("raw", [b"\x0a\x02\xff\xfe", b"\xff\xff\xff\xff", b"\x0a\x10ab", b"\x22\x03\x08"])
+def test_malformed_bytes_are_invalid_argument(served: Served, raw: bytes) -> None:
+    """Bad UTF-8 in a string, corrupt or truncated wire format: INVALID_ARGUMENT, not grpc's UNKNOWN."""
+    n_requests = len(served.router.requests)
+    methods = [(served.channel.unary_stream, "/pdserve.v1.GenerationService/Generate"),
+               (served.channel.unary_unary, "/grpc.health.v1.Health/Check")]
+    if raw[0] != 0x0A:  # ListModelsRequest has no field 1: those bytes parse
+        methods.append((served.channel.unary_unary, "/pdserve.v1.GenerationService/ListModels"))
+    for kind, method in methods:
+        with pytest.raises(grpc.RpcError) as info:
+            result = kind(method)(raw, timeout=TIMEOUT_S)
+            list(result) if kind == served.channel.unary_stream else result
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, info.value.details())
+        assert info.value.details().startswith("request: not a valid protobuf message")
+    assert len(served.router.requests) == n_requests
+
+
+def test_configured_limits() -> None:
+    limits = RequestLimits(max_prompt_chars=10, max_messages=1, max_stop=1, max_stop_token_ids=1)
+    with serving(limits=limits, max_message_bytes=1000) as s:
+        assert_complete(s.generate(text_request("x" * 10, max_tokens=1, stop=["s"], stop_token_ids=[1])), 1, 1)
+        for request, prefix in [(pb.GenerateRequest(text="x" * 11), "prompt:"),
+                                (text_request("x", stop=["a", "b"]), "stop:"),
+                                (text_request("x", stop_token_ids=[1, 2]), "stop_token_ids:")]:
+            with pytest.raises(grpc.RpcError) as info:
+                s.generate(request)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details().startswith(prefix)
+        with pytest.raises(grpc.RpcError) as info:
+            s.generate(pb.GenerateRequest(text="x" * 2000))
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+# ---------------------------------------------------------------- API keys
+
+
+KEY, OTHER_KEY = "sk-test-0123456789", "sk-second-key"
+
+
+@pytest.fixture(scope="module")
+def keyed() -> Iterator[Served]:
+    with serving(api_keys=frozenset({KEY, OTHER_KEY})) as s:
+        yield s
+
+
+def calls(served: Served, metadata: tuple[tuple[str, str], ...]) -> list:
+    """Both methods of the generation service, as thunks."""
+    return [lambda: list(served.stub.Generate(text_request("hi", max_tokens=2), timeout=TIMEOUT_S, metadata=metadata)),
+            lambda: served.stub.ListModels(pb.ListModelsRequest(), timeout=TIMEOUT_S, metadata=metadata)]
+
+
+@pytest.mark.parametrize("metadata", [
+    (), (("authorization", "Bearer sk-wrong-guess"),), (("x-api-key", "sk-wrong-guess"),),
+    (("authorization", KEY),), (("authorization", "Basic " + KEY),), (("x-api-key", "Bearer " + KEY),),
+    (("authorization", "Bearer " + KEY[:-1]),), (("api-key", KEY),), (("authorization", "Bearer " + KEY.upper()),),
+])
+def test_missing_or_wrong_key_is_unauthenticated(keyed: Served, metadata: tuple[tuple[str, str], ...]) -> None:
+    n_requests = len(keyed.router.requests)
+    for call in calls(keyed, metadata):
+        with pytest.raises(grpc.RpcError) as info:
+            call()
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        details = info.value.details()
+        assert "API key" in details and KEY not in details and "sk-wrong-guess" not in details
+        assert ("missing" in details) == (not metadata or metadata[0][0] == "api-key")
+    assert len(keyed.router.requests) == n_requests  # nothing reached the router
+
+
+@pytest.mark.parametrize("metadata", [(("authorization", "Bearer " + KEY),), (("authorization", "bearer " + OTHER_KEY),),
+                                      (("x-api-key", KEY),), (("x-api-key", OTHER_KEY),),
+                                      (("authorization", "Bearer wrong"), ("x-api-key", KEY))])
+def test_right_key_works(keyed: Served, metadata: tuple[tuple[str, str], ...]) -> None:
+    generate, list_models = calls(keyed, metadata)
+    assert_complete(generate(), n_tokens=2, prompt_tokens=1)
+    assert [m.id for m in list_models().models] == [MODEL]
+    with pytest.raises(grpc.RpcError) as info:  # past the key check, the usual validation
+        list(keyed.stub.Generate(text_request("hi", top_p=2.0), timeout=TIMEOUT_S, metadata=metadata))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_health_and_reflection_stay_open(keyed: Served) -> None:
+    stub = health_pb2_grpc.HealthStub(keyed.channel)
+    for service in ("", SERVICE_NAME):
+        assert stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=TIMEOUT_S).status == \
+            health_pb2.HealthCheckResponse.SERVING
+    assert SERVICE_NAME in ProtoReflectionDescriptorDatabase(keyed.channel).get_services()
+
+
+def test_keys_are_never_logged(keyed: Served, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.DEBUG):
+        for metadata in ((("authorization", "Bearer sk-guess-1234"),), (("x-api-key", KEY),)):
+            try:
+                calls(keyed, metadata)[1]()
+            except grpc.RpcError:
+                pass
+    assert any("refused" in r.getMessage() for r in caplog.records if r.name == "router.grpc_server")
+    assert KEY not in caplog.text and "sk-guess-1234" not in caplog.text
+
+
+def test_no_keys_means_no_auth(served: Served) -> None:
+    generate, list_models = calls(served, (("authorization", "Bearer anything"),))
+    assert_complete(generate(), n_tokens=2, prompt_tokens=1)
+    assert list_models().models
+    assert list(served.stub.ListModels(pb.ListModelsRequest(), timeout=TIMEOUT_S).models)

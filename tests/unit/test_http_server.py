@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import logging
 import socket
 import threading
 import time
@@ -15,24 +16,29 @@ from aiohttp import web
 from fake_router import MAX_MODEL_LEN, MODEL, FakeRouter, FakeStream
 
 from router.http_server import build_app, start_http_server
+from router.limits import RequestLimits
 from router.types import GenerateRequest
 
 
 class ServerThread:
     """A real server on 127.0.0.1 (free port), its event loop running in a background thread.
-    With max_body_bytes: an app from `build_app` on a plain runner (handlers not cancelled on disconnect)."""
+    With max_body_bytes or limits: an app from `build_app` on a plain runner (handlers not cancelled
+    on disconnect)."""
 
-    def __init__(self, router: FakeRouter, max_body_bytes: int | None = None) -> None:
+    def __init__(self, router: FakeRouter, max_body_bytes: int | None = None,
+                 api_keys: frozenset[str] = frozenset(), limits: RequestLimits | None = None) -> None:
         self.router = router
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.runner, self.port = self.call(self._start(max_body_bytes))
+        self.runner, self.port = self.call(self._start(max_body_bytes, api_keys, limits))
 
-    async def _start(self, max_body_bytes: int | None) -> tuple[web.AppRunner, int]:
-        if max_body_bytes is None:
-            return await start_http_server(self.router, "127.0.0.1", 0)
-        runner = web.AppRunner(build_app(self.router, max_body_bytes))
+    async def _start(self, max_body_bytes: int | None, api_keys: frozenset[str],
+                     limits: RequestLimits | None) -> tuple[web.AppRunner, int]:
+        if max_body_bytes is None and limits is None:
+            return await start_http_server(self.router, "127.0.0.1", 0, api_keys=api_keys)
+        runner = web.AppRunner(build_app(self.router, max_body_bytes or 4 << 20, api_keys=api_keys,
+                                         limits=limits or RequestLimits()))
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", 0).start()
         return runner, runner.addresses[0][1]
@@ -215,6 +221,19 @@ BAD_REQUESTS = [  # (path, body or raw bytes, status, param, code)
     (CHAT, {"messages": USER, "logprobs": True}, 400, "logprobs", None),
     (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, 400, "tools", None),
     (CHAT, {"messages": USER, "model": "gpt-4"}, 404, "model", "model_not_found"),
+    # size limits (router.limits defaults)
+    (C, {"prompt": "x" * 1_000_001}, 400, "prompt", None),
+    (C, {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", None),
+    (C, {"prompt": "hi", "stop_token_ids": list(range(65))}, 400, "stop_token_ids", None),
+    (CHAT, {"messages": USER * 1025}, 400, "messages", None),
+    (CHAT, {"messages": [{"role": "user", "content": "x" * 600_000}] * 2}, 400, "messages", None),
+    (CHAT, {"messages": USER, "stop": ["a"] * 5}, 400, "stop", None),
+    # JSON \u escapes can carry unpaired surrogates, which no tokenizer takes
+    (C, b'{"prompt": "a\\ud800b"}', 400, "prompt", None),
+    (C, b'{"prompt": "hi", "stop": ["\\udfff"]}', 400, "stop", None),
+    (CHAT, b'{"messages": [{"role": "user", "content": "\\ud83d"}]}', 400, "messages[0].content", None),
+    (CHAT, b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud83d"}]}]}', 400,
+     "messages[0].content[0].text", None),
 ]
 
 
@@ -337,3 +356,112 @@ def test_disconnect_while_waiting_aborts(server: ServerThread) -> None:
         assert wait_aborted(server.router, "gone-1")
     finally:
         server.router.token_delay_ms = 0
+
+
+# ---------------------------------------------------------------- size limits
+
+
+def test_configured_limits() -> None:
+    limited = ServerThread(FakeRouter(), limits=RequestLimits(max_prompt_chars=10, max_messages=2, max_stop=1,
+                                                              max_stop_token_ids=1))
+    try:
+        assert limited.request("POST", C, {"prompt": "x" * 10, "max_tokens": 1, "stop": "s",
+                                           "stop_token_ids": [1]})[0] == 200
+        for path, body, param in [(C, {"prompt": "x" * 11}, "prompt"), (C, {"prompt": "x", "stop": ["a", "b"]}, "stop"),
+                                  (C, {"prompt": "x", "stop_token_ids": [1, 2]}, "stop_token_ids"),
+                                  (CHAT, {"messages": USER * 3}, "messages"),
+                                  (CHAT, {"messages": [{"role": "user", "content": "x" * 6}] * 2}, "messages")]:
+            status, _, resp = limited.request("POST", path, body)
+            assert "at most" in assert_error(status, resp, 400, param)["message"]
+    finally:
+        limited.stop()
+
+
+# ---------------------------------------------------------------- API keys
+
+
+KEY, OTHER_KEY = "sk-test-0123456789", "sk-second-key"
+
+
+@pytest.fixture(scope="module")
+def keyed() -> Iterator[ServerThread]:
+    s = ServerThread(FakeRouter(), api_keys=frozenset({KEY, OTHER_KEY}))
+    yield s
+    s.stop()
+
+
+def assert_401(status: int, headers: dict[str, str], body: bytes, *secrets: str) -> None:
+    err = assert_error(status, body, 401, None, code="invalid_api_key")
+    assert headers["www-authenticate"].startswith("Bearer")
+    for secret in secrets:
+        assert secret.encode() not in body, err
+
+
+@pytest.mark.parametrize(("method", "path", "body"), [
+    ("POST", C, {"prompt": "hi", "max_tokens": 1}), ("POST", CHAT, {"messages": USER, "max_tokens": 1}),
+    ("GET", "/v1/models", None), ("GET", "/v1/nope", None), ("GET", C, None), ("POST", C, {"prompt": "x" * 5_000_000}),
+    ("GET", "/health/../v1/models", None), ("GET", "/v1/models?api_key=" + KEY, None),
+])
+def test_missing_key_is_401(keyed: ServerThread, method: str, path: str, body: object) -> None:
+    status, headers, resp = keyed.request(method, path, body)
+    assert_401(status, headers, resp)
+    assert "missing API key" in json.loads(resp)["error"]["message"]
+
+
+@pytest.mark.parametrize("header", ["Bearer sk-wrong-secret-guess", "Bearer " + KEY[:-1], "Bearer " + KEY + "x",
+                                    "Basic " + KEY, KEY, "Bearer", "Bearer " + KEY.upper(), "Bearer caf\u00e9"])
+def test_wrong_key_is_401_and_not_echoed(keyed: ServerThread, header: str) -> None:
+    status, headers, resp = keyed.request("POST", C, {"prompt": "hi", "max_tokens": 1},
+                                          headers={"Authorization": header})
+    sent = header.removeprefix("Bearer ").removeprefix("Basic ")
+    assert_401(status, headers, resp, *([sent] if sent != "Bearer" else []))
+
+
+@pytest.mark.parametrize("key", [KEY, OTHER_KEY])
+def test_right_key_works(keyed: ServerThread, key: str) -> None:
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{keyed.port}/v1", api_key=key, max_retries=0)
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].text == words(2)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=USER, max_tokens=3, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == words(3)
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    status, _, body = keyed.request("POST", C, {"prompt": "hi", "stop": ["a"] * 5},
+                                    headers={"Authorization": f"bearer {key}"})
+    assert_error(status, body, 400, "stop")  # past the key check, the usual validation
+
+
+def test_sdk_with_wrong_key(keyed: ServerThread) -> None:
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{keyed.port}/v1", api_key="sk-nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as info:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=1)
+    assert info.value.code == "invalid_api_key" and "sk-nope" not in str(info.value)
+
+
+def test_health_and_metrics_stay_open(keyed: ServerThread) -> None:
+    assert keyed.request("GET", "/health")[::2] == (200, b'{"status": "ok"}')
+    assert keyed.request("HEAD", "/health")[0] == 200
+    status, _, body = keyed.request("GET", "/metrics")
+    assert status == 200 and b"pdserve_up 1.0" in body
+
+
+def test_keys_are_never_logged(keyed: ServerThread, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.DEBUG):
+        for header in ("Bearer " + KEY, "Bearer sk-guess-1234"):
+            keyed.request("POST", C, {"prompt": "hi", "max_tokens": 1}, headers={"Authorization": header})
+        deadline = time.monotonic() + 2
+        while not any(r.name == "aiohttp.access" for r in caplog.records) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert any(r.name == "aiohttp.access" for r in caplog.records)
+    assert any("401" in r.getMessage() for r in caplog.records if r.name == "router.http_server")
+    assert KEY not in caplog.text and "sk-guess-1234" not in caplog.text
+
+
+def test_no_keys_means_no_auth(server: ServerThread) -> None:
+    status, _, body = server.request("POST", C, {"prompt": "hi", "max_tokens": 1},
+                                     headers={"Authorization": "Bearer anything"})
+    assert status == 200 and json.loads(body)["choices"][0]["text"] == words(1)
+    assert server.request("GET", "/v1/models")[0] == 200
+
+
+def test_api_keys_must_be_a_collection() -> None:
+    with pytest.raises(TypeError, match="not a single string"):
+        build_app(FakeRouter(), api_keys="secret")  # type: ignore[arg-type]
