@@ -30,6 +30,7 @@ import inspect
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -45,6 +46,7 @@ from router.limits import CLIENT_REQUEST_ID, DEFAULT_LIMITS, RequestLimits, chec
 from router.openai_protocol import CHAT_ROLES
 from router.types import (
     Chunk,
+    DeadlineExceeded,
     GenerateRequest,
     ModelNotFoundError,
     PhaseTimings,
@@ -139,6 +141,8 @@ def error_status(exc: Exception, request_id: str) -> tuple[grpc.StatusCode, str,
     if isinstance(exc, CapacityError):  # OverloadedError, or a bare CapacityError that got through
         retry_after_s = getattr(exc, "retry_after_s", 1.0)
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), (("retry-after-s", f"{retry_after_s:g}"),)
+    if isinstance(exc, DeadlineExceeded):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc), ()
     if isinstance(exc, RequestFailed):
         return grpc.StatusCode.INTERNAL, str(exc), ()
     log.error("request %s: unexpected error", request_id, exc_info=exc)
@@ -157,7 +161,11 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         request_id = request.request_id or f"grpc-{uuid.uuid4().hex[:12]}"
         stream: RequestStream | None = None
         try:
-            stream = await self._router.submit(to_generate_request(request, self._limits))
+            generate = to_generate_request(request, self._limits)
+            remaining = context.time_remaining()  # the client's gRPC deadline, if it set one
+            if remaining is not None and generate.timeout_s is None:
+                generate = replace(generate, timeout_s=max(1e-3, min(remaining, 1e7 - 1)))
+            stream = await self._router.submit(generate)
             request_id = stream.request_id
             async for chunk in stream:
                 await context.write(to_response(request_id, chunk))

@@ -26,6 +26,7 @@ Errors are always `{"error": {"message", "type", "param", "code"}}`:
 | wrong method                         | 405    | invalid_request_error | null (+ Allow)      |
 | body too large                       | 413    | invalid_request_error | null                |
 | OverloadedError / CapacityError      | 429    | server_overloaded     | rate_limit_exceeded |
+| DeadlineExceeded (`timeout` passed)  | 408    | timeout_error         | timeout             |
 | RequestFailed                        | 500    | server_error          | null                |
 | anything else                        | 500    | server_error          | null                |
 
@@ -65,7 +66,7 @@ from router.openai_protocol import (
     parse_chat_request,
     parse_completion_request,
 )
-from router.types import ModelNotFoundError, RequestFailed, RequestStream, RouterAPI
+from router.types import DeadlineExceeded, ModelNotFoundError, RequestFailed, RequestStream, RouterAPI
 
 log = logging.getLogger(__name__)
 
@@ -312,6 +313,8 @@ def _error(exc: Exception, log_id: str) -> tuple[int, dict, dict[str, str]]:
         retry_s = max(0.0, float(getattr(exc, "retry_after_s", 1.0)))
         headers = {"Retry-After": str(max(1, math.ceil(retry_s))), "retry-after-ms": str(int(retry_s * 1000))}
         return 429, error_body(str(exc), "server_overloaded", None, "rate_limit_exceeded"), headers
+    if isinstance(exc, DeadlineExceeded):
+        return 408, error_body(str(exc), "timeout_error", "timeout", "request_timeout"), {}
     if isinstance(exc, RequestFailed):
         log.warning("request %s failed: %s", log_id, exc)
         return 500, error_body(str(exc), "server_error"), {}

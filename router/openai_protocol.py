@@ -52,7 +52,8 @@ def parse_completion_request(body: Any, default_max_tokens: int = DEFAULT_MAX_TO
     _only_null_or(body, "suffix", ("",), "is not supported; use null or leave it out", str)
     prompt = _prompt(body.get("prompt", _MISSING))
     sampling = _sampling(body, _int_field(body, "max_tokens", default_max_tokens))
-    return _parsed(body, check_limits(GenerateRequest(prompt=prompt, sampling=sampling, model=_model(body)), limits))
+    return _parsed(body, check_limits(GenerateRequest(prompt=prompt, sampling=sampling, model=_model(body),
+                                                      timeout_s=_timeout(body)), limits))
 
 
 def parse_chat_request(body: Any, default_max_tokens: int = DEFAULT_MAX_TOKENS,
@@ -74,7 +75,8 @@ def parse_chat_request(body: Any, default_max_tokens: int = DEFAULT_MAX_TOKENS,
         max_tokens = _int_field(body, "max_tokens", default_max_tokens)
     sampling = _sampling(body, max_tokens)
     unset = body.get("max_completion_tokens") is None and body.get("max_tokens") is None
-    request = GenerateRequest(messages=messages, sampling=sampling, model=_model(body), max_tokens_default=unset)
+    request = GenerateRequest(messages=messages, sampling=sampling, model=_model(body), max_tokens_default=unset,
+                              timeout_s=_timeout(body))
     return _parsed(body, check_limits(request, limits))
 
 
@@ -112,6 +114,16 @@ def _object(body: Any) -> dict:
     if not isinstance(body, dict):
         raise InvalidRequestError("body", f"must be a JSON object, got {_json_type(body)}")
     return body
+
+
+def _timeout(body: dict) -> float | None:
+    """pdserve's extension `timeout`: the request's deadline in seconds (queueing included)."""
+    value = body.get("timeout")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1e7:
+        raise InvalidRequestError("timeout", f"must be a number of seconds in (0, 1e7), got {value!r}")
+    return float(value)
 
 
 def _model(body: dict) -> str | None:

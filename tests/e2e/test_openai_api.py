@@ -135,6 +135,19 @@ def test_bad_input_gets_a_clear_error(server, path, body, status, param):
     assert "Traceback" not in json.dumps(payload)
 
 
+def test_request_timeout_is_408_and_aborts_the_request(server):
+    code, payload = post(server, "/v1/completions", {"model": "smollm2", "prompt": "Tell me a long story.",
+                                                      "max_tokens": 2000, "ignore_eos": True, "timeout": 0.5})
+    assert code == 408, payload
+    assert payload["error"]["param"] == "timeout" and payload["error"]["type"] == "timeout_error"
+    with urllib.request.urlopen(server.http + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    deadline = [s for s in families["pdserve_requests"].samples
+                if s.name.endswith("_total") and s.labels["outcome"] == "deadline"]
+    assert deadline and sum(s.value for s in deadline) >= 1
+
+
 def test_still_serving_after_errors(client, server):
     post(server, "/v1/completions", b"[1, 2")
     resp = client.completions.create(model=server.model, prompt="Hello", max_tokens=2)
