@@ -100,6 +100,30 @@ class DecodeWorker:
             if item["finished"]:
                 return
 
+    def next_items(self, request_id: str, wait_s: float = 1.0) -> list[dict]:
+        """The pull form of `stream` (for callers that cannot take streamed results, e.g. Ray Client
+        drivers): the items produced since the last call, waiting up to `wait_s` for the first one.
+        The last item has "finished" set; a request unknown here gives one finished item with an error."""
+        def start() -> queue.Queue | None:
+            q = self._streams.get(request_id)
+            if q is not None:
+                self._reading.add(request_id)
+            return q
+        q = self._owner.call(start)
+        if q is None:
+            return [{"token_ids": [], "text": "", "finished": True, "finish_reason": "abort",
+                     "error": f"{request_id} is not known on this decode worker"}]
+        items = []
+        try:
+            items.append(q.get(timeout=wait_s))
+            while not items[-1]["finished"]:
+                items.append(q.get_nowait())
+        except queue.Empty:
+            pass
+        if items and items[-1]["finished"]:
+            self._owner.call(lambda: self._forget_stream(request_id))
+        return items
+
     def abort(self, request_id: str) -> bool:
         def do() -> bool:
             self._landing.pop(request_id, None)

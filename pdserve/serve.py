@@ -81,7 +81,7 @@ def _start_pools(cfg: ServeConfig):
 
     from router.pools import Pools, add_decode_worker, add_prefill_worker
 
-    pools = Pools()
+    pools = Pools(streaming=not ray.util.client.ray.is_connected())
     with tqdm(total=cfg.num_prefill + cfg.num_decode, desc="starting workers", unit="worker",
               file=sys.stderr) as bar:
         for _ in range(cfg.num_prefill):

@@ -30,6 +30,7 @@ class Pools:
     decode: list[ray.actor.ActorHandle] = field(default_factory=list)
     prefill_peers: list[PeerInfo] = field(default_factory=list)
     decode_peers: list[PeerInfo] = field(default_factory=list)
+    streaming: bool = True  # False on Ray Client drivers (ray://), which cannot take streamed results
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Stop every worker: a graceful stop for up to `timeout_s`, then the actors are killed."""

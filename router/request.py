@@ -205,12 +205,24 @@ class RouterStream:
         except Exception as e:  # its reservation expired: the transfer never completed
             raise _WorkerFailure("prefill", e, dead=False) from None
 
+    async def _items(self, d: ray.actor.ActorHandle) -> AsyncIterator[dict]:
+        """The decode worker's stream items: streamed, or pulled where streaming is not available."""
+        if self._pools.streaming:
+            async for ref in d.stream.options(num_returns="streaming").remote(self._worker_rid):
+                yield await ref
+            return
+        while True:
+            items = await d.next_items.remote(self._worker_rid, 1.0)
+            for item in items:
+                yield item
+            if items and items[-1]["finished"]:
+                return
+
     async def _relay(self, b: Booking, dispatched: float) -> str:
         d = self._pools.decode[b.placement.decode]
         got_any = False
         try:
-            async for ref in d.stream.options(num_returns="streaming").remote(self._worker_rid):
-                item = await ref
+            async for item in self._items(d):
                 if item["error"]:
                     if not got_any and "transfer" in item["error"]:  # the KV never landed: start again
                         raise _WorkerFailure("prefill", item["error"], dead=False)
