@@ -82,7 +82,7 @@ def _server_cmd(kind: str, model_dir: str, port: int, args: argparse.Namespace) 
             "--policy", policy, "--prefill", str(prefill), "--decode", str(decode), "--http-port", str(port),
             "--grpc-port", "0", "--served-model-name", "model", "--kv-memory-gib", str(args.kv_memory_gib),
             "--ttft-target", str(args.ttft_target), "--tpot-target", str(args.tpot_target),
-            "--log-level", "warning"], env
+            "--log-level", "warning", *(["--compile"] if args.compile else [])], env
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -178,9 +178,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    type=lambda s: [x for x in s.split(",") if x])
     p.add_argument("--prompt-heavy", type=_pair, default=(1024, 16), help="P:O of the prompt-heavy requests")
     p.add_argument("--decode-heavy", type=_pair, default=(128, 128), help="P:O of the decode-heavy requests")
-    p.add_argument("--decode-rates", type=_floats, default=[0.2, 0.4])
-    p.add_argument("--prompt-rates", type=_floats, default=[0.1, 0.2])
-    p.add_argument("--mixed-rates", type=_floats, default=[0.15, 0.3])
+    p.add_argument("--decode-rates", type=_floats, default=[0.2, 0.5])
+    p.add_argument("--prompt-rates", type=_floats, default=[0.2, 0.4])
+    p.add_argument("--mixed-rates", type=_floats, default=[0.2, 0.4])
     p.add_argument("--num-requests", type=int, default=12, help="requests per run")
     p.add_argument("--concurrency", type=int, default=12, help="closed-loop concurrency (saturated throughput)")
     p.add_argument("--max-duration", type=float, default=150.0, help="longest run, seconds")
@@ -188,6 +188,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ttft-target", type=float, default=4.0)
     p.add_argument("--tpot-target", type=float, default=0.15)
     p.add_argument("--kv-memory-gib", type=float, default=1.0)
+    p.add_argument("--no-compile", dest="compile", action="store_false",
+                   help="serve pdserve without torch.compile'd decode (default: compiled, as vLLM compiles too)")
     p.add_argument("--vocab-size", type=int, default=49152)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vllm-venv", default=".venv-vllm")

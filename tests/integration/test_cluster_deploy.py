@@ -80,15 +80,15 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
 
 @pytest.fixture(scope="module")
 def cluster():
-    """(GCS address, {role: node process}) of a head, a prefill node and a decode node."""
+    """(GCS address, {role: node process}, Ray Client port) of a head, a prefill node and a decode node."""
     rc = yaml.safe_load((BASE / "raycluster.yaml").read_text())["spec"]
     groups = {g["groupName"]: g["rayStartParams"] for g in rc["workerGroupSpecs"]}
     tmp = Path(tempfile.mkdtemp(prefix="pdd-", dir="/tmp"))  # short: Ray's socket paths must fit 107 bytes
-    port = free_port()
+    port, client_port = free_port(), free_port()
     nodes: dict[str, subprocess.Popen] = {}
     try:
         nodes["head"] = start_node(
-            ["--head", f"--port={port}", f"--temp-dir={tmp / 'ray'}", f"--ray-client-server-port={free_port()}",
+            ["--head", f"--port={port}", f"--temp-dir={tmp / 'ray'}", f"--ray-client-server-port={client_port}",
              f"--dashboard-port={free_port()}", "--include-dashboard=true",
              *ray_flags(rc["headGroupSpec"]["rayStartParams"], **{"metrics-export-port": str(free_port()),
                                                                  "dashboard-host": "127.0.0.1"})],
@@ -96,7 +96,7 @@ def cluster():
         for role in ("prefill", "decode"):
             nodes[role] = start_node([f"--address=127.0.0.1:{port}",
                                       *ray_flags(groups[role], **{"num-cpus": "1"})], tmp / f"{role}.log")
-        yield f"127.0.0.1:{port}", nodes
+        yield f"127.0.0.1:{port}", nodes, client_port
     finally:
         for proc in reversed(list(nodes.values())):
             stop_group(proc)
@@ -151,7 +151,7 @@ def generate_ids(grpc_port: int, prompt: list[int], max_tokens: int) -> tuple[li
 
 @pytest.mark.slow
 def test_serve_on_an_existing_cluster_places_pools_by_node_resources(cluster, tmp_path):
-    address, _ = cluster
+    address, _, _ = cluster
     ref = tiny_model("llama", seed=4)
     ref.save_pretrained(tmp_path)  # no tokenizer: token-id prompts over gRPC
     log: list[str] = []
@@ -249,3 +249,26 @@ def test_status_fails_fast_without_a_cluster(address, says):
     with pytest.raises(ConnectionError, match=says):
         _check_reachable(address.format(port=free_port()))
     assert time.monotonic() - t0 < 10
+
+
+@pytest.mark.slow
+def test_serve_through_a_ray_client_address(cluster, tmp_path):
+    """`--address ray://...`: Ray Client drivers cannot take streamed results; the router pulls tokens."""
+    _, _, client_port = cluster
+    ref = tiny_model("llama", seed=6)
+    ref.save_pretrained(tmp_path)
+    log: list[str] = []
+    proc, _, grpc_port = start_serve(f"ray://127.0.0.1:{client_port}", tmp_path, log)
+    try:
+        prompt = random_prompt(40, 3)
+        ids, timings = generate_ids(grpc_port, prompt, 12)
+        assert ids == greedy_reference(ref, prompt, 12)
+        assert timings.path == "remote"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(60)
+        except subprocess.TimeoutExpired:
+            stop_group(proc)
+            code = None
+    assert code == 0, "".join(log[-40:])
