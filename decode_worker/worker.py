@@ -131,11 +131,16 @@ class DecodeWorker:
             found = self.engine.abort(request_id)
             if found:
                 self.connector.abort(request_id)
+                self.connector.forget(request_id)
                 self._emit(request_id, [], "abort", error="aborted")
             if request_id not in self._reading:
                 self._streams.pop(request_id, None)  # nobody will read it
             return found
         return self._owner.call(do)
+
+    def drop_peer(self, peer_id: str) -> None:
+        """A prefill worker is gone for good: release this worker's pair with it."""
+        self.connector.drop_peer(peer_id)
 
     def transfer_state(self, request_id: str) -> int:
         """The receive side's `TransferState` of a request (calibration probes)."""
@@ -194,11 +199,13 @@ class DecodeWorker:
                 # KV still in flight after the prefill worker returned: the transfer time TTFT pays
                 transfer_s = time.perf_counter() - self._started.pop(rid)
                 out = self.engine.activate(rid, first)
+                self.connector.forget(rid)
                 self._emit(rid, out.new_token_ids, out.finish_reason, text=out.new_text, transfer_s=transfer_s)
             elif state == TransferState.FAILED:
                 del self._landing[rid]
                 self._started.pop(rid, None)
                 self.engine.abort(rid)
+                self.connector.forget(rid)
                 self._emit(rid, [], "abort", error=f"KV transfer for {rid} failed")
 
     def _forget_stream(self, request_id: str) -> None:

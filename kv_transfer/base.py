@@ -132,6 +132,23 @@ class KVConnector(ABC):
             handoff: what the sender's `handoff` returned.
         """
 
+    def forget(self, transfer_id: str) -> None:
+        """Drop what this connector keeps of a finished (DONE or FAILED) transfer, so a long-running
+        worker's memory stays bounded; a later `poll` of it raises TransferError. Transfers still
+        running and unknown ids are left alone.
+
+        Args:
+            transfer_id: the finished transfer.
+        """
+
+    def drop_peer(self, peer_id: str) -> None:
+        """A peer is gone for good (its worker died and was replaced): fail what is pending with it and
+        release the pair's thread and connections. Unknown peers are ignored.
+
+        Args:
+            peer_id: the gone worker's id.
+        """
+
     @abstractmethod
     def close(self) -> None:
         """Release threads, groups and stores; pending transfers become FAILED. Idempotent."""

@@ -87,6 +87,13 @@ class LocalConnector(KVConnector):
                 if transfer_id in table:
                     table[transfer_id].state = TransferState.FAILED
 
+    def forget(self, transfer_id: str) -> None:
+        with _LOCK:
+            for table in (self._recvs, self._sends):
+                tx = table.get(transfer_id)
+                if tx is not None and tx.state in (TransferState.DONE, TransferState.FAILED):
+                    del table[transfer_id]
+
     def close(self) -> None:
         with _LOCK:
             for tx in (*self._recvs.values(), *self._sends.values()):

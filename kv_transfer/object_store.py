@@ -123,6 +123,16 @@ class ObjectStoreConnector(KVConnector):
                     done = len(landed) == num_layers
                     self._recv_state[tid] = TransferState.DONE if done else TransferState.TRANSFERRING
 
+    def forget(self, transfer_id: str) -> None:
+        with self._lock:
+            if self._send_state.get(transfer_id) in (TransferState.DONE, TransferState.FAILED):
+                del self._send_state[transfer_id]
+                self._outbox.pop(transfer_id, None)
+            # a receive may still be in the fetch queue (deliver after FAILED): keep it until it is DONE
+            if self._recv_state.get(transfer_id) == TransferState.DONE:
+                del self._recv_state[transfer_id]
+                self._recvs.pop(transfer_id, None)
+
     def poll(self, transfer_id: str) -> TransferState:
         with self._lock:
             state = self._recv_state.get(transfer_id, self._send_state.get(transfer_id))

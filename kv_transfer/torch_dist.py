@@ -25,6 +25,7 @@ from kv_transfer.pair_group import PairGroup, pair_key
 
 log = logging.getLogger(__name__)
 _STOP = None
+_MAX_DEAD = 4096
 
 
 @dataclass
@@ -74,7 +75,8 @@ class TorchDistConnector(KVConnector):
         self._sends: dict[str, _Send] = {}
         self._recvs: dict[str, _Recv] = {}
         self._live: dict[int, _Recv] = {}  # hash → posted, not finished
-        self._dead: set[int] = set()  # hashes failed/aborted here: their messages are drained
+        self._dead: dict[int, None] = {}  # hashes failed/aborted here (newest last): their messages are drained
+        self._gone: set[str] = set()  # peers dropped for good
         self._send_pairs: dict[str, tuple[queue.Queue, threading.Thread]] = {}
         self._recv_pairs: dict[str, threading.Thread] = {}
 
@@ -109,6 +111,29 @@ class TorchDistConnector(KVConnector):
             rx = self._recvs.get(transfer_id)
             if rx is not None and rx.state > TransferState.FAILED:
                 self._fail_recv(rx, "aborted")
+
+    def forget(self, transfer_id: str) -> None:
+        with self._lock:
+            tx = self._sends.get(transfer_id)
+            if tx is not None and tx.state() in (TransferState.DONE, TransferState.FAILED):
+                del self._sends[transfer_id]
+            rx = self._recvs.get(transfer_id)
+            if rx is not None and rx.state in (TransferState.DONE, TransferState.FAILED):
+                del self._recvs[transfer_id]
+
+    def drop_peer(self, peer_id: str) -> None:
+        with self._lock:
+            self._gone.add(peer_id)
+            entry = self._send_pairs.pop(peer_id, None)
+            for tx in self._sends.values():
+                if tx.peer_id == peer_id and tx.state() != TransferState.DONE:
+                    tx.failed = True
+            for rx in self._waiting(peer_id):
+                self._fail_recv(rx, f"peer {peer_id} is gone")
+            self._recv_pairs.pop(peer_id, None)  # its thread sees the peer gone and exits
+            self._lock.notify_all()
+        if entry is not None:
+            entry[0].put(_STOP)
 
     def close(self) -> None:
         with self._lock:
@@ -157,8 +182,8 @@ class TorchDistConnector(KVConnector):
         while (job := q.get()) is not _STOP:
             tid, layer, blocks = job
             with self._lock:
-                tx = self._sends[tid]
-                if tx.failed or self._closed:
+                tx = self._sends.get(tid)
+                if tx is None or tx.failed or self._closed:
                     continue
                 tx.started = True
             try:
@@ -220,7 +245,7 @@ class TorchDistConnector(KVConnector):
             rx = _Recv(transfer_id, peer.worker_id, list(blocks), num_layers)
             self._recvs[transfer_id] = rx
             self._live[h] = rx
-            self._dead.discard(h)
+            self._dead.pop(h, None)
             if peer.worker_id not in self._recv_pairs:
                 t = threading.Thread(target=self._recv_loop, args=(peer.worker_id,), daemon=True,
                                      name=f"kv-recv-{peer.worker_id}->{self.worker_id}")
@@ -235,7 +260,9 @@ class TorchDistConnector(KVConnector):
             rx.state = TransferState.FAILED
         h = transfer_hash(rx.tid)
         self._live.pop(h, None)
-        self._dead.add(h)
+        self._dead[h] = None
+        while len(self._dead) > _MAX_DEAD:  # bounded: a late layer of a long-failed transfer fails its pair
+            del self._dead[next(iter(self._dead))]
 
     def _waiting(self, peer_id: str) -> list[_Recv]:
         return [rx for rx in self._live.values() if rx.peer_id == peer_id]
@@ -245,9 +272,9 @@ class TorchDistConnector(KVConnector):
         pair = PairGroup(pair_key(peer_id, self.worker_id), 1, self._master, self.config.timeout_s, self.pool.device)
         while True:
             with self._lock:
-                while not self._closed and not self._waiting(peer_id):
+                while not self._closed and peer_id not in self._gone and not self._waiting(peer_id):
                     self._lock.wait(0.5)
-                if self._closed:
+                if self._closed or peer_id in self._gone:
                     break
             current: list[_Recv] = []
             try:

@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import zlib
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -42,6 +43,7 @@ class Workload:
 
 
 def _specs(w: Workload, n: int, seed: int, vocab_size: int) -> list[RequestSpec]:
+    seed += zlib.crc32(w.name.encode()) % 100_000  # no two workloads share a prompt
     per = [build_workload(f"fixed:{p}:{o}", n, seed=seed + i, vocab_size=vocab_size) for i, (p, o) in
            enumerate(w.parts)]
     rng = random.Random(seed)
@@ -97,11 +99,12 @@ def _stop(proc: subprocess.Popen) -> None:
 
 async def _drive(base: str, w: Workload, args: argparse.Namespace, closed: bool) -> list:
     client = make_client("openai", base, model="model", timeout_s=args.request_timeout)
-    try:
-        specs = _specs(w, args.num_requests, args.seed, args.vocab_size)
+    try:  # fresh prompts for every run: a server's prefix cache must not serve a later run from an earlier one
         if closed:
+            specs = _specs(w, args.num_requests, args.seed + 1000, args.vocab_size)
             return [await run_closed_loop(client, specs, args.concurrency, args.max_duration)]
-        return [await run_open_loop(client, specs, rate, args.seed, args.max_duration) for rate in w.rates]
+        return [await run_open_loop(client, _specs(w, args.num_requests, args.seed + 100 * i, args.vocab_size), rate,
+                                    args.seed, args.max_duration) for i, rate in enumerate(w.rates)]
     finally:
         await client.aclose()
 

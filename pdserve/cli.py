@@ -194,6 +194,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from loadtest.cli import run_compare
 
         return run_compare(args)
+    if args.bench_cmd == "soak":
+        from pdserve.bench_soak import run_soak
+
+        return run_soak(args)
     if args.bench_cmd == "report":
         from pdserve.bench_serving import run_report
 
@@ -272,6 +276,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_report_arguments(bsub.add_parser("report", help="the serving report: pdserve (ratio, always_remote, "
                                          "colocated) and vLLM-CPU under three workloads, into BENCHMARKS.md"))
+    from pdserve.bench_soak import add_arguments as add_soak_arguments
+
+    add_soak_arguments(bsub.add_parser("soak", help="steady load for --minutes while worker processes are killed: "
+                                       "served, failed, migrated, memory"))
     bench.set_defaults(func=cmd_bench)
     return parser
 

@@ -54,6 +54,10 @@ class PrefillWorker:
             raise ValueError(f"kind must be drop, bad_header, die or None; got {kind!r}")
         self._owner.call(lambda: setattr(self, "_fault", kind))
 
+    def drop_peer(self, peer_id: str) -> None:
+        """A decode worker is gone for good: release this worker's pair with it."""
+        self.connector.drop_peer(peer_id)
+
     def node_id(self) -> str:
         """The Ray node this worker runs on."""
         import ray
@@ -114,6 +118,7 @@ class PrefillWorker:
             found = self.engine.abort(request_id)
             if found:
                 self.connector.abort(request_id)
+                self.connector.forget(request_id)
                 self._forget(request_id, error=RuntimeError(f"{request_id} aborted"))
             return found
         return self._owner.call(do)
@@ -189,6 +194,7 @@ class PrefillWorker:
                 if state == TransferState.FAILED:
                     log.warning("KV transfer for %s failed; freeing its blocks", rid)
                 self.engine.release(rid)
+                self.connector.forget(rid)
                 self._forget(rid)
 
     def _forget(self, request_id: str, error: BaseException | None = None) -> None:

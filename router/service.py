@@ -288,7 +288,10 @@ class Router:
     async def _replace(self, pool: str, index: int) -> None:
         """Start a worker in place of a dead one; its fresh slot joins the book once it answers."""
         try:
+            old = (self.book.prefill if pool == "prefill" else self.book.decode)[index].worker_id
             info = await asyncio.get_running_loop().run_in_executor(None, self._respawn, pool, index)
+            for peer in self.pools.decode if pool == "prefill" else self.pools.prefill:
+                peer.drop_peer.remote(old)  # their pairs with the dead worker go away; fire and forget
             if pool == "prefill":
                 self.book.prefill[index] = PrefillSlot(info["worker_id"])
             else:

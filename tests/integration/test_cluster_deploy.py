@@ -127,6 +127,16 @@ def start_serve(address: str, model_dir: Path, log: list[str]) -> tuple[subproce
     return proc, int(fields["http"]), int(fields["grpc"])
 
 
+def sigterm(proc: subprocess.Popen) -> int | None:
+    """Stop a server as an operator does; its exit status (None: it had to be killed)."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(60)
+    except subprocess.TimeoutExpired:
+        stop_group(proc)
+        return None
+
+
 def status_of(address: str) -> tuple[dict, str]:
     """`cluster_status` and `format_status` from a fresh process (a Ray driver connects once per process)."""
     code = ("import json, sys; from pdserve.status import cluster_status, format_status; "
@@ -181,12 +191,7 @@ def test_serve_on_an_existing_cluster_places_pools_by_node_resources(cluster, tm
         assert timings.prefill_worker in text and timings.decode_worker in text
         assert "pdserve: healthy" in text
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            code = proc.wait(60)
-        except subprocess.TimeoutExpired:
-            stop_group(proc)
-            code = None
+        code = sigterm(proc)
     assert code == 0, "".join(log[-40:])
 
     deadline = time.monotonic() + 30
@@ -265,10 +270,5 @@ def test_serve_through_a_ray_client_address(cluster, tmp_path):
         assert ids == greedy_reference(ref, prompt, 12)
         assert timings.path == "remote"
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            code = proc.wait(60)
-        except subprocess.TimeoutExpired:
-            stop_group(proc)
-            code = None
+        code = sigterm(proc)
     assert code == 0, "".join(log[-40:])

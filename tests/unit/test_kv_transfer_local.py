@@ -98,3 +98,18 @@ def test_factory_picks_backend() -> None:
         dist.close()
     with pytest.raises(ValueError, match="worker_id"):
         make_connector(TransferConfig(), "")
+
+
+def test_forget_drops_finished_transfers_only(pair) -> None:
+    src, dst, _, _ = pair
+    dst.recv("r5", [1], SHAPE[0], src.local_info())
+    dst.forget("r5")  # still pending: kept
+    assert dst.poll("r5") == TransferState.PENDING
+    for layer in range(SHAPE[0]):
+        src.send("r5", layer, [0], dst.local_info())
+    for conn in (src, dst):
+        assert conn.poll("r5") == TransferState.DONE
+        conn.forget("r5")
+        with pytest.raises(TransferError, match="unknown transfer"):
+            conn.poll("r5")
+        conn.forget("r5")  # idempotent; unknown ids are ignored
