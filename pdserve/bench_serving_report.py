@@ -21,7 +21,7 @@ def _docs(out: Path) -> list[dict]:
 
 
 def _open_table(docs: list[dict], workload: str) -> list[str]:
-    lines = ["| server | rate (req/s) | ok / sent | goodput (req/s) | TTFT p50 / p99 (s) | ITL p50 / p99 (s) | "
+    lines = ["| server | rate (req/s) | ok / sent | goodput (req/s) | TTFT p50 / p99 (s) | ITL p50 / p99 / max (s) | "
              "TPOT p50 (s) | output tok/s |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for doc in docs:
         if doc["meta"]["workload"] != workload:
@@ -33,7 +33,8 @@ def _open_table(docs: list[dict], workload: str) -> list[str]:
             lines.append(f"| {LABELS.get(doc['meta']['server'], doc['meta']['server'])} | {c['rate']:g} | "
                          f"{s['requests']['ok']} / {c['sent']} | {_f(s['goodput']['requests_per_s'], '{:.3f}')} | "
                          f"{_f(s['ttft_s']['p50'])} / {_f(s['ttft_s']['p99'])} | {_f(s['itl_s']['p50'], '{:.3f}')} / "
-                         f"{_f(s['itl_s']['p99'], '{:.3f}')} | {_f(s['tpot_s']['p50'], '{:.3f}')} | "
+                         f"{_f(s['itl_s']['p99'], '{:.3f}')} / {_f(s['itl_s']['max'], '{:.2f}')} | "
+                         f"{_f(s['tpot_s']['p50'], '{:.3f}')} | "
                          f"{_f(s['throughput']['output_tokens_per_s'], '{:.1f}')} |")
     return lines
 
