@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from engine.errors import InvalidRequestError
 
 # Below this temperature sampling is greedy: logits / temperature would overflow float32 (a temperature
-# of 1e-300 even rounds to 0.0 there), and the softmax of inf is NaN. vLLM uses the same threshold.
+# of 1e-300 even rounds to 0.0 there), and the softmax of inf is NaN.
 GREEDY_BELOW_TEMPERATURE = 1e-5
 
 

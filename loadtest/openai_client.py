@@ -30,7 +30,7 @@ class StreamError(Exception):
 
 class OpenAIClient:
     """Args: base_url (e.g. http://127.0.0.1:8000; "/v1/completions" is appended), model (None: not sent),
-    timeout_s (per request, send to end of stream), ignore_eos (send the vLLM/pdserve extension),
+    timeout_s (per request, send to end of stream), ignore_eos (send the `ignore_eos` extension field),
     api_key (sent as `Authorization: Bearer <key>`; None: no header)."""
 
     def __init__(self, base_url: str, model: str | None = None, timeout_s: float = 300.0,

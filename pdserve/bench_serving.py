@@ -192,7 +192,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tpot-target", type=float, default=0.15)
     p.add_argument("--kv-memory-gib", type=float, default=1.0)
     p.add_argument("--no-compile", dest="compile", action="store_false",
-                   help="serve pdserve without torch.compile'd decode (default: compiled, as vLLM compiles too)")
+                   help="serve pdserve without torch.compile'd decode (default: compiled)")
     p.add_argument("--vocab-size", type=int, default=49152)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vllm-venv", default=".venv-vllm")
