@@ -6,8 +6,8 @@ cannot honour (n > 1, logprobs, penalties, tools, ...) are refused rather than s
 Unknown top-level fields are ignored, as OpenAI-compatible servers commonly do.
 
 Defaults follow OpenAI: temperature 1.0, top_p 1.0, max_tokens 16 for completions; chat without
-max_tokens gets the server's default (cut to the room left in the context). Extensions (names common among OpenAI-compatible servers):
-top_k (-1 or 0 disables), ignore_eos, stop_token_ids.
+max_tokens gets the server's default (cut to the room left in the context). Extensions (names common
+among OpenAI-compatible servers): top_k (-1 or 0 disables), ignore_eos, stop_token_ids.
 
 Size limits (`router.limits.RequestLimits`: prompt characters, messages, stop strings, stop token
 ids) are checked here too, shared with the gRPC API; over a limit → InvalidRequestError naming the field.
