@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import random
@@ -199,15 +198,3 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out-dir", default="bench/results/serving")
     p.add_argument("--report", default="BENCHMARKS.md")
 
-
-def summary_rows(out: Path) -> list[dict]:
-    """Flatten every result file into rows: server, workload, mode, rate, summary numbers."""
-    rows = []
-    for path in sorted(out.glob("*--*.json")):
-        doc = json.loads(path.read_text())
-        for run in doc["runs"]:
-            s, c = run["summary"], run["config"]
-            rows.append({"server": doc["meta"]["server"], "workload": doc["meta"]["workload"],
-                         "mode": c.get("mode", "open" if "rate" in c else "closed"), "rate": c.get("rate"),
-                         "concurrency": c.get("concurrency"), "summary": s})
-    return rows

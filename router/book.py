@@ -42,6 +42,7 @@ class Booking:
     prefill: PrefillSlot | None
     decode: DecodeSlot
     prompt_tokens: int
+    max_tokens: int
     blocks: int
     prefill_open: bool = True
     open: bool = True
@@ -66,7 +67,7 @@ class PoolBook:
         """Book a placed request on its workers."""
         d = self.decode[placement.decode]
         p = self.prefill[placement.prefill] if placement.path == "remote" else None
-        booking = Booking(placement, p, d, prompt_tokens, d.blocks_for(prompt_tokens + max_tokens))
+        booking = Booking(placement, p, d, prompt_tokens, max_tokens, d.blocks_for(prompt_tokens + max_tokens))
         d.running += 1
         d.reserved_blocks += booking.blocks
         if p is not None:

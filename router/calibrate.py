@@ -17,6 +17,7 @@ import uuid
 
 import ray
 
+from engine import SamplingParams
 from router.cost_model import CostModel, LinearFit
 from router.pools import Pools
 
@@ -39,7 +40,7 @@ async def _transfer_fit(prefill: ray.actor.ActorHandle, decode: ray.actor.ActorH
     for n in [lengths[0]] + lengths:
         rid = f"calibrate-transfer-{uuid.uuid4().hex[:8]}"
         prompt = [1] * n
-        await decode.reserve.remote(rid, prompt, _one_token(), pools.prefill_peers[0])
+        await decode.reserve.remote(rid, prompt, SamplingParams(max_tokens=1), pools.prefill_peers[0])
         try:
             seconds = await prefill.probe_transfer.remote(rid, prompt, pools.decode_peers[0])
             while await decode.transfer_state.remote(rid) < 3:  # TransferState.DONE
@@ -50,12 +51,6 @@ async def _transfer_fit(prefill: ray.actor.ActorHandle, decode: ray.actor.ActorH
         sizes.append(blocks * info["block_size"] * info["kv_bytes_per_token"])
         times.append(seconds)
     return LinearFit.fit(sizes[1:], times[1:])
-
-
-def _one_token():
-    from engine import SamplingParams
-
-    return SamplingParams(max_tokens=1)
 
 
 async def _round_trip_s(worker: ray.actor.ActorHandle) -> float:

@@ -51,22 +51,32 @@ def _start(cls: type, resource: str, name: str, engine_config: EngineConfig, tra
     return actor, ray.get(actor.peer_info.remote())
 
 
+_KINDS = {"prefill": (PrefillWorker, PREFILL_RESOURCE), "decode": (DecodeWorker, DECODE_RESOURCE)}
+
+
+def _lists(pools: Pools, pool: str) -> tuple[list, list]:
+    """(actors, peers) of `pool`, "prefill" or "decode"."""
+    return (pools.prefill, pools.prefill_peers) if pool == "prefill" else (pools.decode, pools.decode_peers)
+
+
+def _add(pools: Pools, pool: str, engine_config: EngineConfig, transfer_config: TransferConfig,
+         num_cpus: float) -> None:
+    actors, peers = _lists(pools, pool)
+    actor, peer = _start(*_KINDS[pool], f"{pool}-{len(actors)}", engine_config, transfer_config, num_cpus)
+    actors.append(actor)
+    peers.append(peer)
+
+
 def add_prefill_worker(pools: Pools, engine_config: EngineConfig, transfer_config: TransferConfig,
                        num_cpus: float = 1) -> None:
     """Start one more prefill actor (it pairs with decode workers lazily, on first transfer)."""
-    actor, peer = _start(PrefillWorker, PREFILL_RESOURCE, f"prefill-{len(pools.prefill)}", engine_config,
-                         transfer_config, num_cpus)
-    pools.prefill.append(actor)
-    pools.prefill_peers.append(peer)
+    _add(pools, "prefill", engine_config, transfer_config, num_cpus)
 
 
 def add_decode_worker(pools: Pools, engine_config: EngineConfig, transfer_config: TransferConfig,
                       num_cpus: float = 1) -> None:
     """Start one more decode actor; it serves as soon as its transfer address is known."""
-    actor, peer = _start(DecodeWorker, DECODE_RESOURCE, f"decode-{len(pools.decode)}", engine_config,
-                         transfer_config, num_cpus)
-    pools.decode.append(actor)
-    pools.decode_peers.append(peer)
+    _add(pools, "decode", engine_config, transfer_config, num_cpus)
 
 
 def replace_worker(pools: Pools, pool: str, index: int, engine_config: EngineConfig,
@@ -74,13 +84,12 @@ def replace_worker(pools: Pools, pool: str, index: int, engine_config: EngineCon
     """Start a fresh actor in place of worker `index` of `pool` ("prefill" | "decode"), which died or
     hangs (it is killed first). The new worker has a new id, so no transfer pair of the old one is
     reused. Returns the new worker's `info()`."""
-    cls, resource = (PrefillWorker, PREFILL_RESOURCE) if pool == "prefill" else (DecodeWorker, DECODE_RESOURCE)
-    actors, peers = (pools.prefill, pools.prefill_peers) if pool == "prefill" else (pools.decode, pools.decode_peers)
+    actors, peers = _lists(pools, pool)
     try:
         ray.kill(actors[index], no_restart=True)
     except Exception:  # noqa: S110 - already gone
         pass
-    actor, peer = _start(cls, resource, f"{pool}-{index}", engine_config, transfer_config, num_cpus)
+    actor, peer = _start(*_KINDS[pool], f"{pool}-{index}", engine_config, transfer_config, num_cpus)
     actors[index], peers[index] = actor, peer
     return ray.get(actor.info.remote())
 

@@ -196,7 +196,7 @@ class RouterStream:
         p = self._pools.prefill[p_idx]
         await _call("decode", d.reserve.remote(rid, prompt, sampling, self._pools.prefill_peers[p_idx]))
         first = await _call("prefill", p.prefill.remote(rid, prompt, sampling, self._pools.decode_peers[d_idx]))
-        self._planner_prefilled(b)
+        PoolBook.prefilled(b)
         self.timings.prefill_s = first["prefill_s"]
         try:
             await d.start_remote.remote(rid, first["first_token"], first["handoff"])
@@ -250,7 +250,7 @@ class RouterStream:
                 m.ttft.labels(path).observe(t.ttft_s)
             elif self._last_at is not None:
                 m.itl.labels(path).observe(now - self._last_at)
-            self._planner_prefilled(b)
+            PoolBook.prefilled(b)
             self._last_at = now
             self._sent += item["token_ids"]
         if not item["finished"]:
@@ -272,10 +272,6 @@ class RouterStream:
         if n_out > 1:
             m.tpot.labels(path).observe(t.decode_s / (n_out - 1))
         m.output_tokens.inc(n_out)
-
-    @staticmethod
-    def _planner_prefilled(b: Booking) -> None:
-        PoolBook.prefilled(b)
 
     def _new_timings(self, b: Booking) -> PhaseTimings:
         return PhaseTimings(b.placement.path, b.prefill.worker_id if b.prefill else None, b.decode.worker_id)

@@ -69,7 +69,6 @@ class Router:
                               for i in decode_infos])
         self.policy = make_policy(config.policy, cost, config.ttft_target_s, config.tpot_target_s)
         self._local_policy = make_policy("always_local", cost)
-        self._max_tokens: dict[int, int] = {}  # booking -> its max_tokens (for the output-length estimate)
         self.estimator = OutputLengthEstimator()
         self._room = asyncio.Condition()
         self._waiting = 0
@@ -127,7 +126,6 @@ class Router:
         self.metrics.prompt_tokens.inc(len(prompt))
         booking = self.book.admit(placement, len(prompt), sp.max_tokens)
         self.metrics.in_flight.inc()
-        self._max_tokens[id(booking)] = sp.max_tokens
         return RouterStream(rid, self.pools, booking, prompt, sp, arrival, self.metrics, self, deadline)
 
     # -- Planner (for running requests) --------------------------------------------------------------
@@ -139,7 +137,6 @@ class Router:
         self.metrics.decisions.labels(policy.name, placement.path, "recovery").inc()
         booking = self.book.admit(placement, prompt_tokens, max_tokens)
         self.metrics.in_flight.inc()
-        self._max_tokens[id(booking)] = max_tokens
         return booking
 
     def release(self, booking: Booking, output_tokens: int, outcome: str) -> None:
@@ -147,9 +144,8 @@ class Router:
             return
         self.book.finished(booking)
         self.metrics.in_flight.dec()
-        max_tokens = self._max_tokens.pop(id(booking), None)
-        if outcome in ("stop", "length") and max_tokens is not None:
-            self.estimator.observe(min(output_tokens, max_tokens), max_tokens, outcome)
+        if outcome in ("stop", "length"):
+            self.estimator.observe(min(output_tokens, booking.max_tokens), booking.max_tokens, outcome)
         asyncio.get_running_loop().create_task(self._notify_room())
 
     def worker_failed(self, booking: Booking, pool: str) -> None:
