@@ -284,7 +284,8 @@ class RouterStream:
             calls.append(self._pools.prefill[b.placement.prefill].abort.remote(rid))
         for ref in calls:
             try:
-                await asyncio.wait_for(ref, timeout=10)
+                async with asyncio.timeout(10):
+                    await ref
             except Exception as e:  # a dead worker has nothing left to free
                 log.debug("abort of %s: %r", self.request_id, e)
 

@@ -230,8 +230,8 @@ class Router:
             self._waiting += 1
             self.metrics.queued.set(self._waiting)
             try:
-                async with self._room:
-                    await asyncio.wait_for(self._room.wait(), timeout=left)
+                async with self._room, asyncio.timeout(left):  # not wait_for: it can swallow a cancel (3.11)
+                    await self._room.wait()
             except TimeoutError:
                 pass
             finally:
@@ -266,7 +266,8 @@ class Router:
             if (pool, i) in self._respawning:
                 continue
             try:
-                load = await asyncio.wait_for(actor.load.remote(), timeout=max(5.0, self.config.load_poll_s))
+                async with asyncio.timeout(max(5.0, self.config.load_poll_s)):
+                    load = await actor.load.remote()
             except (TimeoutError, ray.exceptions.RayError) as e:
                 if slot.healthy:
                     log.warning("%s worker %s failed its health check: %r", pool, slot.worker_id, e)

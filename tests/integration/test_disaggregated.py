@@ -9,7 +9,7 @@ import ray
 
 from engine import CacheConfig, EngineConfig, SamplingParams
 from kv_transfer import TransferConfig
-from router.orchestrator import Orchestrator
+from tests.integration.direct_driver import Orchestrator
 from router.pools import add_decode_worker, create_pools
 from tests.conftest import greedy_reference, random_prompt, tiny_model
 

@@ -144,10 +144,7 @@ def test_killed_decode_worker_mid_stream_migrates_without_losing_a_token(cluster
 
 @pytest.mark.parametrize("fault", ["drop", "bad_header", "die"])
 @pytest.mark.parametrize("on_failure", ["retry", "local", "fail"])
-def test_transfer_faults_abort_free_and_recover_as_configured(cluster, fault, on_failure, request):
-    if (fault, on_failure) == ("bad_header", "retry"):  # open in issue 6: two bad headers in a row can hang
-        request.applymarker(pytest.mark.xfail(reason="retry after a bad header on both prefill workers can hang "
-                                              "(issue 6, under investigation)", strict=False))
+def test_transfer_faults_abort_free_and_recover_as_configured(cluster, fault, on_failure):
     ref, pools = cluster[0], cluster[1]
     prompt = random_prompt(40, seed=hash((fault, on_failure)) % 1000)  # 3 blocks: a short header is visible
 

@@ -10,8 +10,9 @@ import ray
 
 from engine import CacheConfig, EngineConfig, SamplingParams
 from kv_transfer import TransferConfig
-from router.orchestrator import Orchestrator
 from router.pools import create_pools
+
+from direct_driver import Orchestrator  # this folder: the script runs as a file
 
 
 def main(address: str, model_dir: str, prompt: list[int], max_tokens: int) -> dict:

@@ -1,4 +1,6 @@
-"""Runs one request across the pools, either path; the placement policy decides which (later).
+"""Test driver: runs one request on the workers it is told to use, either path, with plain blocking Ray
+calls and no router (no placement, retries or booking). Tests of the worker protocol use it; the product
+path is `router.request.RouterStream`.
 
 Remote prefill (disaggregated):
 1. decode worker D reserves blocks for the prompt and posts the receive (refusal: CapacityError);

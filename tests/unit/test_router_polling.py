@@ -1,0 +1,53 @@
+"""The router's load poller stops when cancelled, even when the awaited result
+arrives in the same loop turn as the cancel (the race that makes 3.11's `asyncio.wait_for` swallow
+the cancel and leave `stop_polling` waiting forever). Pure asyncio: workers are stand-ins."""
+from __future__ import annotations
+
+import asyncio
+
+from router.config import RouterConfig
+from router.pools import Pools
+from router.service import Router
+from tests.unit.test_policy import measured_cost
+
+_INFO = {"worker_id": "d0", "num_blocks": 64, "block_size": 16, "max_num_seqs": 8, "max_model_len": 2048,
+         "vocab_size": 512}
+
+
+class _Method:
+    """Stands in for an actor method: `.remote()` hands out a future the test resolves."""
+
+    def __init__(self) -> None:
+        self.calls: list[asyncio.Future] = []
+        self.called = asyncio.Event()
+
+    def remote(self, *args) -> asyncio.Future:
+        fut = asyncio.get_running_loop().create_future()
+        self.calls.append(fut)
+        self.called.set()
+        return fut
+
+
+class _Worker:
+    def __init__(self) -> None:
+        self.load = _Method()
+
+
+def _router(worker: _Worker) -> Router:
+    pools = Pools(prefill=[], decode=[worker], prefill_peers=[], decode_peers=[None])
+    return Router(pools, [], [_INFO], None, "m", RouterConfig(load_poll_s=0.01), measured_cost())
+
+
+def test_stop_polling_returns_when_a_load_answer_races_the_cancel() -> None:
+    async def main() -> None:
+        worker = _Worker()
+        router = _router(worker)
+        router.start_polling()
+        await worker.load.called.wait()
+        worker.load.calls[-1].set_result({"free_blocks": 64, "num_blocks": 64, "running": 0, "receiving": 0})
+        stop = asyncio.create_task(router.stop_polling())  # cancel lands before the poller resumes
+        await asyncio.wait([stop], timeout=2)
+        assert stop.done(), "stop_polling hung: the poller swallowed its cancel"
+        assert router._poller.cancelled()
+
+    asyncio.run(main())
