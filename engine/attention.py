@@ -40,6 +40,7 @@ class AttnMetadata:
     max_ctx: int = 0  # longest context in the decode batch
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_ctx] bool, None when lengths agree
     use_kernel: bool = False  # decode with the in-place CPU kernel instead of gather + SDPA
+    layer_kv: bool = False  # `kv_cache` is already this layer's [2, KVH, blocks, block_size, D] (compiled decode)
 
 
 def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -48,14 +49,16 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
                     **kwargs: object) -> tuple[torch.Tensor, None]:
     """query [1, H, N, D], key/value [1, KVH, N, D] → output [1, N, H, D].
 
-    `kv_cache` is the whole pool [layers, 2, KVH, blocks, block_size, D]."""
+    `kv_cache` is the whole pool [layers, 2, KVH, blocks, block_size, D], or this layer's part of it
+    when `attn_meta.layer_kv`."""
     assert attn_meta is not None and kv_cache is not None, "paged attention needs attn_meta and kv_cache"
+    kv_layer = kv_cache if attn_meta.layer_kv else kv_cache[module.layer_idx]
     if attn_meta.use_kernel and attn_meta.prefill is None:
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        out = paged_decode_step(query[0].transpose(0, 1), key[0], value[0], kv_cache, module.layer_idx,
-                                attn_meta.slot_mapping, attn_meta.decode_blocks, attn_meta.ctx_lens, scale)
+        out = paged_decode_step(query[0].transpose(0, 1), key[0], value[0], kv_layer, attn_meta.slot_mapping,
+                                attn_meta.decode_blocks, attn_meta.ctx_lens, scale)
         return out.unsqueeze(0), None
-    k_pool, v_pool = kv_cache[module.layer_idx]  # [KVH, blocks, block_size, D] each
+    k_pool, v_pool = kv_layer  # [KVH, blocks, block_size, D] each
     kvh, d = k_pool.shape[0], k_pool.shape[-1]
     k_pool.view(kvh, -1, d).index_copy_(1, attn_meta.slot_mapping, key[0])
     v_pool.view(kvh, -1, d).index_copy_(1, attn_meta.slot_mapping, value[0])
@@ -95,20 +98,20 @@ def _decode(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, met
 
 
 @torch.library.custom_op("pdserve::paged_decode_step", mutates_args=())
-def paged_decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int,
+def paged_decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
                       slots: torch.Tensor, tables: torch.Tensor, ctx: torch.Tensor, scale: float) -> torch.Tensor:
-    """One layer of a decode step on the CPU kernel: write the new K/V [KVH, B, D] at `slots`,
-    then attend q [B, H, D] over each sequence's blocks. Returns [B, H, D].
+    """One layer of a decode step on the CPU kernel: write the new K/V [KVH, B, D] at `slots` of
+    `kv_layer` [2, KVH, blocks, block_size, D], then attend q [B, H, D] over each sequence's
+    blocks. Returns [B, H, D].
 
-    An opaque op, so `torch.compile` keeps it whole. Its write into `kv_cache` is not declared:
-    declaring it would make the compiled graph copy the whole pool; nothing in the graph reads
-    the pool but this op."""
-    k_pool, v_pool = kv_cache[layer]
-    return kernels.paged_decode(q, k, v, slots, k_pool, v_pool, tables, ctx, scale)
+    An opaque op, so `torch.compile` keeps it whole. Its write into `kv_layer` is not declared:
+    declaring it would make the compiled graph copy the pool; nothing in the graph reads the
+    pool but this op."""
+    return kernels.paged_decode(q, k, v, slots, kv_layer[0], kv_layer[1], tables, ctx, scale)
 
 
 @paged_decode_step.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, layer: int, slots: torch.Tensor,
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, slots: torch.Tensor,
       tables: torch.Tensor, ctx: torch.Tensor, scale: float) -> torch.Tensor:
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 

@@ -46,16 +46,21 @@ class ModelRunner:
                               layout.head_dim, dtype=self.dtype, device=self.device)
         group = model.config.get_text_config().num_attention_heads // layout.num_kv_heads
         self.use_kernel = kernels.supports(self.dtype, self.device, group)
-        self._compiled: list | None = None
-        self._graphs_ready = False  # compiled graphs warmed: only their distinguishing guards are checked
+        self._step: Callable[..., torch.Tensor] | None = None  # the compiled decode step
+        self._step_ready = False  # its graphs are warm: only the guards that tell them apart are checked
         self._layer_hook: Callable[[int], None] | None = None
         self._hooked = False
         self._prefilling = False
         if compile and self.use_kernel:
-            self._compiled = self._compile_layers()
+            self._step = self._compile_decode()
             self._warm_compiled()
         elif compile:
             log.warning("compile needs the CPU paged kernel (cpu, float32/bfloat16, a C compiler); running eager")
+
+    @property
+    def compiled(self) -> bool:
+        """Whether decode steps run as one compiled graph."""
+        return self._step is not None
 
     def set_layer_hook(self, hook: Callable[[int], None]) -> None:
         """Call `hook(layer)` after each decoder layer of a prefill, once that layer's K/V sit in
@@ -66,37 +71,47 @@ class ModelRunner:
                 layer.register_forward_hook(lambda *_, i=i: self._prefilling and self._layer_hook(i))
             self._hooked = True
 
-    def _compile_layers(self) -> list:
-        """Regional compilation: every decoder layer shares one compiled graph (two: batch 1 and
-        batch > 1). Prefill stays eager; decode switches the layers to their compiled calls."""
-        torch._dynamo.config.allow_unspec_int_on_nn_module = True  # layer_idx: one graph for all layers
+    def _compile_decode(self) -> Callable[..., torch.Tensor]:
+        """The whole decode step as one compiled graph: embedding, rotary tables, every decoder layer,
+        final norm and LM head. The layers are one nested region: compiled once, stamped out for each
+        layer (a fast compile), and one guard check per step instead of one per layer."""
         torch.fx.experimental._config.use_duck_shape = False  # sizes equal by chance stay independent
-        torch._dynamo.mark_static(self.kv)
-        compiled = []
-        for layer in self.decoder.layers:
-            layer.compile(dynamic=True)
-            compiled.append(layer._compiled_call_impl)
-            layer._compiled_call_impl = None
-        return compiled
+        dec, kv, lm_head = self.decoder, self.kv, self.lm_head
+
+        def step(input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
+                 ctx: torch.Tensor) -> torch.Tensor:
+            hidden = dec.embed_tokens(input_ids)
+            cos, sin = dec.rotary_emb(hidden, position_ids=positions)
+            for i, layer in enumerate(dec.layers):
+                hidden = _decode_layer(layer, hidden, cos, sin, slots, tables, ctx, kv[i])
+            return lm_head(dec.norm(hidden)[0])
+        return torch.compile(step, dynamic=False)
 
     def _warm_compiled(self) -> None:
-        """Compile now rather than on a user's first requests: the batch-1 and batch > 1 graphs.
+        """Compile now rather than on a user's first requests: the batch-1 and batch > 1 graphs. Each
+        is checked once against the eager model; a model whose decoder does more than the standard
+        embed → layers → norm (e.g. scaled embeddings) keeps the eager path.
         Dummy tokens go to the first free blocks, which nothing reads before they are rewritten."""
         bs = self.layout.block_size
         if self.layout.num_blocks < 6:
+            self._step = None
             return
         for batch in (1, 2):  # contexts over one block, so no dimension is specialised to 1
-            seqs = [Sequence(f"warmup-{i}", [0] * (2 * bs + 1 + i), SamplingParams(max_tokens=1))
+            seqs = [Sequence(f"warmup-{i}", [i + 1] * (2 * bs + 1 + i), SamplingParams(max_tokens=1))
                     for i in range(batch)]
             for i, seq in enumerate(seqs):
                 seq.block_table = [3 * i, 3 * i + 1, 3 * i + 2]
-            self.decode(seqs)
-        self._graphs_ready = True
-
-    def _use_compiled(self, on: bool) -> None:
-        if self._compiled is not None:
-            for layer, impl in zip(self.decoder.layers, self._compiled):
-                layer._compiled_call_impl = impl if on else None
+            compiled = self.decode(seqs)
+            step, self._step = self._step, None
+            eager = self.decode(seqs)
+            self._step = step
+            err = float((compiled.float() - eager.float()).norm() / eager.float().norm().clamp_min(1e-6))
+            if not err < 0.05:
+                log.warning("compiled decode step differs from the eager model (relative error %.3g); "
+                            "running eager", err)
+                self._step = None
+                return
+        self._step_ready = True
 
     def _slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
         bs = self.layout.block_size
@@ -123,7 +138,6 @@ class ModelRunner:
             n += end - start
             last.append(n - 1)
         meta = AttnMetadata(slot_mapping=torch.cat(slots).to(self.device), prefill=slices)
-        self._use_compiled(False)
         self._prefilling = self._layer_hook is not None
         try:
             return self._forward(ids, torch.cat(positions), meta, last)
@@ -143,25 +157,36 @@ class ModelRunner:
             table[i, :len(seq.block_table)] = torch.tensor(seq.block_table[:max_blocks])
         last = ctx - 1
         slot_mapping = table[torch.arange(len(seqs)), last // bs] * bs + last % bs
+        ids = [s.last_token_id for s in seqs]
+        if self._step is not None:
+            return self._decode_compiled(torch.tensor([ids]), last[None], slot_mapping, table, ctx)
         mask = None
         if not self.use_kernel and int(ctx.min()) != max_ctx:
             mask = (torch.arange(max_ctx)[None, :] < ctx[:, None])[:, None, None, :].to(self.device)
         meta = AttnMetadata(slot_mapping=slot_mapping.to(self.device), decode_blocks=table.to(self.device),
                             ctx_lens=ctx.to(self.device), max_ctx=max_ctx, decode_mask=mask,
                             use_kernel=self.use_kernel)
-        self._use_compiled(True)
-        if not self._graphs_ready:
-            return self._forward([s.last_token_id for s in seqs], ctx - 1, meta, list(range(len(seqs))))
-        # Both graphs exist after warm-up; check only the guards that tell them apart. Should an input
-        # still need a new graph, run again with full guards (the step rewrites the same KV slots).
+        return self._forward(ids, last, meta, list(range(len(seqs))))
+
+    def _decode_compiled(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """Run the compiled step (CPU: inputs stay where they are). Batch and block-table sizes are
+        dynamic. Once both graphs exist, only the guards that tell them apart are checked; should an
+        input still need a new graph, it runs again with full guards (rewriting the same KV slots)."""
+        ids, positions, slots, tables, ctx = inputs
+        for t, dims in ((ids, (1,)), (positions, (1,)), (slots, (0,)), (tables, (0, 1)), (ctx, (0,))):
+            for d in dims:
+                torch._dynamo.mark_dynamic(t, d)
+        assert self._step is not None
+        if not self._step_ready:
+            return self._step(*inputs)
         try:
             with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-                return self._forward([s.last_token_id for s in seqs], ctx - 1, meta, list(range(len(seqs))))
+                return self._step(*inputs)
         except RuntimeError as e:
             if "Recompilation" not in str(e):
                 raise
             log.warning("decode step needed a new compiled graph: %s", e)
-            return self._forward([s.last_token_id for s in seqs], ctx - 1, meta, list(range(len(seqs))))
+            return self._step(*inputs)
 
     def _forward(self, ids: list[int], positions: torch.Tensor, meta: AttnMetadata,
                  last: list[int]) -> torch.Tensor:
@@ -172,3 +197,13 @@ class ModelRunner:
         if len(last) != hidden.shape[0]:
             hidden = hidden[torch.tensor(last, device=self.device)]
         return self.lm_head(hidden)
+
+
+@torch.compiler.nested_compile_region
+def _decode_layer(layer: torch.nn.Module, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  slots: torch.Tensor, tables: torch.Tensor, ctx: torch.Tensor, kv_layer: torch.Tensor) -> torch.Tensor:
+    """One decoder layer of a compiled decode step, over its own part of the pool (no layer index
+    in the graph, so every layer reuses one compiled region). `forward`, not the module call:
+    the prefill worker's per-layer hooks are not part of a decode step."""
+    meta = AttnMetadata(slot_mapping=slots, decode_blocks=tables, ctx_lens=ctx, use_kernel=True, layer_kv=True)
+    return layer.forward(hidden, position_embeddings=(cos, sin), attn_meta=meta, kv_cache=kv_layer)

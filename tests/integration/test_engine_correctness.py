@@ -1,6 +1,8 @@
 """Greedy output of the paged engine equals transformers `generate`, token for token (fp32)."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
@@ -168,19 +170,47 @@ def test_bad_requests_name_the_field(tiny_pair, kwargs, field):
 
 
 @pytest.mark.slow
-def test_compiled_decode_matches_generate():
-    """`compile=True`: decode through torch.compile'd layers (batch 1 and batch > 1 graphs)."""
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_compiled_decode_matches_generate(arch):
+    """`compile=True`: the decode step as one torch.compile graph (batch 1 and batch > 1)."""
     from engine import kernels
     from tests.conftest import tiny_model
 
     if kernels.load() is None:
         pytest.skip("compile mode needs the CPU kernel, which needs a C compiler")
-    ref, model = tiny_model("llama"), tiny_model("llama")
+    ref, model = tiny_model(arch), tiny_model(arch)
     prompts = [random_prompt(n, seed=n) for n in (5, 37, 80)]
     expected = [greedy_reference(ref, p, 16) for p in prompts]
     engine = make_engine(model, compile=True)
-    assert engine.runner._compiled is not None
+    assert engine.runner.compiled
     for i in (0, 1):  # batch 1: a one-block context and a longer one
         assert engine.generate([prompts[i]], SamplingParams(max_tokens=16))[0].output_token_ids == expected[i]
     assert [o.output_token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=16))] == expected
+    assert_all_free(engine)
+
+
+@pytest.mark.slow
+def test_compiled_decode_falls_back_to_eager_where_the_decoder_is_not_standard():
+    """A decoder whose forward does more than embed → layers → norm (here: it scales the embeddings)
+    is not what the compiled step replays: the start-up check against the eager model catches it
+    and decode stays eager, and right."""
+    import types
+
+    from engine import kernels
+    from tests.conftest import tiny_model
+
+    if kernels.load() is None:
+        pytest.skip("compile mode needs the CPU kernel, which needs a C compiler")
+    ref = tiny_model("llama", seed=5)
+    standard = type(ref.model).forward
+
+    def forward(self, input_ids=None, inputs_embeds=None, **kw):
+        embeds = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        return standard(self, inputs_embeds=embeds * 3.0, **kw)
+    ref.model.forward = types.MethodType(forward, ref.model)
+    engine = make_engine(copy.deepcopy(ref), compile=True)
+    assert not engine.runner.compiled
+    prompt = random_prompt(40, seed=3)
+    assert engine.generate([prompt], SamplingParams(max_tokens=12))[0].output_token_ids == \
+        greedy_reference(ref, prompt, 12)
     assert_all_free(engine)
