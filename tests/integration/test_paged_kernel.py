@@ -24,14 +24,17 @@ def reference(q, k_pool, v_pool, tables, ctx, scale):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1)])
-def test_kernel_matches_sdpa(dtype, tol, heads, kv_heads):
-    g = torch.Generator().manual_seed(heads * 10 + kv_heads)
-    num_blocks, bs, d = 100, 16, 64
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1), (32, 2)])
+@pytest.mark.parametrize("d,bs", [(64, 16), (128, 16), (64, 8), (128, 32), (80, 16)])
+def test_kernel_matches_sdpa(dtype, tol, heads, kv_heads, d, bs):
+    """Head dims 64 and 128 (the vectorised bf16 paths) and others, blocks of 8 to 32 tokens."""
+    g = torch.Generator().manual_seed(heads * 10 + kv_heads + d + bs)
+    num_blocks = 100 * 16 // bs
     k_pool = torch.randn(kv_heads, num_blocks, bs, d, generator=g).to(dtype)
     v_pool = torch.randn(kv_heads, num_blocks, bs, d, generator=g).to(dtype)
     ctx = torch.tensor([1, 17, 100, 16, 250])
-    tables = torch.randperm(num_blocks, generator=g)[:16 * len(ctx)].view(len(ctx), 16)  # sequences own their blocks
+    per_seq = (250 + bs - 1) // bs
+    tables = torch.randperm(num_blocks, generator=g)[:per_seq * len(ctx)].view(len(ctx), per_seq)  # own blocks
     q = torch.randn(len(ctx), heads, d, generator=g).to(dtype)
     k_new = torch.randn(kv_heads, len(ctx), d, generator=g).to(dtype)
     v_new = torch.randn(kv_heads, len(ctx), d, generator=g).to(dtype)
