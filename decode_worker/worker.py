@@ -14,51 +14,30 @@ Only the engine loop thread touches the engine; actor methods hand it commands.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import time
 from collections.abc import Iterator
 
-from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.command_loop import OwnerThread
-from engine.profiling import time_decode_step, time_prefill
-from kv_transfer import PeerInfo, TransferConfig, TransferState, make_connector
+from engine import EngineConfig, SamplingParams
+from engine.profiling import time_decode_step
+from kv_transfer import PeerInfo, TransferConfig, TransferState
+from worker_core import WorkerBase
 
 log = logging.getLogger(__name__)
 
 
-class DecodeWorker:
+class DecodeWorker(WorkerBase):
     """Args: engine_config, transfer_config, worker_id (unique; names the worker in transfers)."""
 
     def __init__(self, engine_config: EngineConfig, transfer_config: TransferConfig, worker_id: str) -> None:
-        self.worker_id = worker_id
-        self.engine = LLMEngine(engine_config)
-        self.connector = make_connector(transfer_config, worker_id)
-        self.connector.register(self.engine.runner.kv)
+        super().__init__(engine_config, transfer_config, worker_id)
         self._streams: dict[str, queue.Queue] = {}
         self._landing: dict[str, int | None] = {}  # reserved request -> first token (None: not yet)
         self._started: dict[str, float] = {}  # request id -> when its first token arrived
         self._reading: set[str] = set()  # requests whose stream a caller is reading
-        self._owner = OwnerThread(self._work, name=f"engine-{worker_id}")  # last: it starts running
+        self._start_loop()
 
     # -- actor API (any thread) --------------------------------------------------------------------
-    def pid(self) -> int:
-        """This worker's process id (fault-injection tests kill it)."""
-        return os.getpid()
-
-    def node_id(self) -> str:
-        """The Ray node this worker runs on."""
-        import ray
-
-        return ray.get_runtime_context().get_node_id()
-
-    def peer_info(self) -> PeerInfo:
-        return self.connector.local_info()
-
-    def info(self) -> dict:
-        """Static facts the router plans with: KV geometry, limits, vocabulary size."""
-        return self._owner.call(lambda: {"worker_id": self.worker_id, **self.engine.describe()})
-
     def reserve(self, request_id: str, prompt: list[int], sampling: SamplingParams, prefill_peer: PeerInfo) -> None:
         """Reserve blocks and post the receive. Raises CapacityError when full."""
         def do() -> None:
@@ -138,17 +117,9 @@ class DecodeWorker:
             return found
         return self._owner.call(do)
 
-    def drop_peer(self, peer_id: str) -> None:
-        """A prefill worker is gone for good: release this worker's pair with it."""
-        self.connector.drop_peer(peer_id)
-
     def transfer_state(self, request_id: str) -> int:
         """The receive side's `TransferState` of a request (calibration probes)."""
         return int(self._owner.call(lambda: self.connector.poll(request_id)))
-
-    def profile_prefill(self, lengths: list[int]) -> list[float]:
-        """Seconds of a prefill of each prompt length, on this worker's engine (call while idle)."""
-        return self._owner.call(lambda: [time_prefill(self.engine, n, seed=i) for i, n in enumerate(lengths)])
 
     def profile_decode(self, batches: list[int], context: int, steps: int = 4) -> list[float]:
         """Seconds of one decode step at each batch size, sequences of about `context` tokens (call while idle)."""
@@ -162,10 +133,6 @@ class DecodeWorker:
             return {"free_blocks": bm.num_free_blocks, "num_blocks": bm.num_blocks,
                     "running": len(sched.running) + len(sched.waiting), "receiving": len(sched.receiving)}
         return self._owner.call(do)
-
-    def shutdown(self) -> None:
-        self._owner.stop()
-        self.connector.close()
 
     # -- engine loop thread ------------------------------------------------------------------------
     def _work(self) -> bool:

@@ -16,36 +16,28 @@ import os
 import time
 from concurrent.futures import Future
 
-from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.command_loop import OwnerThread
-from engine.profiling import time_prefill
+from engine import EngineConfig, SamplingParams
 from engine.sequence import Sequence
-from kv_transfer import PeerInfo, TransferConfig, TransferState, make_connector
+from kv_transfer import PeerInfo, TransferConfig, TransferState
+from worker_core import WorkerBase
 
 log = logging.getLogger(__name__)
 
 
-class PrefillWorker:
+class PrefillWorker(WorkerBase):
     """Args: engine_config, transfer_config, worker_id (unique; names the worker in transfers)."""
 
     def __init__(self, engine_config: EngineConfig, transfer_config: TransferConfig, worker_id: str) -> None:
-        self.worker_id = worker_id
-        self.engine = LLMEngine(engine_config)
-        self.connector = make_connector(transfer_config, worker_id)
-        self.connector.register(self.engine.runner.kv)
+        super().__init__(engine_config, transfer_config, worker_id)
         self.engine.set_prefill_layer_hook(self._ship_layer)
         self._peers: dict[str, PeerInfo] = {}  # request id -> its decode worker
         self._first: dict[str, Future] = {}  # request id -> first token, for the caller
         self._sending: set[str] = set()
         self._fault: str | None = None  # fault injection (tests): applies to the next request prefilled
         self._dropped: set[str] = set()  # requests whose KV was never sent (fault "drop")
-        self._owner = OwnerThread(self._work, name=f"engine-{worker_id}")  # last: it starts running
+        self._start_loop()
 
     # -- actor API (any thread) --------------------------------------------------------------------
-    def pid(self) -> int:
-        """This worker's process id (fault-injection tests kill it)."""
-        return os.getpid()
-
     def inject_fault(self, kind: str | None) -> None:
         """Fault injection for tests, applied to the next request prefilled: "drop" (its KV is never
         sent: the receiver waits until its timeout), "bad_header" (a layer arrives with the wrong
@@ -53,27 +45,6 @@ class PrefillWorker:
         if kind not in (None, "drop", "bad_header", "die"):
             raise ValueError(f"kind must be drop, bad_header, die or None; got {kind!r}")
         self._owner.call(lambda: setattr(self, "_fault", kind))
-
-    def drop_peer(self, peer_id: str) -> None:
-        """A decode worker is gone for good: release this worker's pair with it."""
-        self.connector.drop_peer(peer_id)
-
-    def node_id(self) -> str:
-        """The Ray node this worker runs on."""
-        import ray
-
-        return ray.get_runtime_context().get_node_id()
-
-    def peer_info(self) -> PeerInfo:
-        return self.connector.local_info()
-
-    def info(self) -> dict:
-        """Static facts the router plans with: KV geometry, limits, vocabulary size."""
-        return self._owner.call(lambda: {"worker_id": self.worker_id, **self.engine.describe()})
-
-    def profile_prefill(self, lengths: list[int]) -> list[float]:
-        """Seconds of a prefill of each prompt length, on this worker's engine (call while idle)."""
-        return self._owner.call(lambda: [time_prefill(self.engine, n, seed=i) for i, n in enumerate(lengths)])
 
     def probe_transfer(self, request_id: str, prompt: list[int], decode_peer: PeerInfo, timeout_s: float = 30.0) -> float:
         """Send the KV blocks of a `prompt`-sized reservation to `decode_peer` (which reserved the same
@@ -129,10 +100,6 @@ class PrefillWorker:
             return {"free_blocks": bm.num_free_blocks, "num_blocks": bm.num_blocks,
                     "queued_tokens": sum(s.num_tokens for s in sched.waiting), "sending": len(self._sending)}
         return self._owner.call(do)
-
-    def shutdown(self) -> None:
-        self._owner.stop()
-        self.connector.close()
 
     # -- engine loop thread ------------------------------------------------------------------------
     def _ship_layer(self, layer: int, seqs: list[Sequence]) -> None:

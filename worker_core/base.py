@@ -1,0 +1,64 @@
+"""`WorkerBase`: the part of a worker actor that does not depend on its role.
+
+A worker owns one `LLMEngine` on one device and one KV connector registered on that engine's
+pool. Only the engine-loop thread (`OwnerThread`) touches the engine; actor methods, which Ray
+runs on other threads, hand it commands with `self._owner.call`. A subclass sets up its own
+state, then calls `_start_loop()`, and implements `_work()` (one round of the loop).
+"""
+from __future__ import annotations
+
+import os
+
+from engine import EngineConfig, LLMEngine
+from engine.command_loop import OwnerThread
+from engine.profiling import time_prefill
+from kv_transfer import PeerInfo, TransferConfig, make_connector
+
+
+class WorkerBase:
+    """Args: engine_config, transfer_config, worker_id (unique; names the worker in transfers)."""
+
+    def __init__(self, engine_config: EngineConfig, transfer_config: TransferConfig, worker_id: str) -> None:
+        self.worker_id = worker_id
+        self.engine = LLMEngine(engine_config)
+        self.connector = make_connector(transfer_config, worker_id)
+        self.connector.register(self.engine.runner.kv)
+
+    def _start_loop(self) -> None:
+        """Start the engine loop; call last in the subclass's `__init__` (it starts running at once)."""
+        self._owner = OwnerThread(self._work, name=f"engine-{self.worker_id}")
+
+    def _work(self) -> bool:
+        """One round of the engine loop; returns whether work remains."""
+        raise NotImplementedError
+
+    # -- actor API shared by both roles (any thread) -------------------------------------------------
+    def pid(self) -> int:
+        """This worker's process id (fault-injection tests kill it)."""
+        return os.getpid()
+
+    def node_id(self) -> str:
+        """The Ray node this worker runs on."""
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def peer_info(self) -> PeerInfo:
+        """This worker's transfer address, for its peers."""
+        return self.connector.local_info()
+
+    def info(self) -> dict:
+        """Static facts the router plans with: KV geometry, limits, vocabulary size."""
+        return self._owner.call(lambda: {"worker_id": self.worker_id, **self.engine.describe()})
+
+    def profile_prefill(self, lengths: list[int]) -> list[float]:
+        """Seconds of a prefill of each prompt length, on this worker's engine (call while idle)."""
+        return self._owner.call(lambda: [time_prefill(self.engine, n, seed=i) for i, n in enumerate(lengths)])
+
+    def drop_peer(self, peer_id: str) -> None:
+        """A peer worker is gone for good: release this worker's pair with it."""
+        self.connector.drop_peer(peer_id)
+
+    def shutdown(self) -> None:
+        self._owner.stop()
+        self.connector.close()
