@@ -40,9 +40,11 @@ class Plan:
     long_in: int = 200
     long_out: int = 1000
     reps: int = 5  # micro-benchmark repetitions (median)
+    decode_reps: int = 3  # runs of each decode workload, both engines (median: this VM's speed drifts)
 
 
-FULL, QUICK = Plan(), Plan(prompt_len=32, new_tokens=8, prefill_lens=(32, 256), long_in=32, long_out=48, reps=3)
+FULL, QUICK = Plan(), Plan(prompt_len=32, new_tokens=8, prefill_lens=(32, 256), long_in=32, long_out=48, reps=3,
+                           decode_reps=1)
 Stats = dict[str, float]
 
 
@@ -192,10 +194,19 @@ def pd_run(bn: Bench, batch: int, length: int, new: int, warm_len: int = WARM_LE
     return engine_run(bn, batch, length, new)
 
 
+def median_run(runs: list[Stats], key: str) -> Stats:
+    """The run whose `key` is the median (NaNs, from noise, count as slowest), with every run's value."""
+    ranked = sorted(runs, key=lambda r: (r[key] == r[key], r[key]))  # NaN first
+    return {**ranked[len(ranked) // 2], "reps": len(runs), f"{key}_runs": [r[key] for r in runs]}
+
+
 def decode_workload(bn: Bench, b: int) -> dict[str, Stats]:
     p = bn.plan
-    pd = bn.mon.run(lambda: pd_run(bn, b, p.prompt_len, p.new_tokens))
-    tf = bn.mon.run(lambda: hf_run(bn, b, p.prompt_len, p.new_tokens))
+    pd_runs, tf_runs = [], []
+    for _ in range(p.decode_reps):  # interleaved, so a slow spell of the machine hits both engines
+        pd_runs.append(bn.mon.run(lambda: pd_run(bn, b, p.prompt_len, p.new_tokens)))
+        tf_runs.append(bn.mon.run(lambda: hf_run(bn, b, p.prompt_len, p.new_tokens)))
+    pd, tf = median_run(pd_runs, "decode_tok_s"), median_run(tf_runs, "decode_tok_s")
     log(f"decode B={b}: pdserve {pd['decode_tok_s']:.1f} tok/s (wall {pd['wall_s']:.1f} s), "
         f"transformers {tf['decode_tok_s']:.1f} tok/s (wall {tf['wall_s']:.1f} s)")
     return {"pdserve": pd, "transformers": tf}

@@ -32,6 +32,12 @@ def pct(x: float) -> str:
     return f"{100 * x:.0f}%"
 
 
+def decode_runs(plan: dict) -> str:
+    n = plan.get("decode_reps", 1)
+    return "Decode figures are from one run of each engine." if n == 1 else \
+        f"Decode figures are the median of {n} runs of each engine, interleaved."
+
+
 def render_limits(r: dict[str, Any]) -> str:
     lim, geo = r["limits"], r["geometry"]
     return table(["limit", "value"], [
@@ -94,7 +100,8 @@ def render(r: dict[str, Any]) -> str:
             f"tok/s = decode tokens / decode seconds (engine stats); transformers = "
             f"{p['new_tokens'] - 1}·B / (t({p['new_tokens']} new) − t(1 new)). Bound = every nn.Linear + lm_head "
             f"alone with `F.linear` + one read of the batch's KV cache at the measured bandwidth (average context "
-            f"{p['prompt_len'] + p['new_tokens'] / 2:.0f}); tok/s = B / time.\n\n{render_decode(r)}\n\n"
+            f"{p['prompt_len'] + p['new_tokens'] / 2:.0f}); tok/s = B / time. {decode_runs(p)}\n\n"
+            f"{render_decode(r)}\n\n"
             f"### Prefill\n\n{render_prefill(r)}\n\n"
             f"### {p['long_in']}-in / {p['long_out']}-out request, batch 1\n\n{render_split(r)}\n")
 

@@ -179,6 +179,15 @@ static inline __m512 bf16x16_to_f32(const uint16_t* src) {
                     __m512 vmax = _mm512_set1_ps(-INFINITY);                                            \
                     for (int t0 = 0; t0 < L; t0 += 16) {                                                \
                         const int m = L - t0 < 16 ? L - t0 : 16;                                        \
+                        if (g == 0) { /* blocks are scattered: fetch the next K rows and these V rows */ \
+                            const int m2 = L - t0 - 16 < 16 ? L - t0 - 16 : 16;                         \
+                            for (int j = 0; j < m2; j++)                                                \
+                                for (int c = 0; c < D; c += 32)                                         \
+                                    _mm_prefetch((const char*)(kbase + row[t0 + 16 + j] + c), _MM_HINT_T0); \
+                            for (int j = 0; j < m; j++)                                                 \
+                                for (int c = 0; c < D; c += 32)                                         \
+                                    _mm_prefetch((const char*)(vbase + row[t0 + j] + c), _MM_HINT_T1);  \
+                        }                                                                               \
                         __m512 acc[16];                                                                 \
                         for (int j = 0; j < 16; j++) {                                                  \
                             __m512 a = _mm512_setzero_ps();                                             \
