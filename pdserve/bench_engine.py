@@ -128,6 +128,8 @@ class Bench:
     eng: Any  # pdserve LLMEngine
     hf: Any  # transformers model, its own copy
     prompts: Prompts
+    geo: dict[str, int]  # the model's geometry
+    bw_gb_s: float  # measured read bandwidth
 
 
 def engine_run(bn: Bench, batch: int, length: int, max_tokens: int) -> Stats:
@@ -201,15 +203,18 @@ def median_run(runs: list[Stats], key: str) -> Stats:
 
 
 def decode_workload(bn: Bench, b: int) -> dict[str, Stats]:
+    """pdserve, transformers and the overhead-free bound at batch `b`. Each is measured
+    `decode_reps` times, interleaved, so a slow spell of the machine hits all three alike."""
     p = bn.plan
-    pd_runs, tf_runs = [], []
-    for _ in range(p.decode_reps):  # interleaved, so a slow spell of the machine hits both engines
+    bounds, pd_runs, tf_runs = [], [], []
+    for _ in range(p.decode_reps):
+        bounds.append(bn.mon.run(lambda: bound(bn.hf, bn.geo, bn.bw_gb_s, b, p)))
         pd_runs.append(bn.mon.run(lambda: pd_run(bn, b, p.prompt_len, p.new_tokens)))
         tf_runs.append(bn.mon.run(lambda: hf_run(bn, b, p.prompt_len, p.new_tokens)))
     pd, tf = median_run(pd_runs, "decode_tok_s"), median_run(tf_runs, "decode_tok_s")
     log(f"decode B={b}: pdserve {pd['decode_tok_s']:.1f} tok/s (wall {pd['wall_s']:.1f} s), "
         f"transformers {tf['decode_tok_s']:.1f} tok/s (wall {tf['wall_s']:.1f} s)")
-    return {"pdserve": pd, "transformers": tf}
+    return {"pdserve": pd, "transformers": tf, "bound": median_run(bounds, "tok_s")}
 
 
 def prefill_workload(bn: Bench, n: int) -> dict[str, Stats]:
@@ -272,9 +277,10 @@ def measure(args: argparse.Namespace, plan: Plan, res: dict[str, Any]) -> None:
     res.update(attn_implementation_transformers=hf.config._attn_implementation,
                bandwidth_limit_tok_s=bw * 1e9 / geo["weight_bytes"],
                compute_limit_tok_s=peak * 1e9 / (2 * geo["linear_params"]))
-    res["bound"] = {b: mon.run(lambda b=b: bound(hf, geo, bw, b, plan)) for b in plan.batches}
-    bn = Bench(plan, mon, build_engine(args, plan, geo), hf, Prompts(min(len(tok), geo["vocab"]), tok.all_special_ids))
+    bn = Bench(plan, mon, build_engine(args, plan, geo), hf, Prompts(min(len(tok), geo["vocab"]), tok.all_special_ids),
+               geo, bw)
     res["decode"] = {b: decode_workload(bn, b) for b in plan.batches}
+    res["bound"] = {b: res["decode"][b].pop("bound") for b in plan.batches}
     res["prefill"] = {n: prefill_workload(bn, n) for n in plan.prefill_lens}
     res["long"] = long_workload(bn)
     res.update(waited_for_quiet_s=mon.waited_s, contended_retries=mon.retries)

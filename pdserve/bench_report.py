@@ -35,7 +35,7 @@ def pct(x: float) -> str:
 def decode_runs(plan: dict) -> str:
     n = plan.get("decode_reps", 1)
     return "Decode figures are from one run of each engine." if n == 1 else \
-        f"Decode figures are the median of {n} runs of each engine, interleaved."
+        f"Decode figures and bounds are the median of {n} runs of each, interleaved (bound, pdserve, transformers)."
 
 
 def render_limits(r: dict[str, Any]) -> str:
