@@ -62,14 +62,25 @@ class ServeConfig:
                 raise ValueError(f"{name}: must be in [0, 65535] (0 = any free port), got {getattr(self, name)}")
 
 
+_CLIENT_ATTEMPTS = 3  # a head node under load sometimes fails to start the per-client server once
+
+
 def _connect(cfg: ServeConfig) -> None:
     import ray
 
     from router.pools import DECODE_RESOURCE, PREFILL_RESOURCE
 
     if cfg.address is not None:
-        ray.init(address=cfg.address, log_to_driver=True)
-        return
+        for attempt in range(1, _CLIENT_ATTEMPTS + 1):
+            try:
+                ray.init(address=cfg.address, log_to_driver=True)
+                return
+            except ConnectionAbortedError as e:  # ray://: the cluster's per-client server did not start
+                if not cfg.address.startswith("ray://") or attempt == _CLIENT_ATTEMPTS:
+                    raise
+                log.warning("Ray Client connection to %s failed (%s); trying again (%d of %d)",
+                            cfg.address, str(e).strip().splitlines()[-1], attempt + 1, _CLIENT_ATTEMPTS)
+                time.sleep(2.0 * attempt)
     need = (cfg.num_prefill + cfg.num_decode) * cfg.cpus_per_worker
     ray.init(num_cpus=max(os.cpu_count() or 1, int(need + 0.999)), include_dashboard=False,
              resources={PREFILL_RESOURCE: cfg.num_prefill, DECODE_RESOURCE: cfg.num_decode})

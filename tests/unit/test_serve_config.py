@@ -55,3 +55,28 @@ def test_serve_config_validation_names_the_field(kw, field):
 def test_router_config_validation_names_the_field(kw, field):
     with pytest.raises(ValueError, match=field):
         RouterConfig(**kw)
+
+
+@pytest.mark.parametrize("address,calls,ok", [("ray://head:10001", 2, True), ("head:6379", 1, False)])
+def test_a_ray_client_connection_that_fails_to_start_is_tried_again(monkeypatch, address, calls, ok):
+    """ray:// only: the head's per-client server sometimes fails to start once under load."""
+    import ray
+
+    import pdserve.serve as serve
+
+    seen = []
+
+    def init(**kw):
+        seen.append(kw["address"])
+        if len(seen) == 1:
+            raise ConnectionAbortedError("Initialization failure from server:\nRuntimeError: Starting Ray client "
+                                         "server failed.")
+    monkeypatch.setattr(ray, "init", init)
+    monkeypatch.setattr(serve.time, "sleep", lambda s: None)
+    cfg = ServeConfig(address=address)
+    if ok:
+        serve._connect(cfg)
+    else:
+        with pytest.raises(ConnectionAbortedError):
+            serve._connect(cfg)
+    assert seen == [address] * calls
