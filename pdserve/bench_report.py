@@ -35,7 +35,8 @@ def pct(x: float) -> str:
 def decode_runs(plan: dict) -> str:
     n = plan.get("decode_reps", 1)
     return "Decode figures are from one run of each engine." if n == 1 else \
-        f"Decode figures and bounds are the median of {n} runs of each, interleaved (bound, pdserve, transformers)."
+        f"Bound, pdserve and transformers each ran {n} times, interleaved; the engines' figures are their " \
+        "median run, the bound its best."
 
 
 def render_limits(r: dict[str, Any]) -> str:
