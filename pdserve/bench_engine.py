@@ -40,7 +40,7 @@ class Plan:
     long_in: int = 200
     long_out: int = 1000
     reps: int = 5  # micro-benchmark repetitions (median)
-    decode_reps: int = 3  # runs of each decode workload, both engines (median: this VM's speed drifts)
+    decode_reps: int = 3  # runs of each decode workload and its bound (engines: median; bound: best)
 
 
 FULL, QUICK = Plan(), Plan(prompt_len=32, new_tokens=8, prefill_lens=(32, 256), long_in=32, long_out=48, reps=3,

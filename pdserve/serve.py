@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -78,8 +79,9 @@ def _connect(cfg: ServeConfig) -> None:
             except ConnectionAbortedError as e:  # ray://: the cluster's per-client server did not start
                 if not cfg.address.startswith("ray://") or attempt == _CLIENT_ATTEMPTS:
                     raise
+                why = (str(e).strip().splitlines() or [type(e).__name__])[-1]
                 log.warning("Ray Client connection to %s failed (%s); trying again (%d of %d)",
-                            cfg.address, str(e).strip().splitlines()[-1], attempt + 1, _CLIENT_ATTEMPTS)
+                            cfg.address, why, attempt + 1, _CLIENT_ATTEMPTS)
                 time.sleep(2.0 * attempt)
     need = (cfg.num_prefill + cfg.num_decode) * cfg.cpus_per_worker
     ray.init(num_cpus=max(os.cpu_count() or 1, int(need + 0.999)), include_dashboard=False,
@@ -149,11 +151,28 @@ async def serve(cfg: ServeConfig, ready: asyncio.Event | None = None, stop: asyn
         await http.cleanup()
         await router.stop_polling()
     finally:
-        if pools is not None:
-            pools.shutdown()
-        import ray
+        _teardown(pools)
 
+
+_TEARDOWN_S = 30.0
+_stuck = threading.Event()  # teardown did not finish: `run` exits without waiting for Ray any longer
+
+
+def _teardown(pools: object | None) -> None:
+    """Stop the workers and leave Ray, for at most `_TEARDOWN_S`. With the Ray cluster gone (its
+    head stopped or lost), Ray's calls can block for minutes; the server still exits."""
+    import ray
+
+    def work() -> None:
+        if pools is not None:
+            pools.shutdown()  # type: ignore[attr-defined]
         ray.shutdown()
+    t = threading.Thread(target=work, daemon=True, name="pdserve-teardown")
+    t.start()
+    t.join(_TEARDOWN_S)
+    if t.is_alive():
+        log.warning("Ray did not shut down within %.0f s (is its cluster gone?); exiting without it", _TEARDOWN_S)
+        _stuck.set()
 
 
 def _announce(router: object, cfg: ServeConfig, cost: object, http_port: int, grpc_port: int) -> None:
@@ -175,4 +194,9 @@ def _announce(router: object, cfg: ServeConfig, cost: object, http_port: int, gr
 def run(cfg: ServeConfig, log_level: str = "info") -> int:
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     asyncio.run(serve(cfg))
+    if _stuck.is_set():  # Ray's exit hooks would block again on the lost cluster
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -286,7 +287,7 @@ class Router:
         """Start a worker in place of a dead one; its fresh slot joins the book once it answers."""
         try:
             old = (self.book.prefill if pool == "prefill" else self.book.decode)[index].worker_id
-            info = await asyncio.get_running_loop().run_in_executor(None, self._respawn, pool, index)
+            info = await _in_daemon_thread(self._respawn, pool, index)
             for peer in self.pools.decode if pool == "prefill" else self.pools.prefill:
                 peer.drop_peer.remote(old)  # their pairs with the dead worker go away; fire and forget
             if pool == "prefill":
@@ -306,3 +307,32 @@ class Router:
         while True:
             await self.poll_once()
             await asyncio.sleep(self.config.load_poll_s)
+
+
+async def _in_daemon_thread(fn: Callable, *args: object) -> object:
+    """`fn(*args)` in a daemon thread of its own. Unlike the loop's executor, a call stuck on a Ray
+    cluster that went away (a respawn waiting for its actor) does not hold up the process's exit."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def deliver(result: object, error: BaseException | None) -> None:
+        if fut.done():
+            return
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(result)
+
+    def run() -> None:
+        result, error = None, None
+        try:
+            result = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting task
+            error = e
+        try:
+            loop.call_soon_threadsafe(deliver, result, error)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            pass
+    threading.Thread(target=run, daemon=True, name=f"pdserve-{getattr(fn, '__name__', 'call')}").start()
+    return await fut
+

@@ -57,7 +57,7 @@ def start_server(extra: list[str]) -> Server:
     return Server(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", "smollm2", proc, log)
 
 
-def stop_server(proc: subprocess.Popen, timeout_s: float = 60) -> int:
+def stop_server(proc: subprocess.Popen, timeout_s: float = 60, log: list[str] | None = None) -> int:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -65,7 +65,8 @@ def stop_server(proc: subprocess.Popen, timeout_s: float = 60) -> int:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-            raise AssertionError("pdserve serve did not exit within 60 s of SIGTERM") from None
+            raise AssertionError(f"pdserve serve did not exit within {timeout_s:.0f} s of SIGTERM; its log ends:\n"
+                                 + "".join((log or [])[-60:])) from None
     return proc.returncode
 
 
@@ -73,7 +74,7 @@ def stop_server(proc: subprocess.Popen, timeout_s: float = 60) -> int:
 def server():
     srv = start_server(["--prefill", "1", "--decode", "1"])
     yield srv
-    code = stop_server(srv.proc)
+    code = stop_server(srv.proc, log=srv.log)
     assert code == 0, "".join(srv.log[-40:])
 
 

@@ -8,17 +8,14 @@ and sizes given on the command line win) and `--address` of the head, as the rou
 A request crosses both nodes and equals transformers' greedy output; `pdserve.status` finds each
 worker on its node, answering, and finds none once the server stopped.
 
-Each node runs `ray start --block` in a process group of its own, stopped by signalling that group:
-no `ray stop`, which would stop every Ray on the machine.
+Each node runs `ray start --block` in a process group of its own (tests/integration/ray_nodes.py).
 """
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,50 +29,16 @@ import yaml
 
 from pdserve.status import NAMESPACE, POOL_OF_CLASS, RESOURCES, _check_reachable, format_status
 from tests.conftest import greedy_reference, random_prompt, tiny_model
+from tests.integration.ray_nodes import ENV, free_port, start_node, stop_group
 
 ROOT = Path(__file__).parents[2]
 BASE = ROOT / "infra" / "k8s" / "base"
-RAY = str(Path(sys.executable).with_name("ray"))
-ENV = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ray_flags(params: dict[str, str], **overrides: str) -> list[str]:
     """`ray start` flags from a KubeRay rayStartParams map (values as KubeRay pastes them into a shell)."""
     merged = {**params, **overrides}
     return [f"--{k}={shlex.split(v)[0]}" for k, v in merged.items()]
-
-
-def start_node(flags: list[str], log: Path) -> subprocess.Popen:
-    with open(log, "w") as out:
-        proc = subprocess.Popen([RAY, "start", "--block", "--node-ip-address=127.0.0.1", "--disable-usage-stats",
-                                 f"--dashboard-agent-listen-port={free_port()}", *flags], stdout=out,
-                                stderr=subprocess.STDOUT, env=ENV, start_new_session=True)
-    deadline = time.monotonic() + 120
-    while "Ray runtime started" not in log.read_text():  # nodes start one at a time (shared session dir)
-        if proc.poll() is not None or time.monotonic() > deadline:
-            stop_group(proc)
-            raise RuntimeError(f"ray start failed:\n{log.read_text()[-3000:]}")
-        time.sleep(0.3)
-    return proc
-
-
-def stop_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(wait_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 @pytest.fixture(scope="module")
