@@ -66,23 +66,32 @@ class ServeConfig:
 _CLIENT_ATTEMPTS = 3  # a head node under load sometimes fails to start the per-client server once
 
 
+def _join(address: str) -> None:
+    """Connect to an existing cluster; a `ray://` connection whose per-client server did not start
+    is tried again."""
+    import ray
+
+    for attempt in range(1, _CLIENT_ATTEMPTS + 1):
+        try:
+            ray.init(address=address, log_to_driver=True)
+            return
+        except ConnectionAbortedError as e:
+            if not address.startswith("ray://") or attempt == _CLIENT_ATTEMPTS:
+                raise
+            why = (str(e).strip().splitlines() or [type(e).__name__])[-1]
+            log.warning("Ray Client connection to %s failed (%s); trying again (%d of %d)",
+                        address, why, attempt + 1, _CLIENT_ATTEMPTS)
+            time.sleep(2.0 * attempt)
+
+
 def _connect(cfg: ServeConfig) -> None:
     import ray
 
     from router.pools import DECODE_RESOURCE, PREFILL_RESOURCE
 
     if cfg.address is not None:
-        for attempt in range(1, _CLIENT_ATTEMPTS + 1):
-            try:
-                ray.init(address=cfg.address, log_to_driver=True)
-                return
-            except ConnectionAbortedError as e:  # ray://: the cluster's per-client server did not start
-                if not cfg.address.startswith("ray://") or attempt == _CLIENT_ATTEMPTS:
-                    raise
-                why = (str(e).strip().splitlines() or [type(e).__name__])[-1]
-                log.warning("Ray Client connection to %s failed (%s); trying again (%d of %d)",
-                            cfg.address, why, attempt + 1, _CLIENT_ATTEMPTS)
-                time.sleep(2.0 * attempt)
+        _join(cfg.address)
+        return
     need = (cfg.num_prefill + cfg.num_decode) * cfg.cpus_per_worker
     ray.init(num_cpus=max(os.cpu_count() or 1, int(need + 0.999)), include_dashboard=False,
              resources={PREFILL_RESOURCE: cfg.num_prefill, DECODE_RESOURCE: cfg.num_decode})

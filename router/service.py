@@ -13,6 +13,7 @@ Request lifecycle in `Router.submit`:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
@@ -312,27 +313,12 @@ class Router:
 async def _in_daemon_thread(fn: Callable, *args: object) -> object:
     """`fn(*args)` in a daemon thread of its own. Unlike the loop's executor, a call stuck on a Ray
     cluster that went away (a respawn waiting for its actor) does not hold up the process's exit."""
-    loop = asyncio.get_running_loop()
-    fut = loop.create_future()
-
-    def deliver(result: object, error: BaseException | None) -> None:
-        if fut.done():
-            return
-        if error is not None:
-            fut.set_exception(error)
-        else:
-            fut.set_result(result)
+    done: concurrent.futures.Future = concurrent.futures.Future()
 
     def run() -> None:
-        result, error = None, None
         try:
-            result = fn(*args)
+            done.set_result(fn(*args))
         except BaseException as e:  # noqa: BLE001 - handed to the awaiting task
-            error = e
-        try:
-            loop.call_soon_threadsafe(deliver, result, error)
-        except RuntimeError:  # the loop is closed: nobody is waiting any more
-            pass
+            done.set_exception(e)
     threading.Thread(target=run, daemon=True, name=f"pdserve-{getattr(fn, '__name__', 'call')}").start()
-    return await fut
-
+    return await asyncio.wrap_future(done)
