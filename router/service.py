@@ -316,6 +316,8 @@ async def _in_daemon_thread(fn: Callable, *args: object) -> object:
     done: concurrent.futures.Future = concurrent.futures.Future()
 
     def run() -> None:
+        if not done.set_running_or_notify_cancel():  # running: a cancel from the awaiting side no longer lands
+            return
         try:
             done.set_result(fn(*args))
         except BaseException as e:  # noqa: BLE001 - handed to the awaiting task

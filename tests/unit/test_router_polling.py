@@ -1,6 +1,7 @@
-"""The router's load poller stops when cancelled, even when the awaited result
-arrives in the same loop turn as the cancel (the race that makes 3.11's `asyncio.wait_for` swallow
-the cancel and leave `stop_polling` waiting forever). Pure asyncio: workers are stand-ins."""
+"""The router's background work stops cleanly: the load poller when cancelled, even when the awaited
+result arrives in the same loop turn as the cancel (the race that makes 3.11's `asyncio.wait_for`
+swallow the cancel and leave `stop_polling` waiting forever); a respawn thread whose waiter was
+cancelled. Pure asyncio: workers are stand-ins."""
 from __future__ import annotations
 
 import asyncio
@@ -51,3 +52,33 @@ def test_stop_polling_returns_when_a_load_answer_races_the_cancel() -> None:
         assert router._poller.cancelled()
 
     asyncio.run(main())
+
+
+def test_a_respawn_whose_waiter_was_cancelled_finishes_quietly() -> None:
+    """The respawn thread outlives a cancelled waiter (e.g. at shutdown) without an error of its own;
+    results and errors reach a waiter that stays."""
+    import threading
+    import time
+
+    from router.service import _in_daemon_thread
+
+    errors: list[BaseException] = []
+    hook, threading.excepthook = threading.excepthook, lambda a: errors.append(a.exc_value)
+    try:
+        async def main() -> None:
+            gone = asyncio.create_task(_in_daemon_thread(time.sleep, 0.2))
+            await asyncio.sleep(0.05)
+            gone.cancel()
+            await asyncio.gather(gone, return_exceptions=True)
+            assert await _in_daemon_thread(lambda x: 2 * x, 21) == 42
+            try:
+                await _in_daemon_thread(lambda: 1 / 0)
+                raise AssertionError("the error did not reach the waiter")
+            except ZeroDivisionError:
+                pass
+            await asyncio.sleep(0.3)  # the first call has finished by now
+
+        asyncio.run(main())
+    finally:
+        threading.excepthook = hook
+    assert errors == []
