@@ -116,6 +116,24 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
+def reference_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
+                     ctx: torch.Tensor, scale: float) -> torch.Tensor:
+    """Decode attention the plain way, in fp32, one sequence at a time: q [B, H, D] over each
+    sequence's first ctx[b] keys of the pool [KVH, blocks, block_size, D] → [B, H, D] fp32.
+    The yardstick every kernel is checked against."""
+    outs = []
+    bs = k_pool.shape[2]
+    for b in range(q.shape[0]):
+        n = int(ctx[b])
+        blocks = tables[b, :(n + bs - 1) // bs]
+        k = k_pool.index_select(1, blocks).flatten(1, 2)[:, :n].float()  # [KVH, n, D]
+        v = v_pool.index_select(1, blocks).flatten(1, 2)[:, :n].float()
+        o = F.scaled_dot_product_attention(q[b:b + 1, :, None].float(), k[None], v[None], scale=scale,
+                                           enable_gqa=True)
+        outs.append(o[0, :, 0])
+    return torch.stack(outs)
+
+
 def _gather(pool: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     """Whole blocks of each table, in order: [B, blocks] → [B, KVH, blocks * block_size, D].
     Copies block-sized rows, far cheaper than indexing token by token."""

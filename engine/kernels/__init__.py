@@ -1,7 +1,11 @@
-"""CPU kernels compiled once with the system C compiler and loaded with ctypes.
+"""CPU kernels: one C source, compiled with the system C compiler into one build per instruction set
+(`engine.hardware.KERNEL_BUILDS`: AVX-512 BF16, AVX2 + FMA, portable C), loaded with ctypes.
 
-`paged_decode` runs decode attention in place over the paged KV pool. When no compiler
-is available (or PDSERVE_NO_KERNELS=1) `load()` returns None and callers use torch ops.
+The process uses `active()`: the best build this CPU runs (or the one `PDSERVE_KERNEL` forces),
+checked once against the torch reference before any request. A build that does not compile or
+load, or that gets the check wrong, is logged and the next one is tried; with none left (no C
+compiler, or `PDSERVE_KERNEL=torch`), callers use torch ops. Builds are cached per source, flags
+and instruction set, so a cache shared between machines never hands one a build it cannot run.
 """
 from __future__ import annotations
 
@@ -12,82 +16,186 @@ import os
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from engine import hardware
+from engine.hardware import KERNEL_BUILDS, KernelBuild
+
 log = logging.getLogger(__name__)
 _SRC = Path(__file__).with_name("paged_attention.c")
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno", "-ffp-contract=fast",
-          "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
-MAX_GROUP = 64  # query heads per kv head the kernel's stack arrays hold
-_lib: ctypes.CDLL | None | bool = False  # False: not tried yet
+_BASE_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno", "-ffp-contract=fast",
+               "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math")
+MAX_GROUP = 64  # query heads per kv head the portable kernel's stack arrays hold
+_ENTRY = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
 
 
-def _build() -> Path:
+class KernelError(RuntimeError):
+    """A kernel build did not compile, load or pass its check."""
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A loaded build: `name` is its instruction set (a KERNEL_BUILDS name)."""
+
+    name: str
+    lib: ctypes.CDLL
+
+    def paged_decode(self, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, slots: torch.Tensor,
+                     k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor, ctx: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+        """One layer of a decode step over the paged pool: store the new K/V, then attend.
+
+        Args:
+            q: [B, H, D] queries.
+            k_new, v_new: [KVH, B, D] this step's keys and values, written at `slots` [B] int64.
+            k_pool, v_pool: [KVH, blocks, block_size, D] one layer's cache, contiguous (written in place).
+            tables: [B, max_blocks] int64 block tables; ctx: [B] int64 context lengths (new token included).
+            scale: softmax scale.
+        Returns:
+            [B, H, D] attention output in q's dtype.
+        """
+        assert k_pool.is_contiguous() and v_pool.is_contiguous()
+        q, k_new, v_new = q.contiguous(), k_new.contiguous(), v_new.contiguous()
+        b, h, d = q.shape
+        kvh, nb, bs, _ = k_pool.shape
+        out = torch.empty_like(q)
+        p = ctypes.c_void_p
+        getattr(self.lib, _ENTRY[q.dtype])(
+            p(q.data_ptr()), p(k_new.data_ptr()), p(v_new.data_ptr()), p(slots.data_ptr()), p(k_pool.data_ptr()),
+            p(v_pool.data_ptr()), p(tables.data_ptr()), p(ctx.data_ptr()), p(out.data_ptr()), b, h, kvh, d, nb, bs,
+            tables.shape[1], ctypes.c_float(scale), torch.get_num_threads())
+        return out
+
+
+def _build(build: KernelBuild) -> Path:
     from engine.model_store import cache_root
 
-    src = _SRC.read_bytes()
-    tag = hashlib.sha256(src + " ".join(_FLAGS).encode()).hexdigest()[:16]
-    out = cache_root() / "kernels" / f"paged_attention-{tag}.so"
+    flags = [*_BASE_FLAGS, *build.cflags]
+    tag = hashlib.sha256(_SRC.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
+    out = cache_root() / "kernels" / f"paged_attention-{build.name}-{tag}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
-        raise OSError("no C compiler (gcc/cc) on PATH")
+        raise KernelError("no C compiler (gcc/cc) on PATH")
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_out = Path(tmp) / out.name
-        subprocess.run([cc, *_FLAGS, str(_SRC), "-o", str(tmp_out), "-lm"], check=True, capture_output=True,
-                       text=True, timeout=120)
+        try:
+            subprocess.run([cc, *flags, str(_SRC), "-o", str(tmp_out), "-lm"], check=True, capture_output=True,
+                           text=True, timeout=120)
+        except subprocess.CalledProcessError as e:
+            raise KernelError(f"{cc} failed: {e.stderr.strip()[-2000:]}") from e
+        except (OSError, subprocess.SubprocessError) as e:
+            raise KernelError(f"{cc} failed: {e}") from e
         os.replace(tmp_out, out)  # atomic: a half-written library is never loaded
     return out
 
 
-def load() -> ctypes.CDLL | None:
-    """The compiled kernels, or None when they cannot be built here."""
-    global _lib
-    if _lib is False:
-        _lib = None
-        if os.environ.get("PDSERVE_NO_KERNELS") != "1":
-            try:
-                _lib = ctypes.CDLL(str(_build()))
-            except (OSError, subprocess.SubprocessError) as e:
-                detail = getattr(e, "stderr", "") or e
-                log.warning("paged attention kernel unavailable, using torch ops: %s", detail)
-    return _lib or None
+def _self_check(kernel: Kernel) -> None:
+    """The build against the torch reference on a small ragged GQA batch, in both dtypes."""
+    from engine.attention import reference_decode
+
+    g = torch.Generator().manual_seed(0)
+    kvh, heads, d, bs, blocks = 2, 6, 64, 16, 12
+    ctx = torch.tensor([1, 21, 40])
+    tables = torch.randperm(blocks, generator=g)[:9].view(3, 3)
+    last = ctx - 1
+    slots = tables[torch.arange(3), last // bs] * bs + last % bs
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
+        k_pool, v_pool = (torch.randn(kvh, blocks, bs, d, generator=g).to(dtype) for _ in range(2))
+        q = torch.randn(3, heads, d, generator=g).to(dtype)
+        k_new, v_new = (torch.randn(kvh, 3, d, generator=g).to(dtype) for _ in range(2))
+        out = kernel.paged_decode(q, k_new, v_new, slots, k_pool, v_pool, tables, ctx, d ** -0.5)
+        want = reference_decode(q, k_pool, v_pool, tables, ctx, d ** -0.5)
+        err = float((out.float() - want).abs().max())
+        if not err <= tol:
+            raise KernelError(f"differs from the reference attention in {dtype} (max error {err:.3g})")
 
 
-_DTYPES = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
+_loaded: dict[str, Kernel] = {}
+
+
+def load(build: KernelBuild) -> Kernel:
+    """Compile (once, cached on disk), load and check one build.
+
+    Raises:
+        KernelError: it does not compile, load, report its instruction set, or match the reference.
+    """
+    if build.name not in _loaded:
+        try:
+            lib = ctypes.CDLL(str(_build(build)))
+        except OSError as e:
+            raise KernelError(f"could not load the {build.name} build: {e}") from e
+        lib.pdserve_kernel_isa.restype = ctypes.c_char_p
+        isa = lib.pdserve_kernel_isa().decode()
+        if isa != build.name:
+            raise KernelError(f"the {build.name} build compiled without its vector path (it holds {isa!r})")
+        kernel = Kernel(build.name, lib)
+        _self_check(kernel)
+        _loaded[build.name] = kernel
+    return _loaded[build.name]
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The kernel this process uses (None: torch ops) and the reason, for logs and reports."""
+
+    kernel: Kernel | None
+    reason: str
+
+    @property
+    def name(self) -> str:
+        return self.kernel.name if self.kernel is not None else hardware.TORCH_KERNEL
+
+
+_active: Selection | None = None
+
+
+def select(cpu: hardware.CpuInfo, forced: str | None) -> Selection:
+    """Load the chosen build; on failure, log it and fall back down the list of builds this CPU runs.
+
+    Raises:
+        ValueError: `forced` names no build, or one this CPU cannot run.
+    """
+    choice = hardware.choose_kernel(cpu, forced)
+    if choice.build is None:
+        return Selection(None, choice.reason)
+    failures: list[str] = []
+    for build in [choice.build] if forced else hardware.runnable(cpu):
+        try:
+            kernel = load(build)
+        except KernelError as e:
+            failures.append(f"the {build.name} build failed: {e}")
+            log.warning("paged attention kernel: %s", failures[-1])
+            continue
+        return Selection(kernel, choice.reason if not failures else "fallback; " + "; ".join(failures))
+    return Selection(None, "no kernel build works here, torch ops instead; " + "; ".join(failures))
+
+
+def active() -> Selection:
+    """This process's kernel, chosen and logged once."""
+    global _active
+    if _active is None:
+        cpu = hardware.this_cpu()
+        _active = select(cpu, hardware.forced_kernel())
+        log.info("paged attention kernel: %s (%s; CPU %s: %s)", _active.name, _active.reason, cpu.model,
+                 cpu.isa_summary())
+    return _active
 
 
 def supports(dtype: torch.dtype, device: torch.device, group: int) -> bool:
-    return device.type == "cpu" and dtype in _DTYPES and group <= MAX_GROUP and load() is not None
+    """Whether decode attention for this dtype, device and GQA group runs on this process's kernel."""
+    return device.type == "cpu" and dtype in _ENTRY and group <= MAX_GROUP and active().kernel is not None
 
 
 def paged_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, slots: torch.Tensor,
                  k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor, ctx: torch.Tensor,
                  scale: float) -> torch.Tensor:
-    """One layer of a decode step over the paged pool: store the new K/V, then attend.
-
-    Args:
-        q: [B, H, D] queries.
-        k_new, v_new: [KVH, B, D] this step's keys and values, written at `slots` [B] int64.
-        k_pool, v_pool: [KVH, blocks, block_size, D] one layer's cache, contiguous (written in place).
-        tables: [B, max_blocks] int64 block tables; ctx: [B] int64 context lengths (new token included).
-        scale: softmax scale.
-    Returns:
-        [B, H, D] attention output in q's dtype.
-    """
-    lib = load()
-    assert lib is not None and k_pool.is_contiguous() and v_pool.is_contiguous()
-    q, k_new, v_new = q.contiguous(), k_new.contiguous(), v_new.contiguous()
-    b, h, d = q.shape
-    kvh, nb, bs, _ = k_pool.shape
-    out = torch.empty_like(q)
-    p = ctypes.c_void_p
-    getattr(lib, _DTYPES[q.dtype])(
-        p(q.data_ptr()), p(k_new.data_ptr()), p(v_new.data_ptr()), p(slots.data_ptr()), p(k_pool.data_ptr()),
-        p(v_pool.data_ptr()), p(tables.data_ptr()), p(ctx.data_ptr()), p(out.data_ptr()), b, h, kvh, d, nb, bs,
-        tables.shape[1], ctypes.c_float(scale), torch.get_num_threads())
-    return out
+    """`Kernel.paged_decode` on this process's kernel (`supports` said yes)."""
+    kernel = active().kernel
+    assert kernel is not None
+    return kernel.paged_decode(q, k_new, v_new, slots, k_pool, v_pool, tables, ctx, scale)

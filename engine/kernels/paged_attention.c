@@ -237,28 +237,173 @@ PAGED_DECODE_AVX512(decode_bf16_avx512_d64, 4)
 PAGED_DECODE_AVX512(decode_bf16_avx512_d128, 8)
 #endif
 
-/* Entry points: pick the variant unrolled for this head dim. */
-#define DISPATCH(NAME, T, PREFIX)                                                                       \
-    void NAME(const T* q, const T* k_new, const T* v_new, const int64_t* slots, T* k, T* v,             \
-              const int64_t* tables, const int64_t* ctx, T* out, int B, int H, int KVH, int D,          \
-              int NB, int BS, int MAXNB, float scale, int nthreads) {                                   \
-        if (D == 64)                                                                                    \
-            PREFIX##_d64(q, k_new, v_new, slots, k, v, tables, ctx, out, B, H, KVH, D, NB, BS, MAXNB,   \
-                         scale, nthreads);                                                              \
-        else if (D == 128)                                                                              \
-            PREFIX##_d128(q, k_new, v_new, slots, k, v, tables, ctx, out, B, H, KVH, D, NB, BS,         \
-                          MAXNB, scale, nthreads);                                                      \
-        else                                                                                            \
-            PREFIX##_any(q, k_new, v_new, slots, k, v, tables, ctx, out, B, H, KVH, D, NB, BS, MAXNB,   \
-                         scale, nthreads);                                                              \
+#if defined(__AVX2__) && defined(__FMA__)
+/* fp32 and bf16 caches with AVX2 + FMA: 8 tokens scored at a time (their K rows loaded once for
+ * every query head of the group, one transposing reduction per 8), a vector exp, and P·V with
+ * fp32 accumulators in registers, 64 columns at a time. D = 8 * n. */
+#include <immintrin.h>
+#define HAVE_AVX2 1
+
+static inline __m256 ld8_f32(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 ld8_bf16(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+static inline void st8_f32(float* dst, __m256 x) { _mm256_storeu_ps(dst, x); }
+static inline void st8_bf16(uint16_t* dst, __m256 x) {
+    float tmp[8];
+    _mm256_storeu_ps(tmp, x);
+    for (int i = 0; i < 8; i++) dst[i] = bf16_store(tmp[i]);
+}
+
+/* Lane j of the result is the sum of a[j]'s eight lanes. */
+static inline __m256 reduce8(const __m256* a) {
+    const __m256 s0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    const __m256 s1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
+}
+
+/* exp(x) for x <= 0, as exp512 below: 2^n * 2^f with a degree-6 polynomial; 2^n built in the exponent bits. */
+static inline __m256 exp256(__m256 x) {
+    const __m256 t = _mm256_mul_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(1.4426950408889634f));
+    const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 f = _mm256_sub_ps(t, n);
+    __m256 p = _mm256_set1_ps(1.5403530393381608e-4f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618129107628477e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550410866482158e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402265069591007e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931471805599453e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* Lanes [0, m) set: the tokens of a chunk of 8 that exist. */
+static inline __m256 lanes_below(int m) {
+    return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(m), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+}
+
+#define PAGED_DECODE_AVX2(NAME, T, LD8, ST8, LOAD, DIM)                                                 \
+    static void NAME(const T* q, const T* k_new, const T* v_new, const int64_t* slots, T* k, T* v,      \
+                     const int64_t* tables, const int64_t* ctx, T* out, int B, int H, int KVH, int D,   \
+                     int NB, int BS, int MAXNB, float scale, int nthreads) {                            \
+        const int G = H / KVH;                                                                          \
+        const int DD = (DIM) > 0 ? (DIM) : D;                                                           \
+        _Pragma("omp parallel for collapse(2) schedule(dynamic, 1) num_threads(nthreads)")              \
+        for (int b = 0; b < B; b++) {                                                                   \
+            for (int kh = 0; kh < KVH; kh++) {                                                          \
+                const int L = (int)ctx[b], LP = (L + 7) & ~7;                                           \
+                const int64_t dst = ((int64_t)kh * NB * BS + slots[b]) * DD;                            \
+                memcpy(k + dst, k_new + ((int64_t)kh * B + b) * DD, sizeof(T) * (size_t)DD);            \
+                memcpy(v + dst, v_new + ((int64_t)kh * B + b) * DD, sizeof(T) * (size_t)DD);            \
+                const int64_t* tb = tables + (int64_t)b * MAXNB;                                        \
+                const T* kbase = k + (int64_t)kh * NB * BS * DD;                                        \
+                const T* vbase = v + (int64_t)kh * NB * BS * DD;                                        \
+                int64_t* row = (int64_t*)malloc(sizeof(int64_t) * (size_t)L                             \
+                                                + sizeof(float) * (size_t)(G * DD + G * LP));           \
+                float* qf = (float*)(row + L);                                                          \
+                float* sc = qf + G * DD;                                                                \
+                for (int t = 0, bi = 0, o = 0; t < L; t++) {                                            \
+                    row[t] = (tb[bi] * BS + o) * DD;                                                    \
+                    if (++o == BS) o = 0, bi++;                                                         \
+                }                                                                                       \
+                for (int g = 0; g < G; g++)                                                             \
+                    for (int d = 0; d < DD; d++)                                                        \
+                        qf[g * DD + d] = LOAD(q[((int64_t)b * H + kh * G + g) * DD + d]) * scale;       \
+                for (int t0 = 0; t0 < L; t0 += 8) {                                                     \
+                    const int m = L - t0 < 8 ? L - t0 : 8;                                              \
+                    for (int j = 0; j < 8 && t0 + 8 + j < L; j++) /* the next chunk's scattered rows */ \
+                        for (int c = 0; c < DD; c += 64 / (int)sizeof(T))                               \
+                            _mm_prefetch((const char*)(kbase + row[t0 + 8 + j] + c), _MM_HINT_T0);       \
+                    for (int g = 0; g < G; g++) {                                                       \
+                        const float* qg = qf + g * DD;                                                  \
+                        __m256 acc[8];                                                                  \
+                        for (int j = 0; j < 8; j++) {                                                   \
+                            __m256 a = _mm256_setzero_ps();                                             \
+                            if (j < m) {                                                                \
+                                const T* kr = kbase + row[t0 + j];                                      \
+                                for (int i = 0; i < DD; i += 8)                                         \
+                                    a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), LD8(kr + i), a);       \
+                            }                                                                           \
+                            acc[j] = a;                                                                 \
+                        }                                                                               \
+                        _mm256_storeu_ps(sc + g * LP + t0, reduce8(acc));                               \
+                    }                                                                                   \
+                }                                                                                       \
+                const __m256 tail = lanes_below(L - (LP - 8));                                          \
+                for (int g = 0; g < G; g++) {                                                           \
+                    float* sg = sc + g * LP;                                                            \
+                    __m256 vmax = _mm256_set1_ps(-INFINITY);                                            \
+                    for (int t0 = 0; t0 < LP; t0 += 8) {                                                \
+                        const __m256 s = _mm256_loadu_ps(sg + t0);                                      \
+                        vmax = _mm256_max_ps(vmax, t0 + 8 < LP ? s                                      \
+                                             : _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s, tail));   \
+                    }                                                                                   \
+                    float mx8[8], mx = -INFINITY;                                                       \
+                    _mm256_storeu_ps(mx8, vmax);                                                        \
+                    for (int i = 0; i < 8; i++) mx = mx8[i] > mx ? mx8[i] : mx;                         \
+                    __m256 z = _mm256_setzero_ps();                                                     \
+                    for (int t0 = 0; t0 < LP; t0 += 8) {                                                \
+                        __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sg + t0), _mm256_set1_ps(mx))); \
+                        if (t0 + 8 >= LP) e = _mm256_and_ps(e, tail);                                   \
+                        _mm256_storeu_ps(sg + t0, e);                                                   \
+                        z = _mm256_add_ps(z, e);                                                        \
+                    }                                                                                   \
+                    float z8[8], zs = 0.f;                                                              \
+                    _mm256_storeu_ps(z8, z);                                                            \
+                    for (int i = 0; i < 8; i++) zs += z8[i];                                            \
+                    const __m256 inv = _mm256_set1_ps(1.f / zs);                                        \
+                    T* og = out + ((int64_t)b * H + kh * G + g) * DD;                                   \
+                    for (int c = 0; c < DD; c += 64) {                                                  \
+                        const int nv = DD - c < 64 ? (DD - c) / 8 : 8;                                  \
+                        __m256 o[8];                                                                    \
+                        for (int i = 0; i < 8; i++) o[i] = _mm256_setzero_ps();                         \
+                        for (int t = 0; t < L; t++) {                                                   \
+                            const __m256 p = _mm256_set1_ps(sg[t]);                                     \
+                            const T* vr = vbase + row[t] + c;                                           \
+                            for (int i = 0; i < nv; i++) o[i] = _mm256_fmadd_ps(p, LD8(vr + 8 * i), o[i]); \
+                        }                                                                               \
+                        for (int i = 0; i < nv; i++) ST8(og + c + 8 * i, _mm256_mul_ps(o[i], inv));     \
+                    }                                                                                   \
+                }                                                                                       \
+                free(row);                                                                              \
+            }                                                                                           \
+        }                                                                                               \
     }
 
-DISPATCH(paged_decode_f32, float, decode_f32)
-DISPATCH(decode_bf16_portable, uint16_t, decode_bf16)
+PAGED_DECODE_AVX2(decode_f32_avx2_d64, float, ld8_f32, st8_f32, f32_load, 64)
+PAGED_DECODE_AVX2(decode_f32_avx2_d128, float, ld8_f32, st8_f32, f32_load, 128)
+PAGED_DECODE_AVX2(decode_f32_avx2_any, float, ld8_f32, st8_f32, f32_load, 0)
+PAGED_DECODE_AVX2(decode_bf16_avx2_d64, uint16_t, ld8_bf16, st8_bf16, bf16_load, 64)
+PAGED_DECODE_AVX2(decode_bf16_avx2_d128, uint16_t, ld8_bf16, st8_bf16, bf16_load, 128)
+PAGED_DECODE_AVX2(decode_bf16_avx2_any, uint16_t, ld8_bf16, st8_bf16, bf16_load, 0)
+#endif
 
-void paged_decode_bf16(const uint16_t* q, const uint16_t* k_new, const uint16_t* v_new, const int64_t* slots,
-                       uint16_t* k, uint16_t* v, const int64_t* tables, const int64_t* ctx, uint16_t* out, int B,
-                       int H, int KVH, int D, int NB, int BS, int MAXNB, float scale, int nthreads) {
+/* Entry points: the best vector path this build holds for the head dim, else the portable C
+ * unrolled for it. */
+#define ARGS q, k_new, v_new, slots, k, v, tables, ctx, out, B, H, KVH, D, NB, BS, MAXNB, scale, nthreads
+#define SIGNATURE(T)                                                                                    \
+    (const T* q, const T* k_new, const T* v_new, const int64_t* slots, T* k, T* v, const int64_t* tables, \
+     const int64_t* ctx, T* out, int B, int H, int KVH, int D, int NB, int BS, int MAXNB, float scale,  \
+     int nthreads)
+#define BY_DIM(PREFIX)                                                                                  \
+    do {                                                                                                \
+        if (D == 64) PREFIX##_d64(ARGS);                                                                \
+        else if (D == 128) PREFIX##_d128(ARGS);                                                         \
+        else PREFIX##_any(ARGS);                                                                        \
+    } while (0)
+
+void paged_decode_f32 SIGNATURE(float) {
+#ifdef HAVE_AVX2
+    if (D % 8 == 0) {
+        BY_DIM(decode_f32_avx2);
+        return;
+    }
+#endif
+    BY_DIM(decode_f32);
+}
+
+void paged_decode_bf16 SIGNATURE(uint16_t) {
 #ifdef HAVE_AVX512_BF16
     if (D == 64) {
         decode_bf16_avx512_d64(q, k_new, v_new, slots, k, v, tables, ctx, out, B, H, KVH, NB, BS, MAXNB, scale,
@@ -271,6 +416,22 @@ void paged_decode_bf16(const uint16_t* q, const uint16_t* k_new, const uint16_t*
         return;
     }
 #endif
-    decode_bf16_portable(q, k_new, v_new, slots, k, v, tables, ctx, out, B, H, KVH, D, NB, BS, MAXNB, scale,
-                         nthreads);
+#ifdef HAVE_AVX2
+    if (D % 8 == 0) {
+        BY_DIM(decode_bf16_avx2);
+        return;
+    }
+#endif
+    BY_DIM(decode_bf16);
+}
+
+/* The widest vector path compiled into this build: the loader checks it is the build it asked for. */
+const char* pdserve_kernel_isa(void) {
+#if defined(HAVE_AVX512_BF16)
+    return "avx512_bf16";
+#elif defined(HAVE_AVX2)
+    return "avx2";
+#else
+    return "portable";
+#endif
 }

@@ -176,7 +176,7 @@ def test_compiled_decode_matches_generate(arch):
     from engine import kernels
     from tests.conftest import tiny_model
 
-    if kernels.load() is None:
+    if kernels.active().kernel is None:
         pytest.skip("compile mode needs the CPU kernel, which needs a C compiler")
     ref, model = tiny_model(arch), tiny_model(arch)
     prompts = [random_prompt(n, seed=n) for n in (5, 37, 80)]
@@ -199,7 +199,7 @@ def test_compiled_decode_falls_back_to_eager_where_the_decoder_is_not_standard()
     from engine import kernels
     from tests.conftest import tiny_model
 
-    if kernels.load() is None:
+    if kernels.active().kernel is None:
         pytest.skip("compile mode needs the CPU kernel, which needs a C compiler")
     ref = tiny_model("llama", seed=5)
     standard = type(ref.model).forward

@@ -1,38 +1,38 @@
-"""The in-place decode kernel agrees with gather + SDPA over the same paged pool."""
+"""Every kernel build this CPU runs agrees with the plain reference attention over the same paged pool."""
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from engine import kernels
+from engine import hardware, kernels
+from engine.attention import reference_decode
 
-pytestmark = pytest.mark.skipif(kernels.load() is None, reason="no C compiler for the CPU kernel")
-
-
-def reference(q, k_pool, v_pool, tables, ctx, scale):
-    outs = []
-    for b in range(q.shape[0]):
-        n = int(ctx[b])
-        blocks = tables[b, :(n + k_pool.shape[2] - 1) // k_pool.shape[2]]
-        k = k_pool.index_select(1, blocks).flatten(1, 2)[:, :n].float()  # [KVH, n, D]
-        v = v_pool.index_select(1, blocks).flatten(1, 2)[:, :n].float()
-        o = F.scaled_dot_product_attention(q[b:b + 1, :, None].float(), k[None], v[None], scale=scale,
-                                           enable_gqa=True)
-        outs.append(o[0, :, 0])
-    return torch.stack(outs)
+CPU = hardware.this_cpu()
+BUILDS = hardware.runnable(CPU)
 
 
+def _loaded(build: hardware.KernelBuild) -> kernels.Kernel:
+    try:
+        return kernels.load(build)
+    except kernels.KernelError as e:
+        if build.needs:  # a vector build this CPU runs must build: a compiler that cannot is a finding
+            raise
+        pytest.skip(f"no C compiler for the portable kernel: {e}")
+
+
+@pytest.mark.parametrize("build", BUILDS, ids=[b.name for b in BUILDS])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1), (32, 2)])
-@pytest.mark.parametrize("d,bs", [(64, 16), (128, 16), (64, 8), (128, 32), (80, 16)])
-def test_kernel_matches_sdpa(dtype, tol, heads, kv_heads, d, bs):
-    """Head dims 64 and 128 (the vectorised bf16 paths) and others, blocks of 8 to 32 tokens."""
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1), (32, 2), (16, 1)])
+@pytest.mark.parametrize("d,bs", [(64, 16), (128, 16), (64, 8), (128, 32), (80, 16), (80, 32), (72, 8)])
+def test_kernel_matches_reference(build, dtype, tol, heads, kv_heads, d, bs):
+    """Head dims 64 and 128 (unrolled), 80 and 72 (generic; 72 is no multiple of 16), GQA groups of
+    1 to 16, blocks of 8 to 32 tokens, contexts of 1 token to many blocks, scattered block tables."""
+    kernel = _loaded(build)
     g = torch.Generator().manual_seed(heads * 10 + kv_heads + d + bs)
     num_blocks = 100 * 16 // bs
     k_pool = torch.randn(kv_heads, num_blocks, bs, d, generator=g).to(dtype)
     v_pool = torch.randn(kv_heads, num_blocks, bs, d, generator=g).to(dtype)
-    ctx = torch.tensor([1, 17, 100, 16, 250])
+    ctx = torch.tensor([1, 17, 100, 16, 250, 7])
     per_seq = (250 + bs - 1) // bs
     tables = torch.randperm(num_blocks, generator=g)[:per_seq * len(ctx)].view(len(ctx), per_seq)  # own blocks
     q = torch.randn(len(ctx), heads, d, generator=g).to(dtype)
@@ -40,10 +40,60 @@ def test_kernel_matches_sdpa(dtype, tol, heads, kv_heads, d, bs):
     v_new = torch.randn(kv_heads, len(ctx), d, generator=g).to(dtype)
     last = ctx - 1
     slots = tables[torch.arange(len(ctx)), last // bs] * bs + last % bs
-    out = kernels.paged_decode(q, k_new, v_new, slots, k_pool, v_pool, tables, ctx, d ** -0.5)
+    out = kernel.paged_decode(q, k_new, v_new, slots, k_pool, v_pool, tables, ctx, d ** -0.5)
     assert out.dtype == dtype and out.shape == q.shape
     for b, pos in enumerate(last.tolist()):  # the new K/V landed at each sequence's last slot
         blk = int(tables[b, pos // bs])
         assert torch.equal(k_pool[:, blk, pos % bs], k_new[:, b])
         assert torch.equal(v_pool[:, blk, pos % bs], v_new[:, b])
-    torch.testing.assert_close(out.float(), reference(q, k_pool, v_pool, tables, ctx, d ** -0.5), atol=tol, rtol=tol)
+    torch.testing.assert_close(out.float(), reference_decode(q, k_pool, v_pool, tables, ctx, d ** -0.5),
+                               atol=tol, rtol=tol)
+
+
+def test_large_scores_stay_finite():
+    """Scores far from zero (a softmax that needs its max subtracted) and a context of exactly one
+    chunk: every build gives the reference's answer, no NaN or inf."""
+    for build in BUILDS:
+        kernel = _loaded(build)
+        g = torch.Generator().manual_seed(1)
+        k_pool = torch.randn(1, 4, 16, 64, generator=g) * 30
+        v_pool = torch.randn(1, 4, 16, 64, generator=g)
+        q = torch.randn(2, 2, 64, generator=g) * 30
+        tables, ctx = torch.tensor([[0, 1], [2, 3]]), torch.tensor([8, 32])
+        slots = torch.tensor([7, 3 * 16 + 15])
+        k_new, v_new = k_pool.view(1, -1, 64)[:, slots].clone(), v_pool.view(1, -1, 64)[:, slots].clone()
+        out = kernel.paged_decode(q, k_new, v_new, slots, k_pool, v_pool, tables, ctx, 0.125)
+        assert torch.isfinite(out).all(), build.name
+        torch.testing.assert_close(out, reference_decode(q, k_pool, v_pool, tables, ctx, 0.125), atol=1e-4,
+                                   rtol=1e-4)
+
+
+def test_the_active_kernel_is_the_best_build_this_cpu_runs():
+    """Unforced, the process loads the first build of the list this CPU runs, and says so."""
+    if hardware.forced_kernel():
+        pytest.skip("a kernel is forced through the environment")
+    sel = kernels.active()
+    assert sel.name == BUILDS[0].name, sel.reason
+    assert kernels.supports(torch.float32, torch.device("cpu"), 3)
+
+
+def test_forcing_a_build_the_cpu_cannot_run_is_refused_by_name():
+    missing = [b for b in hardware.KERNEL_BUILDS if b not in BUILDS]
+    if not missing:
+        pytest.skip("this CPU runs every build")
+    with pytest.raises(ValueError, match=f"{hardware.FORCE_ENV}='{missing[0].name}' needs CPU flags"):
+        kernels.select(CPU, missing[0].name)
+
+
+def test_a_build_that_fails_falls_back_to_the_next(monkeypatch):
+    """A vector build whose compile fails (here: the compiler refuses its flags) is logged and the
+    next build this CPU runs is used; serving never depends on one build."""
+    if len(BUILDS) < 2:
+        pytest.skip("this CPU runs only the portable build")
+    broken = hardware.KernelBuild(BUILDS[0].name, BUILDS[0].needs, ("-mno-such-flag-pdserve",))
+    monkeypatch.setattr(hardware, "KERNEL_BUILDS",
+                        tuple(broken if b is BUILDS[0] else b for b in hardware.KERNEL_BUILDS))
+    monkeypatch.setattr(kernels, "_loaded", {})
+    sel = kernels.select(CPU, None)
+    assert sel.name == BUILDS[1].name
+    assert "fallback" in sel.reason and BUILDS[0].name in sel.reason

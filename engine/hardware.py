@@ -1,0 +1,167 @@
+"""What this machine does fast: its CPU's instruction sets, and the dtype and kernel build they call for.
+
+An engine started with dtype "auto" asks `choose_dtype` with the CPU flags (or the CUDA device's
+bf16 support). Where the hardware decides it (native bf16 instructions, or none at all), that is the
+answer; where it does not (AVX-512 without BF16, Arm with BF16), the engine measures both dtypes on
+the loaded model (`engine.dtype_probe`). `choose_kernel` picks the paged-attention build the CPU
+can run, best first. The choosers are pure (unit-tested from given flags); the readers of this
+machine sit at the bottom. No torch here.
+"""
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    """The CPU as /proc/cpuinfo names it: model name, instruction-set flags, machine architecture."""
+
+    model: str
+    flags: frozenset[str]
+    arch: str
+
+    def isa_summary(self) -> str:
+        """The flags that decide dtype and kernel, in a fixed order (for logs and reports)."""
+        shown = [f for f in _SHOWN_FLAGS if f in self.flags]
+        return " ".join(shown) or "none of " + " ".join(_SHOWN_FLAGS)
+
+
+_SHOWN_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "amx_bf16", "asimd", "bf16", "sve")
+
+
+@dataclass(frozen=True)
+class DtypeChoice:
+    """`dtype` None: the hardware does not decide; measure both on the model."""
+
+    dtype: str | None
+    reason: str
+
+
+def choose_dtype(device: str, cpu: CpuInfo, cuda_bf16: bool = False) -> DtypeChoice:
+    """The dtype that serves fastest here, when the hardware alone says so.
+
+    Args:
+        device: "cpu" or "cuda[:N]".
+        cpu: the CPU's flags (ignored on CUDA).
+        cuda_bf16: whether the CUDA device computes in bf16 natively (compute capability >= 8.0).
+    Returns:
+        a dtype and the reason, or dtype None when only a measurement can tell.
+    """
+    if device.startswith("cuda"):
+        if cuda_bf16:
+            return DtypeChoice("bfloat16", "the CUDA device computes in bf16 natively")
+        return DtypeChoice("float16", "the CUDA device has no native bf16; float16 instead")
+    flags = cpu.flags
+    if "amx_bf16" in flags:
+        return DtypeChoice("bfloat16", "the CPU has AMX-BF16 matrix units")
+    if "avx512_bf16" in flags:
+        return DtypeChoice("bfloat16", "the CPU has AVX-512 BF16 instructions")
+    if "avx512f" in flags or (cpu.arch == "aarch64" and "bf16" in flags):
+        return DtypeChoice(None, "the CPU can emulate bf16 with wide vectors, but has no native bf16 dot product")
+    return DtypeChoice("float32", "the CPU has no bf16 instructions (bf16 would run emulated, several times slower)")
+
+
+def pick_measured(seconds: dict[str, float]) -> DtypeChoice:
+    """The faster dtype from a probe's timings {"float32": s, "bfloat16": s} (same work for both)."""
+    fp32, bf16 = seconds["float32"], seconds["bfloat16"]
+    dtype = "bfloat16" if bf16 < fp32 else "float32"
+    return DtypeChoice(dtype, f"measured on the model: float32 {fp32 * 1e3:.0f} ms, bfloat16 {bf16 * 1e3:.0f} ms")
+
+
+@dataclass(frozen=True)
+class KernelBuild:
+    """One build of the paged-attention C kernel: the CPU flags it needs and the compiler flags it takes."""
+
+    name: str
+    needs: frozenset[str]
+    cflags: tuple[str, ...]
+
+
+# Best first. Every build holds every dtype; a build uses its vector paths where it has them and
+# the portable C elsewhere.
+KERNEL_BUILDS: tuple[KernelBuild, ...] = (
+    KernelBuild("avx512_bf16", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "fma",
+                                          "avx2", "f16c"}),
+                ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx2", "-mfma",
+                 "-mf16c")),
+    KernelBuild("avx2", frozenset({"avx2", "fma", "f16c"}), ("-mavx2", "-mfma", "-mf16c")),
+    KernelBuild("portable", frozenset(), ()),
+)
+KERNEL_NAMES = tuple(k.name for k in KERNEL_BUILDS)
+TORCH_KERNEL = "torch"  # no C kernel: gather + SDPA
+FORCE_ENV = "PDSERVE_KERNEL"  # force a build by name (or "torch"); tests use it to cover every build
+
+assert KERNEL_BUILDS[-1].needs == frozenset(), "the last build must run on any CPU"
+assert len(set(KERNEL_NAMES)) == len(KERNEL_NAMES) and TORCH_KERNEL not in KERNEL_NAMES
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """The build to load (None: torch ops) and why."""
+
+    build: KernelBuild | None
+    reason: str
+
+
+def runnable(cpu: CpuInfo) -> list[KernelBuild]:
+    """The builds this CPU can execute, best first (x86 vector builds only on x86)."""
+    x86 = cpu.arch in ("x86_64", "amd64", "i686")
+    return [k for k in KERNEL_BUILDS if k.needs <= cpu.flags and (x86 or not k.needs)]
+
+
+def choose_kernel(cpu: CpuInfo, forced: str | None = None) -> KernelChoice:
+    """The best build this CPU runs, or the one `forced` names (a name from KERNEL_NAMES or "torch").
+
+    Raises:
+        ValueError: `forced` names no build, or one this CPU cannot execute.
+    """
+    ok = runnable(cpu)
+    if forced:
+        if forced == TORCH_KERNEL:
+            return KernelChoice(None, f"{FORCE_ENV}={TORCH_KERNEL}")
+        if forced not in KERNEL_NAMES:
+            raise ValueError(f"{FORCE_ENV}={forced!r} names no kernel build; choose from "
+                             f"{', '.join(KERNEL_NAMES + (TORCH_KERNEL,))}")
+        build = next(k for k in KERNEL_BUILDS if k.name == forced)
+        if build not in ok:
+            raise ValueError(f"{FORCE_ENV}={forced!r} needs CPU flags {' '.join(sorted(build.needs - cpu.flags))}, "
+                             f"which this CPU lacks; it runs {', '.join(k.name for k in ok)}")
+        return KernelChoice(build, f"{FORCE_ENV}={forced}")
+    best = ok[0]
+    why = "best build for this CPU" if best.needs else "no vector build runs on this CPU"
+    return KernelChoice(best, why)
+
+
+# -- this machine ----------------------------------------------------------------------------------
+def parse_cpuinfo(text: str, arch: str) -> CpuInfo:
+    """A CpuInfo from /proc/cpuinfo's text: x86 `flags` / `model name`, Arm `Features` / `CPU part`."""
+    model, flags = "unknown", ""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and model == "unknown":
+            model = value.strip()
+        elif key in ("flags", "Features") and not flags:
+            flags = value
+    return CpuInfo(model, frozenset(flags.split()), arch)
+
+
+def this_cpu() -> CpuInfo:
+    """This machine's CPU. Without /proc/cpuinfo (not Linux), the flags are empty: portable choices."""
+    arch = platform.machine().lower()
+    try:
+        return parse_cpuinfo(Path("/proc/cpuinfo").read_text(), arch)
+    except OSError:
+        return CpuInfo(platform.processor() or "unknown", frozenset(), arch)
+
+
+def forced_kernel() -> str | None:
+    """The build forced through the environment, if any (PDSERVE_NO_KERNELS=1 means torch ops)."""
+    if os.environ.get("PDSERVE_NO_KERNELS") == "1":
+        return TORCH_KERNEL
+    return os.environ.get(FORCE_ENV) or None
