@@ -1,16 +1,27 @@
-"""pdserve's engine: paged KV cache, continuous batching, transformers models. Never imports Ray."""
-from engine.config import CacheConfig, EngineConfig, KVLayout
-from engine.errors import InvalidRequestError
-from engine.llm_engine import EngineStats, LLMEngine, RequestOutput
-from engine.sampling_params import SamplingParams
+"""pdserve's engine: paged KV cache, continuous batching, transformers models. Never imports Ray.
 
-__all__ = [
-           "CacheConfig",
-           "EngineConfig",
-           "EngineStats",
-           "InvalidRequestError",
-           "KVLayout",
-           "LLMEngine",
-           "RequestOutput",
-           "SamplingParams",
-]
+The names below load on first use, so that light modules (`engine.config`, `engine.hardware`)
+import without torch and transformers (the CLI builds its flags from them)."""
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "CacheConfig": "engine.config",
+    "EngineConfig": "engine.config",
+    "KVLayout": "engine.config",
+    "InvalidRequestError": "engine.errors",
+    "EngineStats": "engine.llm_engine",
+    "LLMEngine": "engine.llm_engine",
+    "RequestOutput": "engine.llm_engine",
+    "SamplingParams": "engine.sampling_params",
+}
+__all__ = ["CacheConfig", "EngineConfig", "EngineStats", "InvalidRequestError", "KVLayout", "LLMEngine",
+           "RequestOutput", "SamplingParams"]
+assert sorted(__all__) == sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> object:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

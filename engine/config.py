@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,8 @@ class EngineConfig:
 
     Args:
         model: path of a Hugging Face causal-LM directory; None means the embedded default.
-        dtype: weights and KV dtype: float32, bfloat16 or float16 (float16 on CUDA only).
+        dtype: weights and KV dtype: float32, bfloat16, float16 (CUDA only), or auto: the one that
+            serves fastest on this machine, chosen at start-up (`engine.auto_dtype`).
         device: "cpu" or a CUDA device such as "cuda:0".
         max_num_seqs: most sequences in one batch.
         max_num_batched_tokens: most prompt tokens in one prefill batch (a single longer prompt still runs alone).
@@ -47,7 +48,7 @@ class EngineConfig:
     """
 
     model: str | None = None
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     device: str = "cpu"
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 8192
@@ -61,7 +62,7 @@ class EngineConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.dtype == "float16" and not self.device.startswith("cuda"):
-            raise ValueError("dtype float16 needs a CUDA device; on cpu use bfloat16 or float32")
+            raise ValueError("dtype float16 needs a CUDA device; on cpu use auto, bfloat16 or float32")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.max_num_seqs < 1:

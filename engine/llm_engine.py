@@ -11,6 +11,7 @@ Request lifecycle:
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Callable
@@ -19,11 +20,13 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from engine.auto_dtype import load_for
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, KVLayout
 from engine.detokenizer import StopChecker
 from engine.errors import CapacityError, InvalidRequestError
-from engine.model_loader import encode_prompt, eos_token_ids, load_model, max_context
+from engine.hardware import DtypeChoice
+from engine.model_loader import dtype_name, encode_prompt, eos_token_ids, max_context
 from engine.model_runner import ModelRunner, kv_shape
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
@@ -74,7 +77,10 @@ class LLMEngine:
         if config.num_threads and config.device == "cpu":
             torch.set_num_threads(config.num_threads)
         if model is None:
-            model, tokenizer = load_model(config.model, config.dtype, config.device)
+            model, tokenizer, self.dtype_choice = load_for(config.dtype, config.model, config.device)
+        else:
+            self.dtype_choice = DtypeChoice(dtype_name(model), "the given model's")
+        self.config = config = dataclasses.replace(config, dtype=self.dtype_choice.dtype)
         self.tokenizer = tokenizer
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.max_model_len = min(config.max_model_len or max_context(model), max_context(model))
@@ -179,12 +185,14 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def describe(self) -> dict:
-        """Static facts a router plans with: KV geometry, limits, vocabulary size."""
+        """Static facts a router plans with: KV geometry, limits, vocabulary size; and what runs them
+        (dtype and why, decode attention kernel, compiled or eager), for logs and status."""
         layout = self.layout
         return {"num_blocks": layout.num_blocks, "block_size": layout.block_size,
                 "kv_bytes_per_token": layout.bytes_per_block // layout.block_size, "num_layers": layout.num_layers,
                 "max_num_seqs": self.config.max_num_seqs, "max_model_len": self.max_model_len,
-                "vocab_size": self.vocab_size}
+                "vocab_size": self.vocab_size, "dtype": self.config.dtype, "dtype_reason": self.dtype_choice.reason,
+                "attention": self.runner.attention_kernel, "compiled": self.runner.compiled}
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

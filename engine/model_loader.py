@@ -11,6 +11,12 @@ from engine.model_store import ModelError, resolve_model
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def dtype_name(model: PreTrainedModel) -> str:
+    """The dtype name (a TORCH_DTYPES key) of a loaded model's weights."""
+    dtype = next(model.parameters()).dtype
+    return next(name for name, t in TORCH_DTYPES.items() if t == dtype)
+
+
 def load_model(model: str | Path | None, dtype: str,
                device: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
     """Load weights and tokenizer from a local directory.

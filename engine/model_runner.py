@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 import torch
 from transformers import PreTrainedModel
 
-from engine import kernels
+from engine import hardware, kernels
 from engine.attention import ATTN_NAME, AttnMetadata, PrefillSlice
 from engine.config import KVLayout
 from engine.sampling_params import SamplingParams
@@ -52,10 +53,19 @@ class ModelRunner:
         self._hooked = False
         self._prefilling = False
         if compile and self.use_kernel:
+            t0 = time.perf_counter()
+            log.info("compiling the decode step (about 15 s the first time; cached on disk after) ...")
             self._step = self._compile_decode()
             self._warm_compiled()
+            log.info("decode step %s in %.1f s", "compiled" if self.compiled else "left eager",
+                     time.perf_counter() - t0)
         elif compile:
             log.warning("compile needs the CPU paged kernel (cpu, float32/bfloat16, a C compiler); running eager")
+
+    @property
+    def attention_kernel(self) -> str:
+        """The decode attention in use: a CPU kernel build's name, or "torch" (gather + SDPA)."""
+        return kernels.active().name if self.use_kernel else hardware.TORCH_KERNEL
 
     @property
     def compiled(self) -> bool:

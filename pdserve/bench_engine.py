@@ -246,41 +246,60 @@ def long_workload(bn: Bench) -> dict[str, Stats]:
 def machine_info() -> dict[str, Any]:
     import transformers
 
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), "unknown")
+    from engine import hardware
+
+    info = hardware.this_cpu()
+    kernel = hardware.choose_kernel(info, hardware.forced_kernel())
     argv0 = Path(sys.argv[0]).name
     cmd = " ".join(["pdserve" if argv0.endswith(".py") else argv0] + sys.argv[1:])
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+    return {"cpu": info.model, "isa": info.isa_summary(), "machine_class": machine_class(info),
+            "kernel_build": kernel.build.name if kernel.build else hardware.TORCH_KERNEL, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__, "transformers": transformers.__version__,
             "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "command": cmd, "loadavg_start": os.getloadavg()}
 
 
+def machine_class(cpu: Any) -> str:
+    """The class BENCHMARKS.md keeps a table for: what decides dtype and kernel on this CPU."""
+    for flag, name in (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX-512 BF16"), ("avx512f", "AVX-512 (no BF16)"),
+                       ("avx2", "AVX2 + FMA")):
+        if flag in cpu.flags:
+            return name
+    return cpu.arch
+
+
 # -- entry point -------------------------------------------------------------------------------
-def build_engine(args: argparse.Namespace, plan: Plan, geo: dict[str, int]) -> Any:
+def build_engine(args: argparse.Namespace, plan: Plan, geo: dict[str, int], dtype: str) -> Any:
     from engine import CacheConfig, EngineConfig, LLMEngine
 
     need = max(max(plan.batches) * (plan.prompt_len + plan.new_tokens), max(plan.prefill_lens) + 1,
                plan.long_in + plan.long_out) * geo["kv_bytes_per_token"]
     cache = CacheConfig(memory_gib=max(0.25, 1.5 * need / (1 << 30)), enable_prefix_caching=False)
-    return LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, num_threads=THREADS, max_num_seqs=64,
+    return LLMEngine(EngineConfig(model=args.model, dtype=dtype, num_threads=THREADS, max_num_seqs=64,
                                   compile=not args.no_compile, cache=cache))
 
 
 def measure(args: argparse.Namespace, plan: Plan, res: dict[str, Any]) -> None:
     """Fill `res` with every measurement, each tagged with the CPU share other processes took."""
-    from engine.model_loader import load_model
+    from engine.auto_dtype import load_for
 
     mon = CpuMonitor(patience_s=5 if args.quick else 300, log=log)
     res["limits"] = lim = mon.run(lambda: measure_limits(plan.reps))
     log("limits: " + ", ".join(f"{k} {v:.2f}" for k, v in lim.items()))
-    hf, tok = load_model(args.model, args.dtype, "cpu")  # transformers' own copy, default (sdpa) attention
+    hf, tok, choice = load_for(args.dtype, args.model, "cpu")  # transformers' own copy, default (sdpa) attention
+    res["dtype"] = choice.dtype  # both engines run it (`auto` resolved once, here)
+    res["dtype_reason"] = choice.reason
+    log(f"dtype {choice.dtype} ({'auto: ' if args.dtype == 'auto' else ''}{choice.reason})")
     geo = res["geometry"] = geometry(hf)
-    bw, peak = lim["read_bandwidth_gb_s"], lim[f"matmul_gflop_s_{'bf16' if args.dtype == 'bfloat16' else 'fp32'}"]
+    bw, peak = lim["read_bandwidth_gb_s"], lim[f"matmul_gflop_s_{'bf16' if choice.dtype == 'bfloat16' else 'fp32'}"]
     res.update(attn_implementation_transformers=hf.config._attn_implementation,
                bandwidth_limit_tok_s=bw * 1e9 / geo["weight_bytes"],
                compute_limit_tok_s=peak * 1e9 / (2 * geo["linear_params"]))
-    bn = Bench(plan, mon, build_engine(args, plan, geo), hf, Prompts(min(len(tok), geo["vocab"]), tok.all_special_ids),
+    eng = build_engine(args, plan, geo, choice.dtype)
+    res.update(attention_kernel=eng.runner.attention_kernel, compiled=eng.runner.compiled)
+    log(f"pdserve: decode attention {eng.runner.attention_kernel}, decode step "
+        f"{'compiled' if eng.runner.compiled else 'eager'}")
+    bn = Bench(plan, mon, eng, hf, Prompts(min(len(tok), geo["vocab"]), tok.all_special_ids),
                geo, bw)
     res["decode"] = {b: decode_workload(bn, b) for b in plan.batches}
     res["bound"] = {b: res["decode"][b].pop("bound") for b in plan.batches}
@@ -309,6 +328,6 @@ def run_engine_bench(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2, default=str) + "\n")
-    write_report(Path(args.report), section)
+    write_report(Path(args.report), section, res["machine"]["machine_class"])
     log(f"done in {res['total_s']:.0f} s; wrote {out} and {args.report}")
     return res

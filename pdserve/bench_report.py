@@ -4,8 +4,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-START, END = "<!-- engine-bench:start -->", "<!-- engine-bench:end -->"
 DECODE_TARGETS = {1: (0.80, 1.5), 32: (0.70, 3.0)}  # batch: (fraction of the bound, × transformers)
+PREFILL_TARGET = (2000, 0.70)  # prompt length: fraction of the compute limit
+
+
+def markers(machine_class: str) -> tuple[str, str]:
+    """BENCHMARKS.md keeps one engine section per machine class, between these two lines."""
+    return f"<!-- engine-bench:{machine_class}:start -->", f"<!-- engine-bench:{machine_class}:end -->"
 
 
 def table(head: list[str], rows: list[list[str]]) -> str:
@@ -69,10 +74,13 @@ def render_decode(r: dict[str, Any]) -> str:
 
 def render_prefill(r: dict[str, Any]) -> str:
     return table(["prompt tokens (batch 1)", "pdserve tok/s", "transformers tok/s", "× transformers",
-                  "compute limit tok/s", "other CPU"],
+                  "compute limit tok/s", "% of limit", "other CPU"],
                  [[str(n), f"{w['pdserve']['prefill_tok_s']:.0f}", f"{w['transformers']['prefill_tok_s']:.0f}",
                    f"{w['pdserve']['prefill_tok_s'] / w['transformers']['prefill_tok_s']:.2f}×",
-                   f"{r['compute_limit_tok_s']:.0f}", pct(max_other(w))] for n, w in r["prefill"].items()])
+                   f"{r['compute_limit_tok_s']:.0f}",
+                   check(100 * w['pdserve']['prefill_tok_s'] / r['compute_limit_tok_s'],
+                         100 * PREFILL_TARGET[1] if int(n) == PREFILL_TARGET[0] else None, "{:.0f}%"),
+                   pct(max_other(w))] for n, w in r["prefill"].items()])
 
 
 def render_split(r: dict[str, Any]) -> str:
@@ -91,10 +99,14 @@ def render(r: dict[str, Any]) -> str:
             f"are contaminated (see the 'other CPU' columns; waited {r['waited_for_quiet_s']:.0f} s for quiet, "
             f"{r['contended_retries']} workloads re-run). "
             "Re-run on a quiet machine.**\n" if noisy > 0.1 else "")
-    return (f"## Engine benchmark ({r['dtype']}{', quick' if r['quick'] else ''})\n\n"
+    cls = m.get("machine_class", "unknown CPU class")
+    return (f"## Engine benchmark: {cls} ({r['dtype']}{', quick' if r['quick'] else ''})\n\n"
             f"Command: `{m['command']}` · {m['date']} · total {r['total_s']:.0f} s\n\n"
-            f"Machine: {m['cpu']}, {m['cores']} cores, torch threads {m['torch_threads']} · torch {m['torch']} · "
-            f"transformers {m['transformers']} (attention: {r['attn_implementation_transformers']})\n{warn}"
+            f"Machine: {m['cpu']}, {m['cores']} cores, torch threads {m['torch_threads']} · CPU flags: "
+            f"{m.get('isa', '?')} · torch {m['torch']} · "
+            f"transformers {m['transformers']} (attention: {r['attn_implementation_transformers']})\n\n"
+            f"pdserve ran {r['dtype']} ({r.get('dtype_reason', 'given')}), decode attention kernel "
+            f"`{r.get('attention_kernel', '?')}`, decode step {'compiled' if r.get('compiled') else 'eager'}.\n{warn}"
             f"\n### Limits\n\n{render_limits(r)}\n\n"
             f"### Decode: {p['prompt_len']}-token random prompts, {p['new_tokens']} new tokens\n\n"
             f"pdserve ({'compiled decode, `EngineConfig(compile=True)`' if r.get('compile') else 'eager'}) decode "
@@ -107,7 +119,9 @@ def render(r: dict[str, Any]) -> str:
             f"### {p['long_in']}-in / {p['long_out']}-out request, batch 1\n\n{render_split(r)}\n")
 
 
-def write_report(path: Path, section: str) -> None:
+def write_report(path: Path, section: str, machine_class: str) -> None:
+    """Put `section` into `path` as the engine section of `machine_class`, replacing only that one."""
+    START, END = markers(machine_class)  # noqa: N806
     block = f"{START}\n{section}{END}\n"
     text = path.read_text() if path.exists() else "# pdserve benchmarks\n\n"
     if START in text and END in text:

@@ -7,14 +7,20 @@ import sys
 import time
 
 
-def _engine_flags(p: argparse.ArgumentParser) -> None:
+def _engine_flags(p: argparse.ArgumentParser, compile_default: bool = False) -> None:
+    from engine.config import DTYPES, EngineConfig
+
     p.add_argument("--model", default=None, help="local Hugging Face model directory (default: the embedded model)")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default=EngineConfig.dtype, choices=DTYPES,
+                   help="weights and KV dtype; auto: the fastest on this machine, chosen at start-up from the CPU "
+                   "(or GPU) and, where that does not decide, a short measurement (default: %(default)s)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--kv-memory-gib", type=float, default=1.0, help="memory budget of the paged KV pool")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the decode step (faster decode, ~15 s start)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=compile_default,
+                   help="run each decode step as one torch.compile'd graph (faster decode; ~15 s of compiling at "
+                   "start, cached on disk after) (default: %(default)s)")
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:  # noqa: F821
@@ -213,6 +219,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from engine.config import DTYPES, EngineConfig
+
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode LLM serving")
     sub = parser.add_subparsers(dest="cmd", required=True)
 
@@ -241,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API and gRPC on Ray pools")
-    _engine_flags(serve)
+    _engine_flags(serve, compile_default=True)  # a server runs long: the compile pays for itself
     _serve_flags(serve)
     serve.set_defaults(func=cmd_serve)
 
@@ -257,14 +265,14 @@ def build_parser() -> argparse.ArgumentParser:
     bsub = bench.add_subparsers(dest="bench_cmd", required=True)
     eng = bsub.add_parser("engine", help="engine throughput vs transformers generate and this machine's limits")
     eng.add_argument("--model", default=None)
-    eng.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    eng.add_argument("--dtype", default=EngineConfig.dtype, choices=[d for d in DTYPES if d != "float16"],
+                     help="auto: what `pdserve serve` would choose here (default: %(default)s)")
     eng.add_argument("--quick", action="store_true", help="smaller workloads (a smoke run)")
     eng.add_argument("--no-compile", action="store_true", help="measure the eager decode path instead")
     eng.add_argument("--out", default="bench/results/engine.json")
     eng.add_argument("--report", default="BENCHMARKS.md")
     from loadtest.cli import add_arguments as add_loadtest_arguments
     from loadtest.cli import add_compare_arguments
-
     from pdserve.bench_phases import add_arguments as add_phases_arguments
 
     add_loadtest_arguments(bsub.add_parser("serve", help="load-test a running server: pdserve (gRPC or HTTP) or "

@@ -101,17 +101,12 @@ def _start_pools(cfg: ServeConfig):
     import ray
     from tqdm import tqdm
 
-    from router.pools import Pools, add_decode_worker, add_prefill_worker
+    from router.pools import create_pools
 
-    pools = Pools(streaming=not ray.util.client.ray.is_connected())
     with tqdm(total=cfg.num_prefill + cfg.num_decode, desc="starting workers", unit="worker",
               file=sys.stderr) as bar:
-        for _ in range(cfg.num_prefill):
-            add_prefill_worker(pools, cfg.engine, cfg.transfer, cfg.cpus_per_worker)
-            bar.update()
-        for _ in range(cfg.num_decode):
-            add_decode_worker(pools, cfg.engine, cfg.transfer, cfg.cpus_per_worker)
-            bar.update()
+        pools = create_pools(cfg.num_prefill, cfg.num_decode, cfg.engine, cfg.transfer, cfg.cpus_per_worker,
+                             streaming=not ray.util.client.ray.is_connected(), on_started=bar.update)
     infos = ray.get([w.info.remote() for w in pools.prefill + pools.decode])
     return pools, infos[:cfg.num_prefill], infos[cfg.num_prefill:]
 
@@ -137,7 +132,7 @@ async def serve(cfg: ServeConfig, ready: asyncio.Event | None = None, stop: asyn
               f"{time.perf_counter() - t0:.1f} s; calibrating the cost model ...", file=sys.stderr, flush=True)
         cost = await calibrate(pools, d_infos[0])
         def respawn(pool: str, index: int) -> dict:
-            return replace_worker(pools, pool, index, cfg.engine, cfg.transfer, cfg.cpus_per_worker)
+            return replace_worker(pools, pool, index, pools.engine_config, cfg.transfer, cfg.cpus_per_worker)
 
         router = Router(pools, p_infos, d_infos, tokenizer, model_dir, cfg.router, cost, respawn=respawn)
         await router.poll_once()
@@ -188,6 +183,9 @@ def _announce(router: object, cfg: ServeConfig, cost: object, http_port: int, gr
     host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::") else cfg.host
     name = router.model_name  # type: ignore[attr-defined]
     c = cost.to_dict()  # type: ignore[attr-defined]
+    rt = router.runtime  # type: ignore[attr-defined]
+    print(f"[pdserve] dtype {rt.dtype} ({rt.dtype_reason}); decode attention: {rt.attention}; decode step: "
+          f"{'compiled' if rt.compiled else 'eager'}", file=sys.stderr)
     print(f"[pdserve] cost model: {c}", file=sys.stderr)
     auth = " -H 'Authorization: Bearer $PDSERVE_API_KEY'" if cfg.api_keys else ""
     keys = f" ({len(cfg.api_keys)} API keys required)" if cfg.api_keys else ""

@@ -35,7 +35,8 @@ def cluster_status(address: str | None, timeout_s: float = 5.0, include_dead: bo
         include_dead: also list dead workers of servers that no longer run.
     Returns:
         {"address", "workers": [{pool, worker_id, actor_id, name, namespace, state, node_id, node_ip, pid, job_id,
-        healthy (True / False / None: unknown), load (dict or None), error}], "nodes": [{node_id,
+        healthy (True / False / None: unknown), load (dict or None), runs (dtype, attention kernel,
+        compiled or eager; or None), error}], "nodes": [{node_id,
         node_ip, alive, is_head, resources: {name: {"total", "available"}}}], "pools": {pool: {"alive",
         "healthy"}}, "healthy": bool}; `healthy` is True when every live worker answered and at
         least one decode worker is up.
@@ -70,13 +71,13 @@ def cluster_status(address: str | None, timeout_s: float = 5.0, include_dead: bo
 
 def format_status(status: dict) -> str:
     """`cluster_status`'s snapshot as text: one table of workers, one of nodes, a verdict line."""
-    rows = [("POOL", "WORKER", "STATE", "NODE", "NODE IP", "HEALTH", "LOAD")]
+    rows = [("POOL", "WORKER", "STATE", "NODE", "NODE IP", "HEALTH", "RUNS", "LOAD")]
     for w in sorted(status["workers"], key=lambda w: (w["pool"], w["worker_id"] or w["actor_id"])):
         health = {True: "ok", False: "NO ANSWER", None: "unknown"}[w["healthy"]]
         if w["healthy"] is None and w["state"] == "ALIVE" and w["error"]:
             health = "unknown*"
         rows.append((w["pool"], w["worker_id"] or w["actor_id"][:12], w["state"], (w["node_id"] or "-")[:12],
-                     w["node_ip"] or "-", health, _load_text(w["pool"], w["load"])))
+                     w["node_ip"] or "-", health, w.get("runs") or "-", _load_text(w["pool"], w["load"])))
     lines = [f"Ray cluster {status['address']}", "", *_table(rows)]
     notes = sorted({w["error"] for w in status["workers"] if w["error"] and w["state"] == "ALIVE"})
     lines += [f"  * {n}" for n in notes]
@@ -140,7 +141,7 @@ def _worker(cls: str, actor_id: str, name: str | None, namespace: str | None, st
             pid: int | None, job_id: str | None) -> dict:
     return {"pool": POOL_OF_CLASS[cls], "worker_id": name or None, "actor_id": actor_id, "name": name or None,
             "namespace": namespace or NAMESPACE, "state": state, "node_id": node_id or None, "node_ip": None,
-            "pid": pid or None, "job_id": job_id, "healthy": None, "load": None, "error": None}
+            "pid": pid or None, "job_id": job_id, "healthy": None, "load": None, "runs": None, "error": None}
 
 
 def _visible(workers: list[dict], include_dead: bool) -> list[dict]:
@@ -152,33 +153,47 @@ def _visible(workers: list[dict], include_dead: bool) -> list[dict]:
 
 
 def _probe_loads(workers: list[dict], timeout_s: float) -> None:
-    """Fill each live worker's `load`, `healthy` and `error` from one `load()` call, all at once."""
+    """Fill each live worker's `load`, `healthy` and `error` from one `load()` call, all at once; then
+    `runs` (dtype, attention kernel, compiled or eager) from `info()` of those that answered."""
     import ray
 
-    pending = {}
-    for w in workers:
+    handles = {}
+    for i, w in enumerate(workers):
         if w["state"] != "ALIVE":
             continue
         if not w["name"]:
             w["error"] = "actor is unnamed: load and health need the workers named in namespace 'pdserve'"
             continue
         try:
-            handle = ray.get_actor(w["name"], namespace=w["namespace"])
-            pending[handle.load.remote()] = w
+            handles[i] = ray.get_actor(w["name"], namespace=w["namespace"])
         except ValueError as e:  # gone between listing and lookup
             w["healthy"], w["error"] = False, f"not found: {e}"
+    for i, load, error in _call_all(handles, "load", timeout_s):
+        w = workers[i]
+        w["healthy"], w["load"], w["error"] = error is None, load, error
+    answered = {i: h for i, h in handles.items() if workers[i]["healthy"]}
+    for i, info, _ in _call_all(answered, "info", timeout_s):
+        if info is not None:
+            workers[i]["runs"] = f"{info['dtype']}, {info['attention']}, {'compiled' if info['compiled'] else 'eager'}"
+
+
+def _call_all(handles: dict, method: str, timeout_s: float) -> list[tuple[object, object, str | None]]:
+    """`method()` on every handle at once, for at most `timeout_s`: (key, result or None, error or None)."""
+    import ray
+
+    pending = {getattr(h, method).remote(): key for key, h in handles.items()}
+    out = []
     deadline = time.monotonic() + timeout_s
     refs = list(pending)
     while refs and time.monotonic() < deadline:
         done, refs = ray.wait(refs, num_returns=len(refs), timeout=max(0.0, deadline - time.monotonic()))
         for ref in done:
-            w = pending[ref]
             try:
-                w["load"], w["healthy"] = ray.get(ref), True
+                out.append((pending[ref], ray.get(ref), None))
             except Exception as e:  # noqa: BLE001  the call failed on the actor, or the actor died
-                w["healthy"], w["error"] = False, f"load() failed: {type(e).__name__}"
-    for ref in refs:
-        pending[ref]["healthy"], pending[ref]["error"] = False, f"load() did not answer within {timeout_s:g} s"
+                out.append((pending[ref], None, f"{method}() failed: {type(e).__name__}"))
+    out += [(pending[ref], None, f"{method}() did not answer within {timeout_s:g} s") for ref in refs]
+    return out
 
 
 def _nodes() -> list[dict]:

@@ -7,12 +7,14 @@ by the resources its nodes advertise (`ray start --resources='{"decode_pool": 4}
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 import ray
 
 from decode_worker import DecodeWorker
 from engine import EngineConfig
+from engine.hardware import AUTO
 from kv_transfer import PeerInfo, TransferConfig
 from prefill_worker import PrefillWorker
 
@@ -31,6 +33,7 @@ class Pools:
     prefill_peers: list[PeerInfo] = field(default_factory=list)
     decode_peers: list[PeerInfo] = field(default_factory=list)
     streaming: bool = True  # False on Ray Client drivers (ray://), which cannot take streamed results
+    engine_config: EngineConfig = field(default_factory=EngineConfig)  # what the workers run (dtype settled)
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Stop every worker: a graceful stop for up to `timeout_s`, then the actors are killed."""
@@ -59,24 +62,15 @@ def _lists(pools: Pools, pool: str) -> tuple[list, list]:
     return (pools.prefill, pools.prefill_peers) if pool == "prefill" else (pools.decode, pools.decode_peers)
 
 
-def _add(pools: Pools, pool: str, engine_config: EngineConfig, transfer_config: TransferConfig,
-         num_cpus: float) -> None:
+def add_worker(pools: Pools, pool: str, engine_config: EngineConfig, transfer_config: TransferConfig,
+               num_cpus: float = 1) -> ray.actor.ActorHandle:
+    """Start one more actor in `pool` ("prefill" | "decode") and return it. A decode worker serves as
+    soon as its transfer address is known; a prefill worker pairs with decode workers lazily."""
     actors, peers = _lists(pools, pool)
     actor, peer = _start(*_KINDS[pool], f"{pool}-{len(actors)}", engine_config, transfer_config, num_cpus)
     actors.append(actor)
     peers.append(peer)
-
-
-def add_prefill_worker(pools: Pools, engine_config: EngineConfig, transfer_config: TransferConfig,
-                       num_cpus: float = 1) -> None:
-    """Start one more prefill actor (it pairs with decode workers lazily, on first transfer)."""
-    _add(pools, "prefill", engine_config, transfer_config, num_cpus)
-
-
-def add_decode_worker(pools: Pools, engine_config: EngineConfig, transfer_config: TransferConfig,
-                      num_cpus: float = 1) -> None:
-    """Start one more decode actor; it serves as soon as its transfer address is known."""
-    _add(pools, "decode", engine_config, transfer_config, num_cpus)
+    return actor
 
 
 def replace_worker(pools: Pools, pool: str, index: int, engine_config: EngineConfig,
@@ -95,11 +89,17 @@ def replace_worker(pools: Pools, pool: str, index: int, engine_config: EngineCon
 
 
 def create_pools(num_prefill: int, num_decode: int, engine_config: EngineConfig,
-                 transfer_config: TransferConfig, num_cpus: float = 1) -> Pools:
-    """Start `num_prefill` prefill and `num_decode` decode actors on the connected Ray cluster."""
-    pools = Pools()
-    for _ in range(num_prefill):
-        add_prefill_worker(pools, engine_config, transfer_config, num_cpus)
-    for _ in range(num_decode):
-        add_decode_worker(pools, engine_config, transfer_config, num_cpus)
+                 transfer_config: TransferConfig, num_cpus: float = 1, streaming: bool = True,
+                 on_started: Callable[[], None] | None = None) -> Pools:
+    """Start `num_prefill` prefill and `num_decode` decode actors on the connected Ray cluster, one at
+    a time (`on_started()` after each). The first settles what `dtype="auto"` leaves open: the rest,
+    and replacements started with `pools.engine_config`, run the dtype it chose, so that KV moves
+    between any two of them."""
+    pools = Pools(streaming=streaming, engine_config=engine_config)
+    for pool in ["prefill"] * num_prefill + ["decode"] * num_decode:
+        actor = add_worker(pools, pool, pools.engine_config, transfer_config, num_cpus)
+        if pools.engine_config.dtype == AUTO:
+            pools.engine_config = replace(pools.engine_config, dtype=ray.get(actor.info.remote())["dtype"])
+        if on_started is not None:
+            on_started()
     return pools

@@ -32,11 +32,10 @@ from router.book import Booking, DecodeSlot, PoolBook, PrefillSlot
 from router.config import RouterConfig
 from router.cost_model import CostModel
 from router.metrics import Metrics
-from router.policy import (NoCapacity, OutputLengthEstimator, Placement, Policy, PoolState, RequestFeatures,
-                           make_policy)
+from router.policy import NoCapacity, OutputLengthEstimator, Placement, Policy, PoolState, RequestFeatures, make_policy
 from router.pools import Pools
 from router.request import RouterStream
-from router.types import DeadlineExceeded, GenerateRequest, ModelCard, ModelNotFoundError, OverloadedError
+from router.types import DeadlineExceeded, GenerateRequest, ModelCard, ModelNotFoundError, OverloadedError, Runtime
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +62,8 @@ class Router:
         self.model_name = config.served_model_name or Path(model_dir).name
         self.max_model_len = min(i["max_model_len"] for i in prefill_infos + decode_infos)
         self.vocab_size = decode_infos[0]["vocab_size"]
+        first = decode_infos[0]
+        self.runtime = Runtime(first["dtype"], first["dtype_reason"], first["attention"], first["compiled"])
         self._max_blocks = min(i["num_blocks"] for i in decode_infos)
         self._prefill_max_blocks = min((i["num_blocks"] for i in prefill_infos), default=None)
         self._block_size = decode_infos[0]["block_size"]
@@ -98,7 +99,7 @@ class Router:
             raise
 
     def models(self) -> list[ModelCard]:
-        return [ModelCard(self.model_name, self._created, "pdserve", self.max_model_len)]
+        return [ModelCard(self.model_name, self._created, "pdserve", self.max_model_len, self.runtime)]
 
     def cost_model(self) -> dict:
         return self.cost.to_dict()

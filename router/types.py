@@ -118,11 +118,23 @@ class Chunk:
 
 
 @dataclass(frozen=True)
+class Runtime:
+    """How the workers run the model: dtype (and why it was chosen), decode attention kernel, and
+    whether decode steps are compiled."""
+
+    dtype: str
+    dtype_reason: str
+    attention: str
+    compiled: bool
+
+
+@dataclass(frozen=True)
 class ModelCard:
     id: str
     created: int
     owned_by: str
     max_model_len: int
+    runtime: Runtime | None = None
 
 
 class RequestStream(Protocol):

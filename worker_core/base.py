@@ -23,6 +23,7 @@ class WorkerBase:
         self.engine = LLMEngine(engine_config)
         self.connector = make_connector(transfer_config, worker_id)
         self.connector.register(self.engine.runner.kv)
+        self._info = {"worker_id": worker_id, **self.engine.describe()}  # static: answered off the engine thread
 
     def _start_loop(self) -> None:
         """Start the engine loop; call last in the subclass's `__init__` (it starts running at once)."""
@@ -48,8 +49,9 @@ class WorkerBase:
         return self.connector.local_info()
 
     def info(self) -> dict:
-        """Static facts the router plans with: KV geometry, limits, vocabulary size."""
-        return self._owner.call(lambda: {"worker_id": self.worker_id, **self.engine.describe()})
+        """Static facts the router plans with (KV geometry, limits, vocabulary size) and what runs them
+        (dtype, attention kernel, compiled). Never waits behind the engine thread."""
+        return dict(self._info)
 
     def profile_prefill(self, lengths: list[int]) -> list[float]:
         """Seconds of a prefill of each prompt length, on this worker's engine (call while idle)."""

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from engine import hardware
-from engine.hardware import KERNEL_BUILDS, KernelBuild
+from engine.hardware import KernelBuild
 
 log = logging.getLogger(__name__)
 _SRC = Path(__file__).with_name("paged_attention.c")

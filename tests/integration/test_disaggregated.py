@@ -10,7 +10,7 @@ import ray
 from engine import CacheConfig, EngineConfig, SamplingParams
 from kv_transfer import TransferConfig
 from tests.integration.direct_driver import Orchestrator
-from router.pools import add_decode_worker, create_pools
+from router.pools import add_worker, create_pools
 from tests.conftest import greedy_reference, random_prompt, tiny_model
 
 
@@ -49,7 +49,7 @@ def test_remote_and_local_paths_match_generate(cluster):
 
 def test_concurrent_mixed_requests_across_workers_and_a_late_decode_worker(cluster):
     ref, pools, cfg, transfer = cluster
-    add_decode_worker(pools, cfg, transfer, num_cpus=0)  # joins after start, pairs on first use
+    add_worker(pools, "decode", cfg, transfer, num_cpus=0)  # joins after start, pairs on first use
     orch = Orchestrator(pools)
     cases = [(random_prompt(5 + 37 * i % 150, 10 + i), 4 + 9 * i % 30) for i in range(16)]
     expected = [greedy_reference(ref, p, n) for p, n in cases]

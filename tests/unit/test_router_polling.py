@@ -12,7 +12,8 @@ from router.service import Router
 from tests.unit.test_policy import measured_cost
 
 _INFO = {"worker_id": "d0", "num_blocks": 64, "block_size": 16, "max_num_seqs": 8, "max_model_len": 2048,
-         "vocab_size": 512}
+         "vocab_size": 512, "dtype": "float32", "dtype_reason": "set explicitly", "attention": "torch",
+         "compiled": False}
 
 
 class _Method:

@@ -1,0 +1,107 @@
+"""The dtype and kernel choices from given CPU flags and devices (pure: no torch, no measurement)."""
+from __future__ import annotations
+
+import pytest
+
+from engine import hardware
+from engine.config import EngineConfig
+from engine.hardware import CpuInfo, choose_dtype, choose_kernel, parse_cpuinfo, pick_measured
+
+AVX2 = frozenset(["fpu", "sse2", "avx", "avx2", "fma", "f16c"])
+AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+AVX512_BF16 = AVX512 | {"avx512_bf16"}
+AMX = AVX512_BF16 | {"amx_bf16", "amx_tile"}
+
+
+def cpu(flags: frozenset[str], arch: str = "x86_64") -> CpuInfo:
+    return CpuInfo("test cpu", frozenset(flags), arch)
+
+
+@pytest.mark.parametrize("flags,arch,want", [
+    (AVX2, "x86_64", "float32"),  # bf16 would run emulated: several times slower
+    (frozenset({"sse2"}), "x86_64", "float32"),
+    (AVX512_BF16, "x86_64", "bfloat16"),
+    (AMX, "x86_64", "bfloat16"),
+    (AVX512, "x86_64", None),  # emulated bf16 on wide vectors: only a measurement tells
+    (frozenset({"asimd", "bf16"}), "aarch64", None),
+    (frozenset({"asimd"}), "aarch64", "float32"),
+])
+def test_cpu_dtype_follows_the_instruction_sets(flags, arch, want):
+    choice = choose_dtype("cpu", cpu(flags, arch))
+    assert choice.dtype == want and choice.reason
+
+
+@pytest.mark.parametrize("bf16,want", [(True, "bfloat16"), (False, "float16")])
+def test_cuda_dtype_follows_the_device(bf16, want):
+    assert choose_dtype("cuda:0", cpu(AVX2), cuda_bf16=bf16).dtype == want
+
+
+def test_a_measurement_picks_the_faster_dtype_and_says_so():
+    assert pick_measured({"float32": 0.2, "bfloat16": 0.1}).dtype == "bfloat16"
+    choice = pick_measured({"float32": 0.1, "bfloat16": 0.3})
+    assert choice.dtype == "float32" and "100 ms" in choice.reason and "300 ms" in choice.reason
+
+
+@pytest.mark.parametrize("flags,arch,want", [
+    (AMX, "x86_64", "avx512_bf16"),
+    (AVX512_BF16, "x86_64", "avx512_bf16"),
+    (AVX512, "x86_64", "avx2"),  # AVX-512 without BF16: the AVX2 build's fp32 and bf16 paths
+    (AVX2, "x86_64", "avx2"),
+    (AVX2 - {"f16c"}, "x86_64", "portable"),
+    (frozenset(), "x86_64", "portable"),
+    (frozenset({"asimd", "bf16", "avx2", "fma", "f16c"}), "aarch64", "portable"),  # x86 builds only on x86
+])
+def test_the_kernel_is_the_best_build_the_cpu_runs(flags, arch, want):
+    choice = choose_kernel(cpu(flags, arch))
+    assert choice.build is not None and choice.build.name == want
+
+
+def test_a_forced_kernel_wins_where_the_cpu_runs_it():
+    assert choose_kernel(cpu(AVX512_BF16), "portable").build.name == "portable"
+    assert choose_kernel(cpu(AVX512_BF16), "avx2").build.name == "avx2"
+    torch_ops = choose_kernel(cpu(AVX2), "torch")
+    assert torch_ops.build is None and hardware.FORCE_ENV in torch_ops.reason
+
+
+def test_a_forced_kernel_the_cpu_cannot_run_or_that_does_not_exist_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"PDSERVE_KERNEL='avx512_bf16' needs CPU flags .*avx512_bf16"):
+        choose_kernel(cpu(AVX2), "avx512_bf16")
+    with pytest.raises(ValueError, match=r"PDSERVE_KERNEL='avx9' names no kernel build; choose from avx512_bf16"):
+        choose_kernel(cpu(AVX2), "avx9")
+
+
+def test_the_environment_forces_a_kernel(monkeypatch):
+    monkeypatch.delenv("PDSERVE_NO_KERNELS", raising=False)
+    monkeypatch.setenv("PDSERVE_KERNEL", "portable")
+    assert hardware.forced_kernel() == "portable"
+    monkeypatch.setenv("PDSERVE_NO_KERNELS", "1")
+    assert hardware.forced_kernel() == "torch"
+    monkeypatch.delenv("PDSERVE_NO_KERNELS")
+    monkeypatch.delenv("PDSERVE_KERNEL")
+    assert hardware.forced_kernel() is None
+
+
+def test_cpuinfo_is_read_on_x86_and_arm():
+    x86 = parse_cpuinfo("processor\t: 0\nmodel name\t: AMD EPYC 7B13\nflags\t\t: fpu avx2 fma f16c\n\n"
+                        "processor\t: 1\nmodel name\t: AMD EPYC 7B13\nflags\t\t: fpu avx2 fma f16c\n", "x86_64")
+    assert x86.model == "AMD EPYC 7B13" and x86.flags == {"fpu", "avx2", "fma", "f16c"}
+    assert x86.isa_summary() == "avx2 fma f16c"
+    arm = parse_cpuinfo("processor\t: 0\nFeatures\t: fp asimd bf16 sve\nCPU part\t: 0xd40\n", "aarch64")
+    assert arm.flags == {"fp", "asimd", "bf16", "sve"} and arm.model == "unknown"
+    assert choose_dtype("cpu", arm).dtype is None
+
+
+def test_this_machine_is_read():
+    me = hardware.this_cpu()
+    assert me.arch and isinstance(me.flags, frozenset)
+    assert choose_kernel(me, "portable").build.name == "portable"  # every CPU runs the portable build
+
+
+def test_engine_config_dtype_is_auto_by_default_and_checked():
+    assert EngineConfig().dtype == "auto"
+    with pytest.raises(ValueError, match="dtype float16 needs a CUDA device; on cpu use auto, bfloat16 or float32"):
+        EngineConfig(dtype="float16")
+    with pytest.raises(ValueError, match=r"dtype must be one of \('auto', 'float32', 'bfloat16', 'float16'\), "
+                                         r"got 'int8'"):
+        EngineConfig(dtype="int8")
+    assert EngineConfig(dtype="float16", device="cuda").dtype == "float16"
