@@ -78,7 +78,17 @@ def test_long_prompt_through_the_server_matches_generate(client, server, oracle)
 
 
 def test_models_and_health(client, server):
-    assert [m.id for m in client.models.list().data] == [server.model]
+    """The served model, and how it runs: the server's defaults (a compiled decode step, the best
+    attention kernel build for this CPU) with the dtype the e2e server sets (float32, the oracle's)."""
+    from engine import hardware
+
+    cards = client.models.list().data
+    assert [m.id for m in cards] == [server.model]
+    runtime = cards[0].model_extra["pdserve_runtime"]
+    assert runtime["dtype"] == "float32" and runtime["dtype_reason"] == "set explicitly"
+    best = hardware.choose_kernel(hardware.this_cpu(), hardware.forced_kernel()).build
+    assert runtime["attention"] == (best.name if best else "torch")
+    assert runtime["compiled"] is (best is not None)
     with urllib.request.urlopen(server.http + "/health", timeout=10) as r:
         assert r.status == 200
 

@@ -68,7 +68,8 @@ def cluster():
 
 def start_serve(address: str, model_dir: Path, log: list[str]) -> tuple[subprocess.Popen, int, int]:
     cmd = [sys.executable, "-m", "pdserve", "serve", "--config", str(BASE / "serve.yaml"), "--address", address,
-           "--model", str(model_dir), "--dtype", "float32", "--kv-memory-gib", "0.02", "--cpus-per-worker", "1",
+           "--model", str(model_dir), "--dtype", "float32", "--no-compile", "--kv-memory-gib", "0.02",
+           "--cpus-per-worker", "1",
            "--policy", "always_remote", "--host", "127.0.0.1", "--http-port", "0", "--grpc-port", "0"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV, cwd=ROOT,
                             start_new_session=True)

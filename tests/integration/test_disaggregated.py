@@ -148,3 +148,31 @@ def test_other_architectures_disaggregated(cluster, arch, tmp_path):
         assert_all_free(pools)
     finally:
         pools.shutdown()
+
+
+def test_auto_dtype_is_settled_by_the_first_worker_and_shared_by_the_pool(cluster):
+    """`dtype="auto"`: the first worker chooses; every other worker, and replacements started from
+    `pools.engine_config`, run the same dtype, so KV moves between them and the remote path gives
+    `generate`'s tokens in that dtype."""
+    import dataclasses
+
+    from engine.model_loader import load_model
+    from router.pools import replace_worker
+
+    _, _, cfg, transfer = cluster
+    pools = create_pools(1, 1, dataclasses.replace(cfg, dtype="auto"), transfer, num_cpus=0)
+    try:
+        chosen = pools.engine_config.dtype
+        assert chosen in ("float32", "bfloat16")
+        replace_worker(pools, "decode", 0, pools.engine_config, transfer, num_cpus=0)
+        infos = ray.get([w.info.remote() for w in pools.prefill + pools.decode])
+        assert {i["dtype"] for i in infos} == {chosen}
+        ref, _ = load_model(cfg.model, chosen, "cpu")
+        ref.generation_config.eos_token_id = None
+        prompt = random_prompt(40, 7)
+        expected = greedy_reference(ref, prompt, 10)
+        got = Orchestrator(pools).generate(prompt, SamplingParams(max_tokens=10), remote=True).token_ids
+        assert got == expected if chosen == "float32" else got[:4] == expected[:4]
+        assert_all_free(pools)
+    finally:
+        pools.shutdown()
