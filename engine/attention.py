@@ -55,8 +55,9 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     kv_layer = kv_cache if attn_meta.layer_kv else kv_cache[module.layer_idx]
     if attn_meta.use_kernel and attn_meta.prefill is None:
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        out = paged_decode_step(query[0].transpose(0, 1), key[0], value[0], kv_layer, attn_meta.slot_mapping,
-                                attn_meta.decode_blocks, attn_meta.ctx_lens, scale)
+        op = kernels.active().op or paged_decode_step  # the C++ operator, or the Python one over ctypes
+        out = op(query[0].transpose(0, 1), key[0], value[0], attn_meta.slot_mapping, kv_layer,
+                 attn_meta.decode_blocks, attn_meta.ctx_lens, scale)
         return out.unsqueeze(0), None
     k_pool, v_pool = kv_layer  # [KVH, blocks, block_size, D] each
     kvh, d = k_pool.shape[0], k_pool.shape[-1]
@@ -98,11 +99,12 @@ def _decode(query: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, met
 
 
 @torch.library.custom_op("pdserve::paged_decode_step", mutates_args=())
-def paged_decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
-                      slots: torch.Tensor, tables: torch.Tensor, ctx: torch.Tensor, scale: float) -> torch.Tensor:
+def paged_decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+                      kv_layer: torch.Tensor, tables: torch.Tensor, ctx: torch.Tensor, scale: float) -> torch.Tensor:
     """One layer of a decode step on the CPU kernel: write the new K/V [KVH, B, D] at `slots` of
     `kv_layer` [2, KVH, blocks, block_size, D], then attend q [B, H, D] over each sequence's
-    blocks. Returns [B, H, D].
+    blocks. Returns [B, H, D]. The same contract as the C++ `pdserve_cpu::paged_decode`, which
+    serves in its place where it builds (no Python per call).
 
     An opaque op, so `torch.compile` keeps it whole. Its write into `kv_layer` is not declared:
     declaring it would make the compiled graph copy the pool; nothing in the graph reads the
@@ -111,7 +113,7 @@ def paged_decode_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_laye
 
 
 @paged_decode_step.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor, slots: torch.Tensor,
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, kv_layer: torch.Tensor,
       tables: torch.Tensor, ctx: torch.Tensor, scale: float) -> torch.Tensor:
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 

@@ -85,7 +85,7 @@ if triton is not None:
         else:
             ph = (b * H + head) * S + s
             tl.store(part_o + ph[:, None] * D + d[None, :], o, mask=om)
-            tl.store(part_lse + ph, m_i + tl.log2(l_i), mask=gm)
+            tl.store(part_lse + ph, m_i + tl.log2(tl.where(l_i > 0, l_i, 1.0)), mask=gm)  # empty: -inf
 
     @triton.jit
     def _merge_kernel(out, part_o, part_lse, ctx, H, split_tokens, S, D: tl.constexpr, D_PAD: tl.constexpr):

@@ -70,29 +70,38 @@ class Kernel:
         return out
 
 
-def _build(build: KernelBuild) -> Path:
+def _compile(compiler: list[str], src: Path, flags: list[str], libs: list[str], name: str) -> Path:
+    """`src` compiled into a shared library in the cache, once per source and flags."""
     from engine.model_store import cache_root
 
-    flags = [*_BASE_FLAGS, *build.cflags]
-    tag = hashlib.sha256(_SRC.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
-    out = cache_root() / "kernels" / f"paged_attention-{build.name}-{tag}.so"
+    tag = hashlib.sha256(src.read_bytes() + " ".join(compiler + flags + libs).encode()).hexdigest()[:16]
+    out = cache_root() / "kernels" / f"{name}-{tag}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
-        raise KernelError("no C compiler (gcc/cc) on PATH")
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_out = Path(tmp) / out.name
         try:
-            subprocess.run([cc, *flags, str(_SRC), "-o", str(tmp_out), "-lm"], check=True, capture_output=True,
-                           text=True, timeout=120)
+            subprocess.run([*compiler, *flags, str(src), "-o", str(tmp_out), *libs], check=True, capture_output=True,
+                           text=True, timeout=300)
         except subprocess.CalledProcessError as e:
-            raise KernelError(f"{cc} failed: {e.stderr.strip()[-2000:]}") from e
+            raise KernelError(f"{compiler[0]} failed: {e.stderr.strip()[-2000:]}") from e
         except (OSError, subprocess.SubprocessError) as e:
-            raise KernelError(f"{cc} failed: {e}") from e
+            raise KernelError(f"{compiler[0]} failed: {e}") from e
         os.replace(tmp_out, out)  # atomic: a half-written library is never loaded
     return out
+
+
+def _compiler(env: str, *names: str) -> list[str]:
+    cc = os.environ.get(env) or next((shutil.which(n) for n in names if shutil.which(n)), None)
+    if cc is None:
+        raise KernelError(f"no {' / '.join(names)} on PATH (or ${env})")
+    return [cc]
+
+
+def _build(build: KernelBuild) -> Path:
+    return _compile(_compiler("CC", "gcc", "cc"), _SRC, [*_BASE_FLAGS, *build.cflags], ["-lm"],
+                    f"paged_attention-{build.name}")
 
 
 def _self_check(kernel: Kernel) -> None:
@@ -140,12 +149,49 @@ def load(build: KernelBuild) -> Kernel:
     return _loaded[build.name]
 
 
+# -- the kernel as a torch operator ---------------------------------------------------------------------
+_OP_SRC = Path(__file__).with_name("torch_op.cpp")
+
+
+def _build_op() -> Path:
+    from torch.utils.cpp_extension import include_paths, library_paths
+
+    abi = int(torch.compiled_with_cxx11_abi())
+    flags = ["-O2", "-shared", "-fPIC", "-std=c++20", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-w",
+             *(f"-I{p}" for p in include_paths())]
+    libs = [*(f"-L{p}" for p in library_paths()), "-lc10", "-ltorch_cpu"]
+    return _compile(_compiler("CXX", "g++", "c++"), _OP_SRC, [*flags, f"-DPDSERVE_TORCH={torch.__version__}"], libs,
+                    "paged_decode_op")
+
+
+def _fake_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, slots: torch.Tensor,
+                 kv_layer: torch.Tensor, tables: torch.Tensor, ctx: torch.Tensor, scale: float) -> torch.Tensor:
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def _torch_op(kernel: Kernel) -> tuple[object | None, str]:
+    """`torch.ops.pdserve_cpu.paged_decode` bound to `kernel` (built once, ~15 s, cached), or None and
+    why not (the ctypes path then serves, a little slower per call)."""
+    try:
+        path = _build_op()
+        torch.ops.load_library(str(path))
+        ctypes.CDLL(str(path)).pdserve_bind(ctypes.cast(kernel.lib.paged_decode_f32, ctypes.c_void_p),
+                                            ctypes.cast(kernel.lib.paged_decode_bf16, ctypes.c_void_p))
+        torch.library.register_fake("pdserve_cpu::paged_decode")(_fake_decode)
+    except (KernelError, OSError, RuntimeError) as e:
+        return None, f"ctypes calls: the torch operator did not build ({e})"
+    return torch.ops.pdserve_cpu.paged_decode.default, "a torch operator"
+
+
 @dataclass(frozen=True)
 class Selection:
-    """The kernel this process uses (None: torch ops) and the reason, for logs and reports."""
+    """The kernel this process uses (None: torch ops) and the reason, for logs and reports; `op` is
+    its torch operator (None: the Python op over ctypes) and `calls` says which."""
 
     kernel: Kernel | None
     reason: str
+    op: object | None = None
+    calls: str = ""
 
     @property
     def name(self) -> str:
@@ -181,9 +227,13 @@ def active() -> Selection:
     global _active
     if _active is None:
         cpu = hardware.this_cpu()
-        _active = select(cpu, hardware.forced_kernel())
-        log.info("paged attention kernel: %s (%s; CPU %s: %s)", _active.name, _active.reason, cpu.model,
-                 cpu.isa_summary())
+        sel = select(cpu, hardware.forced_kernel())
+        if sel.kernel is not None:
+            op, calls = _torch_op(sel.kernel)
+            sel = Selection(sel.kernel, sel.reason, op, calls)
+        _active = sel
+        log.info("paged attention kernel: %s (%s; CPU %s: %s)%s", sel.name, sel.reason, cpu.model,
+                 cpu.isa_summary(), f", called as {sel.calls}" if sel.calls else "")
     return _active
 
 

@@ -97,3 +97,34 @@ def test_a_build_that_fails_falls_back_to_the_next(monkeypatch):
     sel = kernels.select(CPU, None)
     assert sel.name == BUILDS[1].name
     assert "fallback" in sel.reason and BUILDS[0].name in sel.reason
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_torch_operator_is_the_active_kernel(dtype):
+    """`torch.ops.pdserve_cpu.paged_decode` (what a compiled decode step calls) gives the same bytes
+    as the ctypes call into the same build, and writes the new K/V the same way."""
+    sel = kernels.active()
+    if sel.kernel is None or sel.op is None:
+        pytest.skip(f"no kernel or no torch operator here: {sel.reason}; {sel.calls}")
+    g = torch.Generator().manual_seed(2)
+    kv = torch.randn(2, 3, 40, 16, 64, generator=g).to(dtype)
+    kv2 = kv.clone()
+    q, k_new, v_new = (torch.randn(*shape, generator=g).to(dtype) for shape in ((4, 9, 64), (3, 4, 64), (3, 4, 64)))
+    tables = torch.randperm(40, generator=g)[:32].view(4, 8)
+    ctx = torch.tensor([1, 16, 77, 128])
+    slots = tables[torch.arange(4), (ctx - 1) // 16] * 16 + (ctx - 1) % 16
+    got = sel.op(q, k_new, v_new, slots, kv, tables, ctx, 0.125)
+    want = sel.kernel.paged_decode(q, k_new, v_new, slots, kv2[0], kv2[1], tables, ctx, 0.125)
+    assert torch.equal(got, want) and torch.equal(kv, kv2)
+
+
+def test_without_the_torch_operator_the_ctypes_path_serves(monkeypatch):
+    sel = kernels.active()
+    if sel.kernel is None:
+        pytest.skip(sel.reason)
+
+    def broken() -> None:
+        raise kernels.KernelError("g++ failed: no headers")
+    monkeypatch.setattr(kernels, "_build_op", broken)
+    op, calls = kernels._torch_op(sel.kernel)
+    assert op is None and "ctypes" in calls and "no headers" in calls

@@ -1,0 +1,52 @@
+// `torch.ops.pdserve_cpu.paged_decode`: the paged decode kernel as a real torch operator, so a
+// compiled decode step calls it through the dispatcher with no Python in between. One library per
+// process; `pdserve_bind` points it at the loaded kernel build's entry points (see __init__.py).
+// Like the Python op it replaces, it writes the new K/V into `kv_layer` without declaring the
+// mutation: a declared one would make the compiled graph copy the pool; nothing else in the graph
+// reads the pool.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
+
+#include <cstdint>
+
+namespace {
+
+using DecodeFn = void (*)(const void*, const void*, const void*, const int64_t*, void*, void*, const int64_t*,
+                          const int64_t*, void*, int, int, int, int, int, int, int, float, int);
+DecodeFn f32_fn = nullptr;
+DecodeFn bf16_fn = nullptr;
+
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
+                        const at::Tensor& slots, const at::Tensor& kv_layer, const at::Tensor& tables,
+                        const at::Tensor& ctx, double scale) {
+    TORCH_CHECK(kv_layer.dim() == 5 && kv_layer.size(0) == 2 && kv_layer.is_contiguous(),
+                "kv_layer must be a contiguous [2, KVH, blocks, block_size, D] tensor");
+    TORCH_CHECK(q.scalar_type() == kv_layer.scalar_type(), "q and kv_layer must have one dtype");
+    const DecodeFn fn = q.scalar_type() == at::kFloat ? f32_fn : q.scalar_type() == at::kBFloat16 ? bf16_fn : nullptr;
+    TORCH_CHECK(fn != nullptr, "no paged decode kernel bound for ", q.scalar_type());
+    const at::Tensor qc = q.contiguous(), kc = k_new.contiguous(), vc = v_new.contiguous();
+    at::Tensor out = at::empty_like(qc);
+    char* k_pool = static_cast<char*>(kv_layer.data_ptr());
+    char* v_pool = k_pool + kv_layer.stride(0) * kv_layer.element_size();
+    fn(qc.data_ptr(), kc.data_ptr(), vc.data_ptr(), slots.data_ptr<int64_t>(), k_pool, v_pool,
+       tables.data_ptr<int64_t>(), ctx.data_ptr<int64_t>(), out.data_ptr(), qc.size(0), qc.size(1), kv_layer.size(1),
+       qc.size(2), kv_layer.size(2), kv_layer.size(3), tables.size(1), static_cast<float>(scale),
+       at::get_num_threads());
+    return out;
+}
+
+}  // namespace
+
+extern "C" void pdserve_bind(void* f32, void* bf16) {
+    f32_fn = reinterpret_cast<DecodeFn>(f32);
+    bf16_fn = reinterpret_cast<DecodeFn>(bf16);
+}
+
+TORCH_LIBRARY(pdserve_cpu, m) {
+    m.def("paged_decode(Tensor q, Tensor k_new, Tensor v_new, Tensor slots, Tensor kv_layer, Tensor tables, "
+          "Tensor ctx, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) { m.impl("paged_decode", &paged_decode); }
