@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from engine import kernels
+from engine import kernels, triton_attention
 
 ATTN_NAME = "pdserve_paged"
 
@@ -39,7 +39,7 @@ class AttnMetadata:
     ctx_lens: torch.Tensor | None = None  # [B] context length of each decoding sequence
     max_ctx: int = 0  # longest context in the decode batch
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_ctx] bool, None when lengths agree
-    use_kernel: bool = False  # decode with the in-place CPU kernel instead of gather + SDPA
+    use_kernel: bool = False  # decode with the in-place kernel (CPU C build, CUDA Triton) instead of gather + SDPA
     layer_kv: bool = False  # `kv_cache` is already this layer's [2, KVH, blocks, block_size, D] (compiled decode)
 
 
@@ -55,9 +55,13 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     kv_layer = kv_cache if attn_meta.layer_kv else kv_cache[module.layer_idx]
     if attn_meta.use_kernel and attn_meta.prefill is None:
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        op = kernels.active().op or paged_decode_step  # the C++ operator, or the Python one over ctypes
-        out = op(query[0].transpose(0, 1), key[0], value[0], attn_meta.slot_mapping, kv_layer,
-                 attn_meta.decode_blocks, attn_meta.ctx_lens, scale)
+        args = (query[0].transpose(0, 1), key[0], value[0], attn_meta.slot_mapping)
+        if query.is_cuda:
+            out = triton_attention.paged_decode(*args, kv_layer[0], kv_layer[1], attn_meta.decode_blocks,
+                                                attn_meta.ctx_lens, scale)
+        else:
+            op = kernels.active().op or paged_decode_step  # the C++ operator, or the Python one over ctypes
+            out = op(*args, kv_layer, attn_meta.decode_blocks, attn_meta.ctx_lens, scale)
         return out.unsqueeze(0), None
     k_pool, v_pool = kv_layer  # [KVH, blocks, block_size, D] each
     kvh, d = k_pool.shape[0], k_pool.shape[-1]

@@ -41,9 +41,9 @@ class EngineConfig:
         max_model_len: context limit; None means the model's own.
         num_threads: torch intra-op threads on CPU; None leaves torch's default.
         seed: seed for requests that sample without a seed of their own.
-        compile: run each decode step as one `torch.compile`d graph (CPU with the paged kernel;
-            about 15 s of compilation at start, cached on disk afterwards). Checked once against
-            the eager model at start; a decoder it does not reproduce stays eager.
+        compile: run each decode step as one `torch.compile`d graph (with the paged decode kernel:
+            a CPU build or Triton on CUDA; about 15 s of compilation at start, cached on disk).
+            Checked once against the eager model at start; a decoder it does not reproduce stays eager.
         cache: the KV cache settings.
     """
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 from transformers import PreTrainedModel
 
-from engine import hardware, kernels
+from engine import hardware, kernels, triton_attention
 from engine.attention import ATTN_NAME, AttnMetadata, PrefillSlice
 from engine.config import KVLayout
 from engine.sampling_params import SamplingParams
@@ -32,7 +32,7 @@ class ModelRunner:
     Args:
         model: a loaded causal LM (its attention implementation is switched to paged).
         layout: the KV pool's shape.
-        compile: compile the decoder layers for decode steps (needs the CPU kernel).
+        compile: run each decode step as one compiled graph (needs the paged decode kernel: CPU or Triton).
     """
 
     def __init__(self, model: PreTrainedModel, layout: KVLayout, compile: bool = False) -> None:
@@ -46,7 +46,10 @@ class ModelRunner:
         self.kv = torch.zeros(layout.num_layers, 2, layout.num_kv_heads, layout.num_blocks, layout.block_size,
                               layout.head_dim, dtype=self.dtype, device=self.device)
         group = model.config.get_text_config().num_attention_heads // layout.num_kv_heads
-        self.use_kernel = kernels.supports(self.dtype, self.device, group)
+        if self.device.type == "cuda":
+            self.use_kernel = triton_attention.available()
+        else:
+            self.use_kernel = kernels.supports(self.dtype, self.device, group)
         self._step: Callable[..., torch.Tensor] | None = None  # the compiled decode step
         self._step_ready = False  # its graphs are warm: only the guards that tell them apart are checked
         self._layer_hook: Callable[[int], None] | None = None
@@ -60,12 +63,15 @@ class ModelRunner:
             log.info("decode step %s in %.1f s", "compiled" if self.compiled else "left eager",
                      time.perf_counter() - t0)
         elif compile:
-            log.warning("compile needs the CPU paged kernel (cpu, float32/bfloat16, a C compiler); running eager")
+            log.warning("compile needs the paged decode kernel (CPU: float32/bfloat16 and a C compiler; CUDA: "
+                        "triton); running eager")
 
     @property
     def attention_kernel(self) -> str:
-        """The decode attention in use: a CPU kernel build's name, or "torch" (gather + SDPA)."""
-        return kernels.active().name if self.use_kernel else hardware.TORCH_KERNEL
+        """The decode attention in use: a CPU kernel build's name, "triton" (CUDA), or "torch" (gather + SDPA)."""
+        if not self.use_kernel:
+            return hardware.TORCH_KERNEL
+        return "triton" if self.device.type == "cuda" else kernels.active().name
 
     @property
     def compiled(self) -> bool:
@@ -169,7 +175,8 @@ class ModelRunner:
         slot_mapping = table[torch.arange(len(seqs)), last // bs] * bs + last % bs
         ids = [s.last_token_id for s in seqs]
         if self._step is not None:
-            return self._decode_compiled(torch.tensor([ids]), last[None], slot_mapping, table, ctx)
+            inputs = (torch.tensor([ids]), last[None], slot_mapping, table, ctx)
+            return self._decode_compiled(*(t.to(self.device, non_blocking=True) for t in inputs))
         mask = None
         if not self.use_kernel and int(ctx.min()) != max_ctx:
             mask = (torch.arange(max_ctx)[None, :] < ctx[:, None])[:, None, None, :].to(self.device)
@@ -179,7 +186,7 @@ class ModelRunner:
         return self._forward(ids, last, meta, list(range(len(seqs))))
 
     def _decode_compiled(self, *inputs: torch.Tensor) -> torch.Tensor:
-        """Run the compiled step (CPU: inputs stay where they are). Batch and block-table sizes are
+        """Run the compiled step (inputs on the model's device). Batch and block-table sizes are
         dynamic. Once both graphs exist, only the guards that tell them apart are checked; should an
         input still need a new graph, it runs again with full guards (rewriting the same KV slots)."""
         ids, positions, slots, tables, ctx = inputs

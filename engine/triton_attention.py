@@ -10,6 +10,7 @@ block table, all query heads of the kv head at once; merge the splits by their l
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -99,7 +100,7 @@ if triton is not None:
         m = tl.full([1], float("-inf"), tl.float32)
         den = tl.zeros([1], tl.float32)
         acc = tl.zeros([D_PAD], tl.float32)
-        for s in range(0, live):
+        for s in range(live):
             lse = tl.load(part_lse + base + s + tl.zeros([1], tl.int32))
             o = tl.load(part_o + (base + s) * D + d, mask=dm, other=0.0)
             m_new = tl.maximum(m, lse)
@@ -126,7 +127,7 @@ def _launch(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, slots: to
     """The op's body; `num_splits` overrides the split heuristic (tests)."""
     assert triton is not None, "triton is not installed"
     b, h, d = q.shape
-    kvh, nb, bs, _ = k_pool.shape
+    kvh = k_pool.shape[0]
     assert h % kvh == 0 and k_pool.is_contiguous() and v_pool.is_contiguous(), "pools: [KVH, NB, BS, D] contiguous"
     assert q.dtype == k_pool.dtype == v_pool.dtype == k_new.dtype == v_new.dtype
     q = q if q.stride(-1) == 1 else q.contiguous()
@@ -136,13 +137,22 @@ def _launch(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, slots: to
     out = torch.empty(b, h, d, dtype=q.dtype, device=q.device)
     if b == 0:
         return out
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():  # triton launches on the current one
+        _run(q, k_new, v_new, slots, k_pool, v_pool, tables, ctx, scale, num_splits, out)
+    return out
+
+
+def _run(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, slots: torch.Tensor, k_pool: torch.Tensor,
+         v_pool: torch.Tensor, tables: torch.Tensor, ctx: torch.Tensor, scale: float, num_splits: int | None,
+         out: torch.Tensor) -> None:
+    b, h, d = q.shape
+    kvh, nb, bs, _ = k_pool.shape
     d_pad, group = max(16, _next_pow2(d)), h // kvh
     _store_kernel[(b, kvh)](k_new, v_new, slots, k_pool, v_pool, k_new.stride(0), k_new.stride(1), nb * bs, b,
                             D=d, D_PAD=d_pad)
     # splits: enough programs for ~2 waves over the SMs; sized from shapes only (CUDA-graph safe)
     tiles = triton.cdiv(tables.shape[1] * bs, TILE)
-    sms = _num_sms(q.device.index if q.device.index is not None else torch.cuda.current_device()) \
-        if q.is_cuda else 4
+    sms = _num_sms(torch.cuda.current_device()) if q.is_cuda else 4
     splits = max(1, min(tiles, MAX_SPLITS, num_splits or triton.cdiv(2 * sms, b * kvh)))
     split_tokens = triton.cdiv(tiles, splits) * TILE
     splits = triton.cdiv(tiles * TILE, split_tokens)
@@ -155,7 +165,6 @@ def _launch(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, slots: to
         BS=bs, D=d, D_PAD=d_pad, G=group, G_PAD=max(16, _next_pow2(group)), TILE_N=TILE, DIRECT=direct)
     if not direct:
         _merge_kernel[(b, h)](out, part_o, part_lse, ctx, h, split_tokens, splits, D=d, D_PAD=d_pad)
-    return out
 
 
 @torch.library.custom_op("pdserve::paged_decode_triton", mutates_args=())
@@ -173,8 +182,8 @@ def paged_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, slot
     (their sizes come from shapes alone). Like `attention.paged_decode_step`, its write into the
     pools is not declared: declaring it would make a compiled graph copy the pool, and nothing in
     the graph reads the pool but this op. (`torch.library.triton_op` is not used for that reason:
-    under compile it exposes the kernels, whose stores to the pools the compiler finds and
-    functionalizes, cloning the pools.)
+    under compile it exposes the kernels, the compiler finds their stores to the pools and
+    functionalizes them, cloning the pools unless Inductor manages to reinplace.)
     """
     return _launch(q, k_new, v_new, slots, k_pool, v_pool, tables, ctx, scale)
 

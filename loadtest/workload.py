@@ -7,6 +7,7 @@ Workload names (`parse_workload_lengths` / `build_workload`):
   chat           lognormal prompt and output lengths (medians 300 / 200 tokens, sigmas 1.0 / 0.8), seeded,
                  prompts clipped to [16, max_context / 2], outputs to [8, 1024] and to what the context leaves.
   mixed[:F]      each request prompt-heavy with probability F (default 0.5), else decode-heavy; seeded.
+  mix:P:O,P:O... the given shapes in turn (mix:128:256,1536:16 is half short chats, half long prompts).
   PATH.jsonl | jsonl:PATH
                  one request per line: {"prompt": "...", "output_tokens": N} or
                  {"prompt_token_ids": [...], "output_tokens": N}; optional "prompt_tokens" (expected count
@@ -95,9 +96,12 @@ def parse_workload_lengths(name: str, num_requests: int, seed: int, max_context:
         frac = _mixed_fraction(name)
         lengths = [NAMED["prompt-heavy"] if rng.random() < frac else NAMED["decode-heavy"]
                    for _ in range(num_requests)]
+    elif name.startswith("mix:"):
+        shapes = [_fixed(f"fixed:{part}") for part in name[len("mix:"):].split(",")]
+        lengths = [shapes[i % len(shapes)] for i in range(num_requests)]
     else:
         raise WorkloadError(f"unknown workload {name!r}; allowed: fixed:P:O, prompt-heavy, decode-heavy, chat, "
-                            "mixed[:F], PATH.jsonl or jsonl:PATH")
+                            "mixed[:F], mix:P:O,P:O..., PATH.jsonl or jsonl:PATH")
     for p, o in set(lengths):
         if p + o > max_context:
             raise WorkloadError(f"workload {name!r}: {p} prompt + {o} output tokens exceed the max context "

@@ -166,6 +166,15 @@ def test_mixed_is_a_seeded_blend() -> None:
     assert 50 < parse_workload_lengths("mixed:0.1", 1000, 3, 8192).count(NAMED["prompt-heavy"]) < 150
 
 
+def test_mix_takes_the_given_shapes_in_turn() -> None:
+    assert parse_workload_lengths("mix:128:256,1536:16", 5, 0, 8192) == [(128, 256), (1536, 16)] * 2 + [(128, 256)]
+    for bad in ("mix:", "mix:128", "mix:128:256,", "mix:0:5"):
+        with pytest.raises(WorkloadError):
+            parse_workload_lengths(bad, 2, 0, 8192)
+    with pytest.raises(WorkloadError, match="max context"):
+        parse_workload_lengths("mix:128:256,2000:100", 2, 0, 2048)
+
+
 def test_token_id_prompts_have_exact_lengths_in_the_safe_range() -> None:
     specs = build_workload("fixed:300:7", 20, seed=1, vocab_size=49152)
     lo, hi = safe_token_range(49152)
