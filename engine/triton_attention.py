@@ -109,7 +109,7 @@ if triton is not None:
             den = den * a + w
             acc = acc * a + w * o
             m = m_new
-        tl.store(out + (b * H + h) * D + d, (acc / den).to(out.dtype.element_ty), mask=dm)
+        tl.store(out + (b * H + h) * D + d, (acc / tl.where(den > 0, den, 1.0)).to(out.dtype.element_ty), mask=dm)
 
 
 @functools.cache
