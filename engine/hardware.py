@@ -25,6 +25,14 @@ class CpuInfo:
     flags: frozenset[str]
     arch: str
 
+    def machine_class(self) -> str:
+        """The class benchmarks are reported by: the widest feature that decides dtype and kernel here."""
+        for flag, name in (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX-512 BF16"),
+                           ("avx512f", "AVX-512 (no BF16)"), ("avx2", "AVX2 + FMA")):
+            if flag in self.flags:
+                return name
+        return self.arch
+
     def isa_summary(self) -> str:
         """The flags that decide dtype and kernel, in a fixed order (for logs and reports)."""
         shown = [f for f in _SHOWN_FLAGS if f in self.flags]

@@ -67,9 +67,25 @@ def measure_limits(reps: int) -> Stats:
     x = torch.ones(64 << 20)  # 256 MB of fp32
     out = {"read_bandwidth_gb_s": x.numel() * 4 / median_time(x.sum, max(2 * reps, 5)) / 1e9}
     for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        a = torch.randn(2048, 2048, dtype=dt)
-        out[f"matmul_gflop_s_{name}"] = 2 * 2048**3 / median_time(lambda a=a: a @ a, reps) / 1e9
+        n = _matmul_size(dt)
+        a = torch.randn(n, n, dtype=dt)
+        out[f"matmul_gflop_s_{name}"] = 2 * n**3 / median_time(lambda a=a: a @ a, reps) / 1e9
+        out[f"matmul_n_{name}"] = n
     return out
+
+
+def _matmul_size(dtype: torch.dtype, budget_s: float = 0.5) -> int:
+    """2048, or less where the dtype is so slow (bf16 without native instructions: hundreds of times
+    slower) that a 2048³ product would take more than `budget_s`; a rough 256³ probe decides."""
+    a = torch.randn(256, 256, dtype=dtype)
+    a @ a
+    t0 = time.perf_counter()
+    a @ a
+    rate = 2 * 256**3 / max(time.perf_counter() - t0, 1e-9)
+    n = 2048
+    while n > 256 and 2 * n**3 / rate > budget_s:
+        n //= 2
+    return n
 
 
 def geometry(model: torch.nn.Module) -> dict[str, int]:
@@ -252,20 +268,12 @@ def machine_info() -> dict[str, Any]:
     kernel = hardware.choose_kernel(info, hardware.forced_kernel())
     argv0 = Path(sys.argv[0]).name
     cmd = " ".join(["pdserve" if argv0.endswith(".py") else argv0] + sys.argv[1:])
-    return {"cpu": info.model, "isa": info.isa_summary(), "machine_class": machine_class(info),
-            "kernel_build": kernel.build.name if kernel.build else hardware.TORCH_KERNEL, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+    return {"cpu": info.model, "isa": info.isa_summary(), "machine_class": info.machine_class(),
+            "kernel_build": kernel.build.name if kernel.build else hardware.TORCH_KERNEL, "cores": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__, "transformers": transformers.__version__,
             "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "command": cmd, "loadavg_start": os.getloadavg()}
-
-
-def machine_class(cpu: Any) -> str:
-    """The class BENCHMARKS.md keeps a table for: what decides dtype and kernel on this CPU."""
-    for flag, name in (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX-512 BF16"), ("avx512f", "AVX-512 (no BF16)"),
-                       ("avx2", "AVX2 + FMA")):
-        if flag in cpu.flags:
-            return name
-    return cpu.arch
 
 
 # -- entry point -------------------------------------------------------------------------------

@@ -48,8 +48,8 @@ def render_limits(r: dict[str, Any]) -> str:
     lim, geo = r["limits"], r["geometry"]
     return table(["limit", "value"], [
         ["memory read bandwidth (`sum`, 256 MB)", f"{lim['read_bandwidth_gb_s']:.1f} GB/s"],
-        ["matmul 2048³ fp32", f"{lim['matmul_gflop_s_fp32']:.0f} GFLOP/s"],
-        ["matmul 2048³ bf16", f"{lim['matmul_gflop_s_bf16']:.0f} GFLOP/s"],
+        *([f"matmul {lim.get(f'matmul_n_{d}', 2048)}³ {d}", f"{lim[f'matmul_gflop_s_{d}']:.3g} GFLOP/s"]
+          for d in ("fp32", "bf16")),
         [f"weights ({geo['params'] / 1e6:.1f}M params, {r['dtype']})", f"{geo['weight_bytes'] / 1e6:.0f} MB"],
         ["bandwidth limit, batch 1 (weights / bandwidth)", f"{r['bandwidth_limit_tok_s']:.1f} tok/s"],
         ["compute limit (matmul FLOP/s / 2·linear params)", f"{r['compute_limit_tok_s']:.0f} tok/s"]])
@@ -121,11 +121,11 @@ def render(r: dict[str, Any]) -> str:
 
 def write_report(path: Path, section: str, machine_class: str) -> None:
     """Put `section` into `path` as the engine section of `machine_class`, replacing only that one."""
-    START, END = markers(machine_class)  # noqa: N806
-    block = f"{START}\n{section}{END}\n"
+    start, end = markers(machine_class)
+    block = f"{start}\n{section}{end}\n"
     text = path.read_text() if path.exists() else "# pdserve benchmarks\n\n"
-    if START in text and END in text:
-        text = text[:text.index(START)] + block + text[text.index(END) + len(END):].lstrip("\n")
+    if start in text and end in text:
+        text = text[:text.index(start)] + block + text[text.index(end) + len(end):].lstrip("\n")
     else:
         text = text.rstrip("\n") + "\n\n" + block
     path.write_text(text)

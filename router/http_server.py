@@ -132,7 +132,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 async def models(request: web.Request) -> web.Response:
     cards = [{"id": c.id, "object": "model", "created": c.created, "owned_by": c.owned_by,
-              "max_model_len": c.max_model_len, **({"pdserve_runtime": dataclasses.asdict(c.runtime)} if c.runtime else {})}
+              "max_model_len": c.max_model_len,
+              **({"pdserve_runtime": dataclasses.asdict(c.runtime)} if c.runtime else {})}  # how the workers run it
              for c in _router(request).models()]
     return web.json_response({"object": "list", "data": cards})
 

@@ -85,7 +85,8 @@ def test_cpuinfo_is_read_on_x86_and_arm():
     x86 = parse_cpuinfo("processor\t: 0\nmodel name\t: AMD EPYC 7B13\nflags\t\t: fpu avx2 fma f16c\n\n"
                         "processor\t: 1\nmodel name\t: AMD EPYC 7B13\nflags\t\t: fpu avx2 fma f16c\n", "x86_64")
     assert x86.model == "AMD EPYC 7B13" and x86.flags == {"fpu", "avx2", "fma", "f16c"}
-    assert x86.isa_summary() == "avx2 fma f16c"
+    assert x86.isa_summary() == "avx2 fma f16c" and x86.machine_class() == "AVX2 + FMA"
+    assert cpu(AVX512_BF16).machine_class() == "AVX-512 BF16" and cpu(AVX512).machine_class() == "AVX-512 (no BF16)"
     arm = parse_cpuinfo("processor\t: 0\nFeatures\t: fp asimd bf16 sve\nCPU part\t: 0xd40\n", "aarch64")
     assert arm.flags == {"fp", "asimd", "bf16", "sve"} and arm.model == "unknown"
     assert choose_dtype("cpu", arm).dtype is None
