@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from engine.allocator import keep_large_allocations
 from engine.auto_dtype import load_for
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig, KVLayout
@@ -74,8 +75,10 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, model: PreTrainedModel | None = None,
                  tokenizer: PreTrainedTokenizerBase | None = None) -> None:
         self.config = config
-        if config.num_threads and config.device == "cpu":
-            torch.set_num_threads(config.num_threads)
+        if config.device == "cpu":
+            keep_large_allocations()
+            if config.num_threads:
+                torch.set_num_threads(config.num_threads)
         if model is None:
             model, tokenizer, self.dtype_choice = load_for(config.dtype, config.model, config.device)
         else:

@@ -12,6 +12,7 @@ import dataclasses
 import datetime
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -333,9 +334,10 @@ def run_engine_bench(args: argparse.Namespace) -> dict[str, Any]:
     res["total_s"] = time.perf_counter() - t_start
     section = render(res)
     print("\n" + section)
-    out = Path(args.out)
+    cls = res["machine"]["machine_class"]
+    out = Path(args.out or f"bench/results/engine-{re.sub('[^a-z0-9]+', '-', cls.lower()).strip('-')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2, default=str) + "\n")
-    write_report(Path(args.report), section, res["machine"]["machine_class"])
+    write_report(Path(args.report), section, cls)
     log(f"done in {res['total_s']:.0f} s; wrote {out} and {args.report}")
     return res

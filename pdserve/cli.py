@@ -269,7 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="auto: what `pdserve serve` would choose here (default: %(default)s)")
     eng.add_argument("--quick", action="store_true", help="smaller workloads (a smoke run)")
     eng.add_argument("--no-compile", action="store_true", help="measure the eager decode path instead")
-    eng.add_argument("--out", default="bench/results/engine.json")
+    eng.add_argument("--out", default=None, help="JSON results (default: bench/results/engine-CLASS.json, CLASS "
+                     "this machine's class, e.g. avx2-fma)")
     eng.add_argument("--report", default="BENCHMARKS.md")
     from loadtest.cli import add_arguments as add_loadtest_arguments
     from loadtest.cli import add_compare_arguments

@@ -97,3 +97,17 @@ def test_compiled_decode_matches_generate(llama_pair) -> None:
     assert engine.generate([prompts[1]], SamplingParams(max_tokens=16))[0].output_token_ids == expected[1]
     assert [o.output_token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=16))] == expected
     assert_all_free(engine)
+
+
+def test_auto_dtype_follows_the_device(tmp_path) -> None:
+    """`dtype="auto"` on CUDA: bfloat16 on devices that compute in bf16 natively (compute capability
+    8.0 and later), float16 before them; the reason says which."""
+    tiny_model("llama", seed=2).save_pretrained(tmp_path)
+    engine = LLMEngine(EngineConfig(model=str(tmp_path), device="cuda", cache=CacheConfig(memory_gib=0.05)))
+    major = torch.cuda.get_device_capability()[0]
+    info = engine.describe()
+    assert info["dtype"] == ("bfloat16" if major >= 8 else "float16") and "CUDA" in info["dtype_reason"]
+    assert engine.runner.kv.dtype == getattr(torch, info["dtype"])
+    out = engine.generate([random_prompt(20, seed=1)], SamplingParams(max_tokens=8))[0]
+    assert len(out.output_token_ids) == 8
+    assert_all_free(engine)

@@ -106,3 +106,15 @@ def test_engine_config_dtype_is_auto_by_default_and_checked():
                                          r"got 'int8'"):
         EngineConfig(dtype="int8")
     assert EngineConfig(dtype="float16", device="cuda").dtype == "float16"
+
+
+def test_large_allocations_stay_in_the_heap_on_glibc():
+    import platform
+
+    from engine.allocator import keep_large_allocations
+
+    if platform.libc_ver()[0] != "glibc":
+        assert keep_large_allocations() is False
+        return
+    assert keep_large_allocations() is True
+    assert keep_large_allocations() is True  # once per process; later calls are no-ops
