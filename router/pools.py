@@ -92,9 +92,9 @@ def create_pools(num_prefill: int, num_decode: int, engine_config: EngineConfig,
                  transfer_config: TransferConfig, num_cpus: float = 1, streaming: bool = True,
                  on_started: Callable[[], None] | None = None) -> Pools:
     """Start `num_prefill` prefill and `num_decode` decode actors on the connected Ray cluster, one at
-    a time (`on_started()` after each). The first settles what `dtype="auto"` leaves open: the rest,
-    and replacements started with `pools.engine_config`, run the dtype it chose, so that KV moves
-    between any two of them."""
+    a time (`on_started()` after each). The first (a prefill worker where there are any) settles what
+    `dtype="auto"` leaves open: the rest, and replacements started with `pools.engine_config`, run
+    the dtype it chose, so that KV moves between any two of them."""
     pools = Pools(streaming=streaming, engine_config=engine_config)
     for pool in ["prefill"] * num_prefill + ["decode"] * num_decode:
         actor = add_worker(pools, pool, pools.engine_config, transfer_config, num_cpus)
