@@ -83,7 +83,7 @@ def _server_cmd(kind: str, model_dir: str, port: int, args: argparse.Namespace) 
             "--policy", policy, "--prefill", str(prefill), "--decode", str(decode), "--http-port", str(port),
             "--grpc-port", "0", "--served-model-name", "model", "--kv-memory-gib", str(args.kv_memory_gib),
             "--ttft-target", str(args.ttft_target), "--tpot-target", str(args.tpot_target),
-            "--log-level", "warning", *(["--compile"] if args.compile else [])], env
+            "--log-level", "warning", "--compile" if args.compile else "--no-compile"], env
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -148,6 +148,10 @@ def run_report(args: argparse.Namespace) -> int:
     from engine.model_store import resolve_model
 
     args.model_dir = str(resolve_model(args.model))
+    if args.dtype == "auto":  # every server runs what pdserve would choose here (vLLM needs it spelled out)
+        from engine.auto_dtype import load_for
+
+        args.dtype = load_for("auto", args.model_dir, "cpu")[2].dtype
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     p, o = args.prompt_heavy, args.decode_heavy
@@ -175,7 +179,8 @@ def _floats(text: str) -> list[float]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="model directory (default: the embedded model)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="every server's dtype; auto: what pdserve chooses on this machine (default: auto)")
     p.add_argument("--servers", default="ratio,always_remote,colocated,vllm",
                    type=lambda s: [x for x in s.split(",") if x])
     p.add_argument("--prompt-heavy", type=_pair, default=(1024, 16), help="P:O of the prompt-heavy requests")

@@ -181,6 +181,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kill-every", type=float, default=120.0, help="seconds between worker kills")
     p.add_argument("--prefill", type=int, default=2)
     p.add_argument("--decode", type=int, default=2)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     p.add_argument("--out", default="bench/results/soak.json")
     p.add_argument("--report", default="BENCHMARKS.md")
