@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +32,7 @@ def cuda_bf16(device: str) -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability(torch.device(device))[0] >= 8
 
 
-def _best_of(fn: object, reps: int) -> float:
+def _best_of(fn: Callable[[], None], reps: int) -> float:
     fn()  # warm-up: first-touch of the weights, kernel selection
     best = float("inf")
     for _ in range(reps):

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+from engine.hardware import AUTO
+
+DTYPES = (AUTO, "float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,7 @@ class EngineConfig:
     """
 
     model: str | None = None
-    dtype: str = "auto"
+    dtype: str = AUTO
     device: str = "cpu"
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 8192

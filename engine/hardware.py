@@ -3,7 +3,7 @@
 An engine started with dtype "auto" asks `choose_dtype` with the CPU flags (or the CUDA device's
 bf16 support). Where the hardware decides it (native bf16 instructions, or none at all), that is the
 answer; where it does not (AVX-512 without BF16, Arm with BF16), the engine measures both dtypes on
-the loaded model (`engine.dtype_probe`). `choose_kernel` picks the paged-attention build the CPU
+the loaded model (`engine.auto_dtype`). `choose_kernel` picks the paged-attention build the CPU
 can run, best first. The choosers are pure (unit-tested from given flags); the readers of this
 machine sit at the bottom. No torch here.
 """
