@@ -42,6 +42,40 @@ def test_defaults_bind_loopback():
     assert args.host == "127.0.0.1" and args.policy == "ratio" and args.prefill == 1 and args.decode == 1
 
 
+def test_serve_defaults_to_dtype_auto_and_a_compiled_decode_step():
+    args = parse(["serve"])
+    assert args.dtype == "auto" and args.compile is True
+    assert parse(["serve", "--no-compile", "--dtype", "float32"]).compile is False
+    assert build_parser().parse_args(["generate", "hi"]).compile is False  # one prompt: compiling would not pay
+
+
+def test_yaml_sets_dtype_and_compile(tmp_path):
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("dtype: bfloat16\ncompile: false\n")
+    args = parse(["serve", "--config", str(cfg)])
+    assert args.dtype == "bfloat16" and args.compile is False
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["serve", "--dtype", "float16"], "dtype float16 needs a CUDA device; on cpu use auto, bfloat16 or float32"),
+    (["generate", "hi", "--dtype", "float16"], "dtype float16 needs a CUDA device"),
+])
+def test_float16_on_cpu_is_refused_before_anything_starts(argv, message, capsys):
+    from pdserve import cli
+
+    assert cli.main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_an_unknown_dtype_is_refused_with_the_choices(capsys):
+    from pdserve import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["serve", "--dtype", "int8"])
+    assert e.value.code == 2
+    assert "invalid choice: 'int8' (choose from 'auto', 'float32', 'bfloat16', 'float16')" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("kw,field", [({"num_decode": 0}, "decode"), ({"num_prefill": -1}, "prefill"),
                                       ({"http_port": 70000}, "http_port"), ({"cpus_per_worker": -1}, "cpus_per_worker")])
 def test_serve_config_validation_names_the_field(kw, field):
