@@ -176,7 +176,9 @@ class ModelRunner:
         ids = [s.last_token_id for s in seqs]
         if self._step is not None:
             inputs = (torch.tensor([ids]), last[None], slot_mapping, table, ctx)
-            return self._decode_compiled(*(t.to(self.device, non_blocking=True) for t in inputs))
+            if self.device.type != "cpu":
+                inputs = tuple(t.to(self.device, non_blocking=True) for t in inputs)
+            return self._decode_compiled(*inputs)
         mask = None
         if not self.use_kernel and int(ctx.min()) != max_ctx:
             mask = (torch.arange(max_ctx)[None, :] < ctx[:, None])[:, None, None, :].to(self.device)

@@ -184,8 +184,7 @@ def _announce(router: object, cfg: ServeConfig, cost: object, http_port: int, gr
     name = router.model_name  # type: ignore[attr-defined]
     c = cost.to_dict()  # type: ignore[attr-defined]
     rt = router.runtime  # type: ignore[attr-defined]
-    print(f"[pdserve] dtype {rt.dtype} ({rt.dtype_reason}); decode attention: {rt.attention}; decode step: "
-          f"{'compiled' if rt.compiled else 'eager'}", file=sys.stderr)
+    print(f"[pdserve] runs {rt.summary()} (dtype: {rt.dtype_reason})", file=sys.stderr)
     print(f"[pdserve] cost model: {c}", file=sys.stderr)
     auth = " -H 'Authorization: Bearer $PDSERVE_API_KEY'" if cfg.api_keys else ""
     keys = f" ({len(cfg.api_keys)} API keys required)" if cfg.api_keys else ""

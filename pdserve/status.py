@@ -157,6 +157,8 @@ def _probe_loads(workers: list[dict], timeout_s: float) -> None:
     `runs` (dtype, attention kernel, compiled or eager) from `info()` of those that answered."""
     import ray
 
+    from router.types import Runtime
+
     handles = {}
     for i, w in enumerate(workers):
         if w["state"] != "ALIVE":
@@ -174,7 +176,7 @@ def _probe_loads(workers: list[dict], timeout_s: float) -> None:
     answered = {i: h for i, h in handles.items() if workers[i]["healthy"]}
     for i, info, _ in _call_all(answered, "info", timeout_s):
         if info is not None:
-            workers[i]["runs"] = f"{info['dtype']}, {info['attention']}, {'compiled' if info['compiled'] else 'eager'}"
+            workers[i]["runs"] = Runtime.from_info(info).summary()
 
 
 def _call_all(handles: dict, method: str, timeout_s: float) -> list[tuple[object, object, str | None]]:

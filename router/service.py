@@ -62,8 +62,8 @@ class Router:
         self.model_name = config.served_model_name or Path(model_dir).name
         self.max_model_len = min(i["max_model_len"] for i in prefill_infos + decode_infos)
         self.vocab_size = decode_infos[0]["vocab_size"]
-        first, chooser = decode_infos[0], (prefill_infos + decode_infos)[0]  # the first worker started chose the dtype
-        self.runtime = Runtime(first["dtype"], chooser["dtype_reason"], first["attention"], first["compiled"])
+        chooser = (prefill_infos + decode_infos)[0]  # the first worker started chose the dtype
+        self.runtime = Runtime.from_info(decode_infos[0], chooser["dtype_reason"])
         self._max_blocks = min(i["num_blocks"] for i in decode_infos)
         self._prefill_max_blocks = min((i["num_blocks"] for i in prefill_infos), default=None)
         self._block_size = decode_infos[0]["block_size"]

@@ -127,6 +127,15 @@ class Runtime:
     attention: str
     compiled: bool
 
+    @classmethod
+    def from_info(cls, info: dict, dtype_reason: str | None = None) -> Runtime:
+        """From a worker's `info()`; `dtype_reason` from another worker (the one that chose the dtype)."""
+        return cls(info["dtype"], dtype_reason or info["dtype_reason"], info["attention"], info["compiled"])
+
+    def summary(self) -> str:
+        """One line for logs and `pdserve status`: dtype, attention kernel, compiled or eager."""
+        return f"{self.dtype}, {self.attention}, {'compiled' if self.compiled else 'eager'}"
+
 
 @dataclass(frozen=True)
 class ModelCard:

@@ -26,6 +26,11 @@ static inline uint16_t bf16_store(float f) {
     return (uint16_t)(x >> 16);
 }
 
+/* 2^f for |f| <= 1/2, Horner coefficients of the degree-6 Taylor polynomial, highest first (the
+ * vector exps below share it). */
+static const float EXP2_POLY[7] = {1.5403530393381608e-4f, 1.3333558146428443e-3f, 9.618129107628477e-3f,
+                                   5.550410866482158e-2f,  2.402265069591007e-1f,  6.931471805599453e-1f, 1.f};
+
 static inline float f32_load(float f) { return f; }
 static inline float f32_store(float f) { return f; }
 
@@ -135,13 +140,8 @@ static inline __m512 exp512(__m512 x) {
     const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(1.4426950408889634f));
     const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.5403530393381608e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402265069591007e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931471805599453e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    __m512 p = _mm512_set1_ps(EXP2_POLY[0]);
+    for (int i = 1; i < 7; i++) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_POLY[i]));
     return _mm512_scalef_ps(p, n);
 }
 
@@ -262,18 +262,13 @@ static inline __m256 reduce8(const __m256* a) {
     return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
 }
 
-/* exp(x) for x <= 0, as exp512 below: 2^n * 2^f with a degree-6 polynomial; 2^n built in the exponent bits. */
+/* exp(x) for x <= 0, as exp512: 2^n * 2^f with the same polynomial; 2^n built in the exponent bits. */
 static inline __m256 exp256(__m256 x) {
     const __m256 t = _mm256_mul_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(1.4426950408889634f));
     const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m256 f = _mm256_sub_ps(t, n);
-    __m256 p = _mm256_set1_ps(1.5403530393381608e-4f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618129107628477e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550410866482158e-2f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402265069591007e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931471805599453e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+    __m256 p = _mm256_set1_ps(EXP2_POLY[0]);
+    for (int i = 1; i < 7; i++) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_POLY[i]));
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }

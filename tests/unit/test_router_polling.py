@@ -83,3 +83,17 @@ def test_a_respawn_whose_waiter_was_cancelled_finishes_quietly() -> None:
     finally:
         threading.excepthook = hook
     assert errors == []
+
+
+def test_the_runtime_comes_from_the_workers_and_names_who_chose_the_dtype() -> None:
+    """The decode worker's dtype, kernel and compile state; the reason of the first worker started
+    (here a prefill worker: it chose, the rest were started with its dtype)."""
+    from router.pools import Pools
+    from router.types import Runtime
+
+    chooser = {**_INFO, "worker_id": "p0", "dtype_reason": "the CPU has no bf16 instructions"}
+    decode = {**_INFO, "attention": "avx2", "compiled": True}
+    router = Router(Pools(decode=[_Worker()]), [chooser], [decode], None, "m", RouterConfig(), measured_cost())
+    assert router.runtime == Runtime("float32", "the CPU has no bf16 instructions", "avx2", True)
+    assert router.runtime.summary() == "float32, avx2, compiled"
+    assert router.models()[0].runtime == router.runtime
