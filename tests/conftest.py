@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import copy
+import faulthandler
+import os
 
 import pytest
 import torch
@@ -9,6 +11,17 @@ from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralF
                           Qwen2Config, Qwen2ForCausalLM)
 
 torch.set_num_threads(2)
+_crash_log = None
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """With PDSERVE_CRASH_LOG set (`.ci/run` sets it), a fatal signal in the test process writes every
+    thread's Python stack to that file, which `.ci/run` prints when the suite fails."""
+    global _crash_log
+    if path := os.environ.get("PDSERVE_CRASH_LOG"):
+        _crash_log = open(path, "w")  # noqa: SIM115 - open for the life of the process
+        faulthandler.enable(_crash_log, all_threads=True)
 
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=2048, eos_token_id=None, bos_token_id=None,

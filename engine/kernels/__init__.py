@@ -59,6 +59,7 @@ class Kernel:
         """
         assert k_pool.is_contiguous() and v_pool.is_contiguous()
         q, k_new, v_new = q.contiguous(), k_new.contiguous(), v_new.contiguous()
+        slots, tables, ctx = (t.to(torch.int64).contiguous() for t in (slots, tables, ctx))
         b, h, d = q.shape
         kvh, nb, bs, _ = k_pool.shape
         out = torch.empty_like(q)

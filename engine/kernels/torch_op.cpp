@@ -26,14 +26,20 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_new, const at::
     TORCH_CHECK(q.scalar_type() == kv_layer.scalar_type(), "q and kv_layer must have one dtype");
     const DecodeFn fn = q.scalar_type() == at::kFloat ? f32_fn : q.scalar_type() == at::kBFloat16 ? bf16_fn : nullptr;
     TORCH_CHECK(fn != nullptr, "no paged decode kernel bound for ", q.scalar_type());
+    const int64_t b = q.size(0);
+    TORCH_CHECK(q.dim() == 3 && k_new.dim() == 3 && k_new.sizes() == v_new.sizes() && k_new.size(1) == b &&
+                    k_new.size(0) == kv_layer.size(1) && k_new.size(2) == q.size(2) && q.size(2) == kv_layer.size(4),
+                "q [B, H, D], k_new / v_new [KVH, B, D] and kv_layer [2, KVH, blocks, block_size, D] disagree");
+    TORCH_CHECK(slots.numel() == b && ctx.numel() == b && tables.dim() == 2 && tables.size(0) == b,
+                "slots [B], ctx [B] and tables [B, max_blocks] must match the batch");
     const at::Tensor qc = q.contiguous(), kc = k_new.contiguous(), vc = v_new.contiguous();
+    const at::Tensor sc = slots.contiguous(), tc = tables.contiguous(), cc = ctx.contiguous();
     at::Tensor out = at::empty_like(qc);
     char* k_pool = static_cast<char*>(kv_layer.data_ptr());
     char* v_pool = k_pool + kv_layer.stride(0) * kv_layer.element_size();
-    fn(qc.data_ptr(), kc.data_ptr(), vc.data_ptr(), slots.data_ptr<int64_t>(), k_pool, v_pool,
-       tables.data_ptr<int64_t>(), ctx.data_ptr<int64_t>(), out.data_ptr(), qc.size(0), qc.size(1), kv_layer.size(1),
-       qc.size(2), kv_layer.size(2), kv_layer.size(3), tables.size(1), static_cast<float>(scale),
-       at::get_num_threads());
+    fn(qc.data_ptr(), kc.data_ptr(), vc.data_ptr(), sc.data_ptr<int64_t>(), k_pool, v_pool, tc.data_ptr<int64_t>(),
+       cc.data_ptr<int64_t>(), out.data_ptr(), qc.size(0), qc.size(1), kv_layer.size(1), qc.size(2), kv_layer.size(2),
+       kv_layer.size(3), tc.size(1), static_cast<float>(scale), at::get_num_threads());
     return out;
 }
 

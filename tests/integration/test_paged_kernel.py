@@ -118,6 +118,29 @@ def test_the_torch_operator_is_the_active_kernel(dtype):
     assert torch.equal(got, want) and torch.equal(kv, kv2)
 
 
+def test_the_torch_operator_checks_its_inputs_before_touching_the_pool():
+    """Shapes that disagree are refused (the kernel would write where the pool is not); strided block
+    tables and slots are read as the values they hold, not as raw memory."""
+    sel = kernels.active()
+    if sel.kernel is None or sel.op is None:
+        pytest.skip(f"no kernel or no torch operator here: {sel.reason}; {sel.calls}")
+    g = torch.Generator().manual_seed(3)
+    kv = torch.randn(2, 3, 40, 16, 64, generator=g)
+    q, k_new, v_new = (torch.randn(*shape, generator=g) for shape in ((4, 9, 64), (3, 4, 64), (3, 4, 64)))
+    wide = torch.randperm(40, generator=g)[:32].view(8, 4).t()  # [4, 8], not contiguous
+    ctx = torch.tensor([1, 16, 77, 128])
+    slots = torch.stack([wide[torch.arange(4), (ctx - 1) // 16] * 16 + (ctx - 1) % 16] * 2, 1)[:, 0]  # strided
+    kv2 = kv.clone()
+    got = sel.op(q, k_new, v_new, slots, kv, wide, ctx, 0.125)
+    want = sel.kernel.paged_decode(q, k_new, v_new, slots.contiguous(), kv2[0], kv2[1], wide.contiguous(), ctx, 0.125)
+    assert torch.equal(got, want) and torch.equal(kv, kv2)
+    with pytest.raises(RuntimeError, match="must match the batch"):
+        sel.op(q, k_new, v_new, slots[:3], kv, wide, ctx, 0.125)
+    with pytest.raises(RuntimeError, match="disagree"):
+        sel.op(q, k_new[:, :3], v_new[:, :3], slots, kv, wide, ctx, 0.125)
+    assert torch.equal(kv, kv2)
+
+
 def test_without_the_torch_operator_the_ctypes_path_serves(monkeypatch):
     sel = kernels.active()
     if sel.kernel is None:
