@@ -22,6 +22,7 @@ from engine import EngineConfig, SamplingParams
 from engine.profiling import time_decode_step
 from kv_transfer import PeerInfo, TransferConfig, TransferState
 from worker_core import WorkerBase
+from worker_core.protocol import ErrorKind, LoadReport, StreamItem
 
 log = logging.getLogger(__name__)
 
@@ -63,26 +64,24 @@ class DecodeWorker(WorkerBase):
             self._streams[request_id] = queue.Queue()
         self._owner.call(do)
 
-    def stream(self, request_id: str) -> Iterator[dict]:
-        """Yield {"token_ids", "text", "finished", "finish_reason", "error"} as tokens are produced; on the
-        remote path the first item also has "transfer_s": how long the KV was still in flight after prefill;
-        items from engine steps carry "cached_tokens" (prompt tokens served from the prefix cache)."""
+    def stream(self, request_id: str) -> Iterator[StreamItem]:
+        """Yield the request's `StreamItem`s as its tokens are produced; the last one is finished."""
         def start() -> queue.Queue:
             self._reading.add(request_id)
             return self._streams[request_id]
         q = self._owner.call(start)
         while True:
             item = q.get()
-            if item["finished"]:
+            if item.finished:
                 self._owner.call(lambda: self._forget_stream(request_id))
             yield item
-            if item["finished"]:
+            if item.finished:
                 return
 
-    def next_items(self, request_id: str, wait_s: float = 1.0) -> list[dict]:
+    def next_items(self, request_id: str, wait_s: float = 1.0) -> list[StreamItem]:
         """The pull form of `stream` (for callers that cannot take streamed results, e.g. Ray Client
         drivers): the items produced since the last call, waiting up to `wait_s` for the first one.
-        The last item has "finished" set; a request unknown here gives one finished item with an error."""
+        A request unknown here (expired, aborted, or this worker restarted) gives one ABORTED item."""
         def start() -> queue.Queue | None:
             q = self._streams.get(request_id)
             if q is not None:
@@ -90,16 +89,15 @@ class DecodeWorker(WorkerBase):
             return q
         q = self._owner.call(start)
         if q is None:
-            return [{"token_ids": [], "text": "", "finished": True, "finish_reason": "abort",
-                     "error": f"{request_id} is not known on this decode worker"}]
+            return [StreamItem.failed(ErrorKind.ABORTED, f"{request_id} is not known on this decode worker")]
         items = []
         try:
             items.append(q.get(timeout=wait_s))
-            while not items[-1]["finished"]:
+            while not items[-1].finished:
                 items.append(q.get_nowait())
         except queue.Empty:
             pass
-        if items and items[-1]["finished"]:
+        if items and items[-1].finished:
             self._owner.call(lambda: self._forget_stream(request_id))
         return items
 
@@ -111,27 +109,27 @@ class DecodeWorker(WorkerBase):
             if found:
                 self.connector.abort(request_id)
                 self.connector.forget(request_id)
-                self._emit(request_id, [], "abort", error="aborted")
+                self._fail(request_id, ErrorKind.ABORTED, "aborted")
             if request_id not in self._reading:
                 self._streams.pop(request_id, None)  # nobody will read it
             return found
         return self._owner.call(do)
 
-    def transfer_state(self, request_id: str) -> int:
+    def transfer_state(self, request_id: str) -> TransferState:
         """The receive side's `TransferState` of a request (calibration probes)."""
-        return int(self._owner.call(lambda: self.connector.poll(request_id)))
+        return self._owner.call(lambda: self.connector.poll(request_id))
 
     def profile_decode(self, batches: list[int], context: int, steps: int = 4) -> list[float]:
         """Seconds of one decode step at each batch size, sequences of about `context` tokens (call while idle)."""
         return self._owner.call(lambda: [time_decode_step(self.engine, b, context, steps, seed=i)
                                          for i, b in enumerate(batches)])
 
-    def load(self) -> dict:
+    def load(self) -> LoadReport:
         """Free KV blocks, total blocks, running and reserved sequences."""
-        def do() -> dict:
+        def do() -> LoadReport:
             bm, sched = self.engine.block_manager, self.engine.scheduler
-            return {"free_blocks": bm.num_free_blocks, "num_blocks": bm.num_blocks,
-                    "running": len(sched.running) + len(sched.waiting), "receiving": len(sched.receiving)}
+            return LoadReport(bm.num_free_blocks, bm.num_blocks, running=len(sched.running) + len(sched.waiting),
+                              receiving=len(sched.receiving))
         return self._owner.call(do)
 
     # -- engine loop thread ------------------------------------------------------------------------
@@ -144,19 +142,31 @@ class DecodeWorker(WorkerBase):
             outs = self.engine.step()
         except Exception as e:  # a step that cannot run fails its requests, not the worker
             log.exception("engine step failed on %s", self.worker_id)
-            self._fail_unfinished(f"the decode worker's engine failed ({type(e).__name__})")
+            self._fail_unfinished(ErrorKind.INTERNAL, f"the decode worker's engine failed ({type(e).__name__})")
             return False
         for out in outs:
-            self._emit(out.request_id, out.new_token_ids, out.finish_reason, text=out.new_text,
-                       cached=out.num_cached_tokens)
+            self._emit(out.request_id, StreamItem(tuple(out.new_token_ids), out.new_text, out.finish_reason,
+                                                  cached_tokens=out.num_cached_tokens))
         return True
 
-    def _fail_unfinished(self, why: str) -> None:
+    def _fail_unfinished(self, kind: ErrorKind, why: str) -> None:
         """End every request that is waiting or running (not those still receiving KV) with an error."""
         sched = self.engine.scheduler
         for seq in list(sched.waiting) + list(sched.running):
             self.engine.abort(seq.request_id)
-            self._emit(seq.request_id, [], "abort", error=why)
+            self._fail(seq.request_id, kind, why)
+
+    def _stopping(self) -> None:
+        """Shutdown: every request here ends with WORKER_STOPPING (the router moves those it can)."""
+        why = f"decode worker {self.worker_id} is shutting down"
+        for rid in list(self._landing):
+            del self._landing[rid]
+            self._started.pop(rid, None)
+            self.engine.abort(rid)
+            self.connector.abort(rid)
+            self.connector.forget(rid)
+            self._fail(rid, ErrorKind.WORKER_STOPPING, why)
+        self._fail_unfinished(ErrorKind.WORKER_STOPPING, why)
 
     def _land(self) -> None:
         for rid, first in list(self._landing.items()):
@@ -167,28 +177,24 @@ class DecodeWorker(WorkerBase):
                 transfer_s = time.perf_counter() - self._started.pop(rid)
                 out = self.engine.activate(rid, first)
                 self.connector.forget(rid)
-                self._emit(rid, out.new_token_ids, out.finish_reason, text=out.new_text, transfer_s=transfer_s)
+                self._emit(rid, StreamItem(tuple(out.new_token_ids), out.new_text, out.finish_reason,
+                                           transfer_s=transfer_s))
             elif state == TransferState.FAILED:
                 del self._landing[rid]
                 self._started.pop(rid, None)
                 self.engine.abort(rid)
                 self.connector.forget(rid)
-                self._emit(rid, [], "abort", error=f"KV transfer for {rid} failed")
+                self._fail(rid, ErrorKind.TRANSFER_FAILED, f"KV transfer for {rid} failed")
 
     def _forget_stream(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
         self._reading.discard(request_id)
 
-    def _emit(self, request_id: str, token_ids: list[int], finish_reason: str | None, text: str = "",
-              error: str | None = None, transfer_s: float | None = None, cached: int | None = None) -> None:
+    def _emit(self, request_id: str, item: StreamItem) -> None:
         q = self._streams.get(request_id)
-        if q is None:
-            return
-        item = {"token_ids": list(token_ids), "text": text, "finished": finish_reason is not None,
-                "finish_reason": finish_reason, "error": error}
-        if transfer_s is not None:
-            item["transfer_s"] = transfer_s
-        if cached is not None:
-            item["cached_tokens"] = cached
-        q.put(item)
+        if q is not None:
+            q.put(item)
+
+    def _fail(self, request_id: str, kind: ErrorKind, message: str) -> None:
+        self._emit(request_id, StreamItem.failed(kind, message))
 

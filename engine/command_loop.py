@@ -12,17 +12,38 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
+class Stopped(RuntimeError):
+    """The owning thread has stopped: the command did not run."""
+
+
 class CommandQueue:
-    """Callers block in `call`; the owning thread runs the commands in order in `drain`."""
+    """Callers block in `call`; the owning thread runs the commands in order in `drain`, and `close`s
+    the queue when it stops: every command still queued, and every later one, raises `Stopped`."""
 
     def __init__(self) -> None:
         self._q: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
+        self._lock = threading.Lock()
+        self._closed: Stopped | None = None
 
     def call(self, fn: Callable[[], T]) -> T:
-        """Run `fn` on the owning thread. Returns its result or raises its exception."""
+        """Run `fn` on the owning thread. Returns its result or raises its exception (Stopped: never ran)."""
         fut: Future = Future()
-        self._q.put((fn, fut))
+        with self._lock:
+            if self._closed is not None:
+                raise self._closed
+            self._q.put((fn, fut))
         return fut.result()
+
+    def close(self, reason: str) -> None:
+        """No more commands: the queued ones and every later `call` raise `Stopped(reason)`."""
+        with self._lock:
+            self._closed = Stopped(reason)
+        while True:
+            try:
+                _, fut = self._q.get_nowait()
+            except queue.Empty:
+                return
+            fut.set_exception(self._closed)
 
     def drain(self, wait_s: float = 0.0) -> None:
         """Run every queued command; first wait up to `wait_s` for one when none is queued."""
@@ -61,7 +82,8 @@ class OwnerThread:
         self._thread.start()
 
     def call(self, fn: Callable[[], T]) -> T:
-        """Run `fn` on the owner thread. Returns its result or raises its exception."""
+        """Run `fn` on the owner thread. Returns its result or raises its exception; raises `Stopped`
+        once the thread has stopped (a call never waits on a thread that will not answer)."""
         return self.commands.call(fn)
 
     def stop(self, timeout_s: float = 10.0) -> None:
@@ -77,3 +99,5 @@ class OwnerThread:
             except Exception:  # the owner's own handler failed: keep serving commands (abort, shutdown)
                 log.exception("%s: a round of work failed", self._thread.name)
                 busy = False
+        self.commands.drain()  # what was queued before the stop still runs
+        self.commands.close(f"{self._thread.name} has stopped")

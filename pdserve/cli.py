@@ -178,16 +178,14 @@ def _apply_yaml(parser: argparse.ArgumentParser, args: argparse.Namespace, argv:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    import json
-
-    from pdserve.status import cluster_status, format_status
+    from pdserve.status import cluster_status, format_status, status_json
 
     try:
         status = cluster_status(args.address, timeout_s=args.timeout, include_dead=args.all)
     except ConnectionError as e:
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(status, indent=2) if args.json else format_status(status))
+    print(status_json(status) if args.json else format_status(status))
     return 0 if status["healthy"] else 1
 
 

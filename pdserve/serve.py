@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from engine import EngineConfig
 from kv_transfer import TransferConfig
 from router.config import RouterConfig
+from worker_core.protocol import WorkerInfo
 
 log = logging.getLogger("pdserve.serve")
 
@@ -131,7 +132,7 @@ async def serve(cfg: ServeConfig, ready: asyncio.Event | None = None, stop: asyn
         print(f"[pdserve] {len(pools.prefill)} prefill + {len(pools.decode)} decode workers up in "
               f"{time.perf_counter() - t0:.1f} s; calibrating the cost model ...", file=sys.stderr, flush=True)
         cost = await calibrate(pools, d_infos[0])
-        def respawn(pool: str, index: int) -> dict:
+        def respawn(pool: str, index: int) -> WorkerInfo:
             return replace_worker(pools, pool, index, pools.engine_config, cfg.transfer, cfg.cpus_per_worker)
 
         router = Router(pools, p_infos, d_infos, tokenizer, model_dir, cfg.router, cost, respawn=respawn)

@@ -12,11 +12,14 @@ lists those of stopped servers too.
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
 import socket
 import time
-from typing import Any
+
+from worker_core.protocol import LoadReport
 
 # Plain strings, so that `pdserve status` starts without importing torch; test_cluster_deploy.py checks
 # that they match `PrefillWorker.__name__`, `DecodeWorker.__name__` and `router.pools`.
@@ -35,7 +38,7 @@ def cluster_status(address: str | None, timeout_s: float = 5.0, include_dead: bo
         include_dead: also list dead workers of servers that no longer run.
     Returns:
         {"address", "workers": [{pool, worker_id, actor_id, name, namespace, state, node_id, node_ip, pid, job_id,
-        healthy (True / False / None: unknown), load (dict or None), runs (dtype, attention kernel,
+        healthy (True / False / None: unknown), load (`LoadReport` or None), runs (dtype, attention kernel,
         compiled or eager; or None), error}], "nodes": [{node_id,
         node_ip, alive, is_head, resources: {name: {"total", "available"}}}], "pools": {pool: {"alive",
         "healthy"}}, "healthy": bool}; `healthy` is True when every live worker answered and at
@@ -218,13 +221,18 @@ def _nodes() -> list[dict]:
 
 
 # -- text ------------------------------------------------------------------------------------------
-def _load_text(pool: str, load: dict[str, Any] | None) -> str:
-    if not load:
+def status_json(status: dict) -> str:
+    """`cluster_status` as JSON (load reports as objects of their fields)."""
+    return json.dumps(status, indent=2, default=lambda o: dataclasses.asdict(o) if isinstance(o, LoadReport) else str(o))
+
+
+def _load_text(pool: str, load: LoadReport | None) -> str:
+    if load is None:
         return "-"
-    kv = f"kv {load['num_blocks'] - load['free_blocks']}/{load['num_blocks']} blocks"
+    kv = f"kv {load.num_blocks - load.free_blocks}/{load.num_blocks} blocks"
     if pool == "decode":
-        return f"{kv}, {load['running']} running, {load['receiving']} receiving"
-    return f"{kv}, {load['queued_tokens']} queued tokens, {load['sending']} sending"
+        return f"{kv}, {load.running} running, {load.receiving} receiving"
+    return f"{kv}, {load.queued_tokens} queued tokens, {load.sending} sending"
 
 
 def _res_text(r: dict | None) -> str:

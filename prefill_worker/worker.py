@@ -20,6 +20,7 @@ from engine import EngineConfig, SamplingParams
 from engine.sequence import Sequence
 from kv_transfer import PeerInfo, TransferConfig, TransferState
 from worker_core import WorkerBase
+from worker_core.protocol import LoadReport, PrefillResult
 
 log = logging.getLogger(__name__)
 
@@ -67,12 +68,10 @@ class PrefillWorker(WorkerBase):
         finally:
             self._owner.call(lambda: self.engine.abort(request_id))
 
-    def prefill(self, request_id: str, prompt: list[int], sampling: SamplingParams, decode_peer: PeerInfo) -> dict:
-        """Prefill `prompt`, stream its KV to `decode_peer`.
-
-        Returns:
-            {"first_token", "prefill_s", "handoff"}: pass "handoff" to the decode worker's `start_remote`.
-        """
+    def prefill(self, request_id: str, prompt: list[int], sampling: SamplingParams,
+                decode_peer: PeerInfo) -> PrefillResult:
+        """Prefill `prompt`, stream its KV to `decode_peer`. Pass the result's handoff to the decode
+        worker's `start_remote`. Raises RuntimeError when the prefill fails, is aborted or the worker stops."""
         t0 = time.perf_counter()
         first: Future = Future()
 
@@ -82,7 +81,7 @@ class PrefillWorker(WorkerBase):
             self._first[request_id] = first
         self._owner.call(do)
         token, handoff = first.result()
-        return {"first_token": token, "prefill_s": time.perf_counter() - t0, "handoff": handoff}
+        return PrefillResult(token, time.perf_counter() - t0, handoff)
 
     def abort(self, request_id: str) -> bool:
         def do() -> bool:
@@ -94,11 +93,11 @@ class PrefillWorker(WorkerBase):
             return found
         return self._owner.call(do)
 
-    def load(self) -> dict:
-        def do() -> dict:
+    def load(self) -> LoadReport:
+        def do() -> LoadReport:
             bm, sched = self.engine.block_manager, self.engine.scheduler
-            return {"free_blocks": bm.num_free_blocks, "num_blocks": bm.num_blocks,
-                    "queued_tokens": sum(s.num_tokens for s in sched.waiting), "sending": len(self._sending)}
+            return LoadReport(bm.num_free_blocks, bm.num_blocks, queued_tokens=sum(s.num_tokens for s in sched.waiting),
+                              sending=len(self._sending))
         return self._owner.call(do)
 
     # -- engine loop thread ------------------------------------------------------------------------
@@ -163,6 +162,13 @@ class PrefillWorker(WorkerBase):
                 self.engine.release(rid)
                 self.connector.forget(rid)
                 self._forget(rid)
+
+    def _stopping(self) -> None:
+        """Shutdown: prompts not yet prefilled fail (their callers place them elsewhere)."""
+        for rid in list(self._first):
+            self.engine.abort(rid)
+            self.connector.abort(rid)
+            self._forget(rid, error=RuntimeError(f"prefill worker {self.worker_id} is shutting down"))
 
     def _forget(self, request_id: str, error: BaseException | None = None) -> None:
         self._sending.discard(request_id)

@@ -18,8 +18,10 @@ import uuid
 import ray
 
 from engine import SamplingParams
+from kv_transfer import TransferState
 from router.cost_model import CostModel, LinearFit
 from router.pools import Pools
+from worker_core.protocol import WorkerInfo
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +37,7 @@ async def _prefill_fit(worker: ray.actor.ActorHandle, lengths: list[int]) -> Lin
 
 
 async def _transfer_fit(prefill: ray.actor.ActorHandle, decode: ray.actor.ActorHandle, pools: Pools,
-                        info: dict, lengths: list[int]) -> LinearFit:
+                        info: WorkerInfo, lengths: list[int]) -> LinearFit:
     sizes, times = [], []
     for n in [lengths[0]] + lengths:
         rid = f"calibrate-transfer-{uuid.uuid4().hex[:8]}"
@@ -43,12 +45,12 @@ async def _transfer_fit(prefill: ray.actor.ActorHandle, decode: ray.actor.ActorH
         await decode.reserve.remote(rid, prompt, SamplingParams(max_tokens=1), pools.prefill_peers[0])
         try:
             seconds = await prefill.probe_transfer.remote(rid, prompt, pools.decode_peers[0])
-            while await decode.transfer_state.remote(rid) < 3:  # TransferState.DONE
+            while await decode.transfer_state.remote(rid) != TransferState.DONE:
                 await asyncio.sleep(0.001)
         finally:
             await decode.abort.remote(rid)
-        blocks = -(-n // info["block_size"])
-        sizes.append(blocks * info["block_size"] * info["kv_bytes_per_token"])
+        blocks = -(-n // info.block_size)
+        sizes.append(blocks * info.block_size * info.kv_bytes_per_token)
         times.append(seconds)
     return LinearFit.fit(sizes[1:], times[1:])
 
@@ -62,7 +64,7 @@ async def _round_trip_s(worker: ray.actor.ActorHandle) -> float:
     return statistics.median(rtts[1:])
 
 
-async def calibrate(pools: Pools, info: dict) -> CostModel:
+async def calibrate(pools: Pools, info: WorkerInfo) -> CostModel:
     """Measure the cost model on pools' first prefill and first decode worker.
 
     Args:
@@ -73,9 +75,9 @@ async def calibrate(pools: Pools, info: dict) -> CostModel:
     """
     t0 = time.perf_counter()
     decode = pools.decode[0]
-    lengths = _lengths(info["max_model_len"], info["num_blocks"], info["block_size"])
+    lengths = _lengths(info.max_model_len, info.num_blocks, info.block_size)
     local = await _prefill_fit(decode, lengths)
-    batches = sorted({b for b in (1, 4, 16, 32) if b <= info["max_num_seqs"]} | {1})
+    batches = sorted({b for b in (1, 4, 16, 32) if b <= info.max_num_seqs} | {1})
     context = min(64, lengths[-1])
     step_times = await decode.profile_decode.remote([batches[0]] + batches, context)
     steps = tuple(zip(batches, step_times[1:]))
@@ -86,6 +88,6 @@ async def calibrate(pools: Pools, info: dict) -> CostModel:
     else:
         prefill, transfer = local, LinearFit(0.0, 0.0)
     cost = CostModel(prefill=prefill, local_prefill=local, decode_step=steps, transfer=transfer,
-                     kv_bytes_per_token=info["kv_bytes_per_token"], num_layers=info["num_layers"], hop_s=3 * rtt)
+                     kv_bytes_per_token=info.kv_bytes_per_token, num_layers=info.num_layers, hop_s=3 * rtt)
     log.info("calibrated in %.1f s: %s", time.perf_counter() - t0, cost.to_dict())
     return cost

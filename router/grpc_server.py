@@ -45,8 +45,8 @@ from router.auth import as_key_set, bearer_token, key_allowed
 from router.limits import CLIENT_REQUEST_ID, DEFAULT_LIMITS, RequestLimits, check_limits
 from router.openai_protocol import CHAT_ROLES
 from router.types import (
+    ERROR_STATUS,
     Chunk,
-    DeadlineExceeded,
     GenerateRequest,
     ModelNotFoundError,
     PhaseTimings,
@@ -141,10 +141,8 @@ def error_status(exc: Exception, request_id: str) -> tuple[grpc.StatusCode, str,
     if isinstance(exc, CapacityError):  # OverloadedError, or a bare CapacityError that got through
         retry_after_s = getattr(exc, "retry_after_s", 1.0)
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), (("retry-after-s", f"{retry_after_s:g}"),)
-    if isinstance(exc, DeadlineExceeded):
-        return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc), ()
-    if isinstance(exc, RequestFailed):
-        return grpc.StatusCode.INTERNAL, str(exc), ()
+    if isinstance(exc, RequestFailed):  # DeadlineExceeded too: its kind is DEADLINE
+        return grpc.StatusCode[ERROR_STATUS[exc.kind].grpc], str(exc), ()
     log.error("request %s: unexpected error", request_id, exc_info=exc)
     return grpc.StatusCode.INTERNAL, f"internal error (request id {request_id})", ()
 

@@ -26,8 +26,8 @@ Errors are always `{"error": {"message", "type", "param", "code"}}`:
 | wrong method                         | 405    | invalid_request_error | null (+ Allow)      |
 | body too large                       | 413    | invalid_request_error | null                |
 | OverloadedError / CapacityError      | 429    | server_overloaded     | rate_limit_exceeded |
-| DeadlineExceeded (`timeout` passed)  | 408    | timeout_error         | timeout             |
-| RequestFailed                        | 500    | server_error          | null                |
+| RequestFailed (DeadlineExceeded too) | by its kind: `router.types.ERROR_STATUS` (408 timeout,    |
+|                                      | 503 transfer / prefill failed or worker stopping, 500 ...)|
 | anything else                        | 500    | server_error          | null                |
 
 429 carries `Retry-After` (whole seconds) and `retry-after-ms`, which the openai SDKs honour when
@@ -66,7 +66,7 @@ from router.openai_protocol import (
     parse_chat_request,
     parse_completion_request,
 )
-from router.types import DeadlineExceeded, ModelNotFoundError, RequestFailed, RequestStream, RouterAPI
+from router.types import ERROR_STATUS, ModelNotFoundError, RequestFailed, RequestStream, RouterAPI
 
 log = logging.getLogger(__name__)
 
@@ -315,11 +315,10 @@ def _error(exc: Exception, log_id: str) -> tuple[int, dict, dict[str, str]]:
         retry_s = max(0.0, float(getattr(exc, "retry_after_s", 1.0)))
         headers = {"Retry-After": str(max(1, math.ceil(retry_s))), "retry-after-ms": str(int(retry_s * 1000))}
         return 429, error_body(str(exc), "server_overloaded", None, "rate_limit_exceeded"), headers
-    if isinstance(exc, DeadlineExceeded):
-        return 408, error_body(str(exc), "timeout_error", "timeout", "request_timeout"), {}
-    if isinstance(exc, RequestFailed):
-        log.warning("request %s failed: %s", log_id, exc)
-        return 500, error_body(str(exc), "server_error"), {}
+    if isinstance(exc, RequestFailed):  # DeadlineExceeded too: its kind is DEADLINE
+        log.warning("request %s failed (%s): %s", log_id, exc.kind.value, exc)
+        st = ERROR_STATUS[exc.kind]
+        return st.http, error_body(str(exc), st.type, st.param, st.code), {}
     log.error("internal error (request id %s)", log_id, exc_info=exc)
     return 500, error_body(f"internal error (request id {log_id})", "server_error"), {}
 

@@ -16,6 +16,8 @@ from prometheus_client import (
     generate_latest,
 )
 
+from worker_core.protocol import LoadReport
+
 disable_created_metrics()  # no `_created` series: scrapers derive resets themselves
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0,
@@ -71,14 +73,14 @@ class Metrics:
         self.prefill_queued = Gauge("pdserve_prefill_queued_tokens", "Prompt tokens waiting, per prefill worker",
                                     ["worker"], registry=r)
 
-    def observe_worker(self, pool: str, worker: str, load: dict) -> None:
+    def observe_worker(self, pool: str, worker: str, load: LoadReport) -> None:
         """Refresh one worker's gauges from its `load()` report."""
-        self.kv_total.labels(pool, worker).set(load["num_blocks"])
-        self.kv_used.labels(pool, worker).set(load["num_blocks"] - load["free_blocks"])
+        self.kv_total.labels(pool, worker).set(load.num_blocks)
+        self.kv_used.labels(pool, worker).set(load.num_blocks - load.free_blocks)
         if pool == "decode":
-            self.running.labels(worker).set(load["running"] + load["receiving"])
+            self.running.labels(worker).set(load.running + load.receiving)
         else:
-            self.prefill_queued.labels(worker).set(load["queued_tokens"])
+            self.prefill_queued.labels(worker).set(load.queued_tokens)
 
     def exposition(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -21,6 +21,7 @@ from engine.errors import InvalidRequestError
 from engine.sampling_params import SamplingParams
 from router.limits import DEFAULT_LIMITS, RequestLimits, check_limits
 from router.types import Chunk, GenerateRequest, PhaseTimings, RequestFailed, Usage
+from worker_core.protocol import ErrorKind
 
 DEFAULT_MAX_TOKENS = 16
 MAX_TOKEN_ID = 2**31 - 1
@@ -258,7 +259,7 @@ def openai_finish_reason(chunk: Chunk, request_id: str) -> str:
     if chunk.finish_reason in FINISH_REASONS:
         return chunk.finish_reason
     if chunk.finish_reason == "abort":
-        raise RequestFailed(f"request {request_id} was aborted")
+        raise RequestFailed(f"request {request_id} was aborted", ErrorKind.ABORTED)
     raise RequestFailed(f"request {request_id} ended with {chunk.finish_reason!r}")
 
 

@@ -17,6 +17,7 @@ from engine import EngineConfig
 from engine.hardware import AUTO
 from kv_transfer import PeerInfo, TransferConfig
 from prefill_worker import PrefillWorker
+from worker_core.protocol import WorkerInfo
 
 PREFILL_RESOURCE = "prefill_pool"
 DECODE_RESOURCE = "decode_pool"
@@ -74,7 +75,7 @@ def add_worker(pools: Pools, pool: str, engine_config: EngineConfig, transfer_co
 
 
 def replace_worker(pools: Pools, pool: str, index: int, engine_config: EngineConfig,
-                   transfer_config: TransferConfig, num_cpus: float = 1) -> dict:
+                   transfer_config: TransferConfig, num_cpus: float = 1) -> WorkerInfo:
     """Start a fresh actor in place of worker `index` of `pool` ("prefill" | "decode"), which died or
     hangs (it is killed first). The new worker has a new id, so no transfer pair of the old one is
     reused. Returns the new worker's `info()`."""
@@ -99,7 +100,7 @@ def create_pools(num_prefill: int, num_decode: int, engine_config: EngineConfig,
     for pool in ["prefill"] * num_prefill + ["decode"] * num_decode:
         actor = add_worker(pools, pool, pools.engine_config, transfer_config, num_cpus)
         if pools.engine_config.dtype == AUTO:
-            pools.engine_config = replace(pools.engine_config, dtype=ray.get(actor.info.remote())["dtype"])
+            pools.engine_config = replace(pools.engine_config, dtype=ray.get(actor.info.remote()).dtype)
         if on_started is not None:
             on_started()
     return pools

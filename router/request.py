@@ -1,6 +1,6 @@
 """One admitted request, run across the pools as its placement says, streamed back as `Chunk`s.
 
-Request lifecycle at the router (after `Router.submit` validated, tokenized and placed it):
+Request lifecycle at the router (after `Router.submit` admitted and placed it):
 1. remote path: decode worker D reserves the prompt's blocks and posts the KV receive; prefill
    worker P prefills (batched with other prompts), ships KV layer by layer, returns the first
    token; D starts the sequence once every layer landed. Local path: D runs the whole request.
@@ -26,22 +26,26 @@ import ray
 
 from engine.errors import CapacityError
 from engine.sampling_params import SamplingParams
-from router.book import Booking, PoolBook
+from router.book import Booking
 from router.config import RouterConfig
 from router.metrics import Metrics
 from router.pools import Pools
 from router.types import Chunk, DeadlineExceeded, PhaseTimings, RequestFailed, Usage
+from worker_core.protocol import ErrorKind, PrefillResult, StreamItem, WorkerError
 
 log = logging.getLogger(__name__)
 _END = object()
 
 
 class Planner(Protocol):
-    """The router side a running request needs: placing it again and releasing its booking."""
+    """The router side a running request needs (`router.placer.Placer`): placing it again, and its
+    booking's prefill and release."""
 
     config: RouterConfig
 
     async def replan(self, prompt_tokens: int, max_tokens: int, avoid: set[str], local: bool) -> Booking: ...
+
+    def prefilled(self, booking: Booking) -> None: ...
 
     def release(self, booking: Booking, output_tokens: int, outcome: str) -> None: ...
 
@@ -49,12 +53,12 @@ class Planner(Protocol):
 
 
 class _WorkerFailure(Exception):
-    """A worker died or could not do its part; `pool` says which side, `before_first` whether the client
-    has seen a token of this request yet."""
+    """A worker died or could not do its part: `pool` says which side, `dead` whether it is gone, and
+    `kind` what failed (the request's error kind when the bounds on recovery are spent)."""
 
-    def __init__(self, pool: str, cause: BaseException | str, dead: bool) -> None:
+    def __init__(self, pool: str, cause: BaseException | str, dead: bool, kind: ErrorKind) -> None:
         super().__init__(f"{pool} worker: {cause!r}" if isinstance(cause, BaseException) else f"{pool} worker: {cause}")
-        self.pool, self.dead = pool, dead
+        self.pool, self.dead, self.kind = pool, dead, kind
 
 
 class RouterStream:
@@ -165,11 +169,11 @@ class RouterStream:
             self._metrics.recoveries.labels("migrate").inc()
             if self.migrations > cfg.max_migrations:
                 raise RequestFailed(f"request {self.request_id}: decode workers failed {self.migrations} times; "
-                                    f"gave up after {len(self._sent)} tokens") from None
+                                    f"gave up after {len(self._sent)} tokens", e.kind) from None
         else:
             policy = cfg.on_prefill_failure if e.pool == "prefill" else "retry"
             if policy == "fail" or attempts >= cfg.max_attempts:
-                raise RequestFailed(f"request {self.request_id}: could not start it ({e})") from None
+                raise RequestFailed(f"request {self.request_id}: could not start it ({e})", e.kind) from None
             self._metrics.recoveries.labels(policy).inc()
         avoid = {b.decode.worker_id} if e.pool == "decode" else ({b.prefill.worker_id} if b.prefill else set())
         prompt, sampling = self._resume_point()
@@ -191,21 +195,23 @@ class RouterStream:
         rid, p_idx, d_idx = self._worker_rid, b.placement.prefill, b.placement.decode
         d = self._pools.decode[d_idx]
         if b.placement.path == "local":
-            await _call("decode", d.submit_local.remote(rid, prompt, sampling))
+            await _call("decode", d.submit_local.remote(rid, prompt, sampling), ErrorKind.PREFILL_FAILED)
             return
         p = self._pools.prefill[p_idx]
-        await _call("decode", d.reserve.remote(rid, prompt, sampling, self._pools.prefill_peers[p_idx]))
-        first = await _call("prefill", p.prefill.remote(rid, prompt, sampling, self._pools.decode_peers[d_idx]))
-        PoolBook.prefilled(b)
-        self.timings.prefill_s = first["prefill_s"]
+        await _call("decode", d.reserve.remote(rid, prompt, sampling, self._pools.prefill_peers[p_idx]),
+                    ErrorKind.INTERNAL)
+        first: PrefillResult = await _call(
+            "prefill", p.prefill.remote(rid, prompt, sampling, self._pools.decode_peers[d_idx]), ErrorKind.PREFILL_FAILED)
+        self._planner.prefilled(b)
+        self.timings.prefill_s = first.prefill_s
         try:
-            await d.start_remote.remote(rid, first["first_token"], first["handoff"])
+            await d.start_remote.remote(rid, first.first_token, first.handoff)
         except ray.exceptions.RayActorError as e:
-            raise _WorkerFailure("decode", e, dead=True) from None
+            raise _WorkerFailure("decode", e, dead=True, kind=ErrorKind.INTERNAL) from None
         except Exception as e:  # its reservation expired: the transfer never completed
-            raise _WorkerFailure("prefill", e, dead=False) from None
+            raise _WorkerFailure("prefill", e, dead=False, kind=ErrorKind.TRANSFER_FAILED) from None
 
-    async def _items(self, d: ray.actor.ActorHandle) -> AsyncIterator[dict]:
+    async def _items(self, d: ray.actor.ActorHandle) -> AsyncIterator[StreamItem]:
         """The decode worker's stream items: streamed, or pulled where streaming is not available."""
         if self._pools.streaming:
             async for ref in d.stream.options(num_returns="streaming").remote(self._worker_rid):
@@ -215,7 +221,7 @@ class RouterStream:
             items = await d.next_items.remote(self._worker_rid, 1.0)
             for item in items:
                 yield item
-            if items and items[-1]["finished"]:
+            if items and items[-1].finished:
                 return
 
     async def _relay(self, b: Booking, dispatched: float) -> str:
@@ -223,25 +229,32 @@ class RouterStream:
         got_any = False
         try:
             async for item in self._items(d):
-                if item["error"]:
-                    if not got_any and "transfer" in item["error"]:  # the KV never landed: start again
-                        raise _WorkerFailure("prefill", item["error"], dead=False)
-                    raise RequestFailed(f"request {self.request_id}: {item['error']}")
+                if item.error is not None:
+                    self._on_error(item.error, got_any)
                 got_any = True
                 if self._on_item(item, b, dispatched):
-                    return item["finish_reason"]
+                    return item.finish_reason
         except ray.exceptions.RayActorError as e:
-            raise _WorkerFailure("decode", e, dead=True) from None
-        raise _WorkerFailure("decode", "its stream ended early", dead=False)
+            raise _WorkerFailure("decode", e, dead=True, kind=ErrorKind.INTERNAL) from None
+        raise _WorkerFailure("decode", "its stream ended early", dead=False, kind=ErrorKind.INTERNAL)
 
-    def _on_item(self, item: dict, b: Booking, dispatched: float) -> bool:
+    def _on_error(self, error: WorkerError, got_any: bool) -> None:
+        """A stream's error item: raises what the router does about it, by its kind."""
+        if error.kind == ErrorKind.TRANSFER_FAILED and not got_any:  # the KV never landed: start again
+            raise _WorkerFailure("prefill", error.message, dead=False, kind=error.kind)
+        if error.kind == ErrorKind.WORKER_STOPPING:  # place it again; a started stream migrates
+            raise _WorkerFailure("decode", error.message, dead=False, kind=error.kind)
+        raise RequestFailed(f"request {self.request_id}: {error.message}", error.kind)
+
+    def _on_item(self, item: StreamItem, b: Booking, dispatched: float) -> bool:
         """Record one stream item and hand it on. Returns whether it was the last."""
         now, t, m, path = time.perf_counter(), self.timings, self._metrics, b.placement.path
-        self._cached = item.get("cached_tokens", self._cached)
-        if "transfer_s" in item:
-            t.transfer_s = item["transfer_s"]
+        if item.cached_tokens is not None:
+            self._cached = item.cached_tokens
+        if item.transfer_s is not None:
+            t.transfer_s = item.transfer_s
             m.transfer.observe(t.transfer_s)
-        if item["token_ids"]:
+        if item.token_ids:
             if self._first_at is None:
                 self._first_at = now
                 t.ttft_s = now - self._arrival
@@ -250,16 +263,16 @@ class RouterStream:
                 m.ttft.labels(path).observe(t.ttft_s)
             elif self._last_at is not None:
                 m.itl.labels(path).observe(now - self._last_at)
-            PoolBook.prefilled(b)
+            self._planner.prefilled(b)
             self._last_at = now
-            self._sent += item["token_ids"]
-        if not item["finished"]:
-            self._queue.put_nowait(Chunk(item["text"], item["token_ids"]))
+            self._sent += item.token_ids
+        if not item.finished:
+            self._queue.put_nowait(Chunk(item.text, list(item.token_ids)))
             return False
         t.e2e_s = now - self._arrival
         t.decode_s = (self._last_at - self._first_at) if self._first_at is not None else 0.0
         self._observe(len(self._sent), path)
-        self._queue.put_nowait(Chunk(item["text"], item["token_ids"], item["finish_reason"],
+        self._queue.put_nowait(Chunk(item.text, list(item.token_ids), item.finish_reason,
                                      Usage(self.prompt_tokens, len(self._sent), self._cached), t))
         return True
 
@@ -290,11 +303,11 @@ class RouterStream:
                 log.debug("abort of %s: %r", self.request_id, e)
 
 
-async def _call(pool: str, ref: ray.ObjectRef) -> object:
-    """Await a worker call; its failure becomes a `_WorkerFailure` of that pool."""
+async def _call(pool: str, ref: ray.ObjectRef, kind: ErrorKind) -> object:
+    """Await a worker call; its failure becomes a `_WorkerFailure` of that pool, of error `kind`."""
     try:
         return await ref
     except ray.exceptions.RayActorError as e:
-        raise _WorkerFailure(pool, e, dead=True) from None
+        raise _WorkerFailure(pool, e, dead=True, kind=kind) from None
     except (ray.exceptions.RayTaskError, CapacityError, RuntimeError) as e:
-        raise _WorkerFailure(pool, e, dead=False) from None
+        raise _WorkerFailure(pool, e, dead=False, kind=kind) from None

@@ -12,6 +12,7 @@ from typing import Protocol
 
 from engine.errors import CapacityError, InvalidRequestError
 from engine.sampling_params import SamplingParams
+from worker_core.protocol import ErrorKind, WorkerInfo
 
 
 class ModelNotFoundError(InvalidRequestError):
@@ -30,12 +31,44 @@ class OverloadedError(CapacityError):
 
 
 class RequestFailed(RuntimeError):
-    """A request ended with an error on a worker (e.g. a lost KV transfer). The message is safe to show."""
+    """A request ended with an error on a worker (e.g. a lost KV transfer). The message is safe to show;
+    `kind` decides the status a client gets (`ERROR_STATUS`)."""
+
+    def __init__(self, message: str, kind: ErrorKind = ErrorKind.INTERNAL) -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 class DeadlineExceeded(RequestFailed):
-    """The request's own deadline (`timeout_s`) passed first; it was aborted everywhere (HTTP 408,
-    gRPC DEADLINE_EXCEEDED)."""
+    """The request's own deadline (`timeout_s`) passed first; it was aborted everywhere."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, ErrorKind.DEADLINE)
+
+
+@dataclass(frozen=True)
+class ErrorStatus:
+    """What a client gets for a failed request: HTTP status, OpenAI error type / code / param, and the
+    gRPC status code (by name, so this module needs no grpc)."""
+
+    http: int
+    type: str
+    grpc: str
+    code: str | None = None
+    param: str | None = None
+
+
+# One entry per error kind, used by both API servers.
+ERROR_STATUS: dict[ErrorKind, ErrorStatus] = {
+    ErrorKind.TRANSFER_FAILED: ErrorStatus(503, "server_error", "UNAVAILABLE", "kv_transfer_failed"),
+    ErrorKind.PREFILL_FAILED: ErrorStatus(503, "server_error", "UNAVAILABLE", "prefill_failed"),
+    ErrorKind.WORKER_STOPPING: ErrorStatus(503, "server_error", "UNAVAILABLE", "worker_stopping"),
+    ErrorKind.DEADLINE: ErrorStatus(408, "timeout_error", "DEADLINE_EXCEEDED", "request_timeout", "timeout"),
+    ErrorKind.INVALID: ErrorStatus(400, "invalid_request_error", "INVALID_ARGUMENT"),
+    ErrorKind.ABORTED: ErrorStatus(499, "server_error", "CANCELLED", "request_aborted"),
+    ErrorKind.INTERNAL: ErrorStatus(500, "server_error", "INTERNAL"),
+}
+assert set(ERROR_STATUS) == set(ErrorKind), "every error kind needs its status"
 
 
 @dataclass(frozen=True)
@@ -128,9 +161,9 @@ class Runtime:
     compiled: bool
 
     @classmethod
-    def from_info(cls, info: dict, dtype_reason: str | None = None) -> Runtime:
+    def from_info(cls, info: WorkerInfo, dtype_reason: str | None = None) -> Runtime:
         """From a worker's `info()`; `dtype_reason` from another worker (the one that chose the dtype)."""
-        return cls(info["dtype"], dtype_reason or info["dtype_reason"], info["attention"], info["compiled"])
+        return cls(info.dtype, dtype_reason or info.dtype_reason, info.attention, info.compiled)
 
     def summary(self) -> str:
         """One line for logs and `pdserve status`: dtype, attention kernel, compiled or eager."""

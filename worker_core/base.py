@@ -10,9 +10,10 @@ from __future__ import annotations
 import os
 
 from engine import EngineConfig, LLMEngine
-from engine.command_loop import OwnerThread
+from engine.command_loop import OwnerThread, Stopped
 from engine.profiling import time_prefill
 from kv_transfer import PeerInfo, TransferConfig, make_connector
+from worker_core.protocol import WorkerInfo
 
 
 class WorkerBase:
@@ -23,7 +24,7 @@ class WorkerBase:
         self.engine = LLMEngine(engine_config)
         self.connector = make_connector(transfer_config, worker_id)
         self.connector.register(self.engine.runner.kv)
-        self._info = {"worker_id": worker_id, **self.engine.describe()}  # static: answered off the engine thread
+        self._info = WorkerInfo(worker_id=worker_id, **self.engine.describe())  # static: answered off the engine thread
 
     def _start_loop(self) -> None:
         """Start the engine loop; call last in the subclass's `__init__` (it starts running at once)."""
@@ -48,10 +49,10 @@ class WorkerBase:
         """This worker's transfer address, for its peers."""
         return self.connector.local_info()
 
-    def info(self) -> dict:
+    def info(self) -> WorkerInfo:
         """Static facts the router plans with (KV geometry, limits, vocabulary size) and what runs them
         (dtype, attention kernel, compiled). Never waits behind the engine thread."""
-        return dict(self._info)
+        return self._info
 
     def profile_prefill(self, lengths: list[int]) -> list[float]:
         """Seconds of a prefill of each prompt length, on this worker's engine (call while idle)."""
@@ -62,5 +63,13 @@ class WorkerBase:
         self.connector.drop_peer(peer_id)
 
     def shutdown(self) -> None:
+        """Stop the engine loop and the connector. Requests still running end with WORKER_STOPPING."""
+        try:
+            self._owner.call(self._stopping)
+        except Stopped:  # a second shutdown
+            pass
         self._owner.stop()
         self.connector.close()
+
+    def _stopping(self) -> None:
+        """On the engine thread, before it stops: end what is in flight (the role's own streams)."""

@@ -19,6 +19,7 @@ import ray
 
 from engine import SamplingParams
 from router.pools import Pools
+from worker_core.protocol import PrefillResult, StreamItem
 
 
 class RequestFailed(RuntimeError):
@@ -41,9 +42,9 @@ class Orchestrator:
         self.pools = pools
 
     def stream(self, prompt: list[int], sampling: SamplingParams, remote: bool = True, prefill: int = 0,
-               decode: int = 0, request_id: str | None = None) -> Iterator[dict]:
-        """Yield the decode worker's stream items ({"token_ids", "finished", "finish_reason", "error"});
-        the first item carries "prefill_s" on the remote path."""
+               decode: int = 0, request_id: str | None = None) -> Iterator[tuple[StreamItem, float | None]]:
+        """Yield the decode worker's stream items, each with the prefill time (the remote path's
+        first item only; None otherwise)."""
         rid = request_id or uuid.uuid4().hex
         d = self.pools.decode[decode]
         prefill_s = None
@@ -51,30 +52,29 @@ class Orchestrator:
             p = self.pools.prefill[prefill]
             ray.get(d.reserve.remote(rid, prompt, sampling, self.pools.prefill_peers[prefill]))
             try:
-                first = ray.get(p.prefill.remote(rid, prompt, sampling, self.pools.decode_peers[decode]))
+                first: PrefillResult = ray.get(p.prefill.remote(rid, prompt, sampling, self.pools.decode_peers[decode]))
             except Exception:
                 ray.get(d.abort.remote(rid))
                 raise
-            prefill_s = first["prefill_s"]
-            ray.get(d.start_remote.remote(rid, first["first_token"], first["handoff"]))
+            prefill_s = first.prefill_s
+            ray.get(d.start_remote.remote(rid, first.first_token, first.handoff))
         else:
             ray.get(d.submit_local.remote(rid, prompt, sampling))
         for ref in d.stream.options(num_returns="streaming").remote(rid):
-            item = ray.get(ref)
-            if item["error"]:
-                raise RequestFailed(f"request {rid}: {item['error']}")
-            if prefill_s is not None:
-                item["prefill_s"], prefill_s = prefill_s, None
-            yield item
+            item: StreamItem = ray.get(ref)
+            if item.error is not None:
+                raise RequestFailed(f"request {rid}: {item.error.kind.value}: {item.error.message}")
+            yield item, prefill_s
+            prefill_s = None
 
     def generate(self, prompt: list[int], sampling: SamplingParams, **kw: object) -> Result:
         """Run a request to completion. Raises RequestFailed or the worker's own error."""
         tokens: list[int] = []
         reason = prefill_s = transfer_s = None
         rid = kw.pop("request_id", None) or uuid.uuid4().hex
-        for item in self.stream(prompt, sampling, request_id=rid, **kw):  # type: ignore[arg-type]
-            tokens += item["token_ids"]
-            reason = item["finish_reason"]
-            prefill_s = item.get("prefill_s", prefill_s)
-            transfer_s = item.get("transfer_s", transfer_s)
+        for item, took in self.stream(prompt, sampling, request_id=rid, **kw):  # type: ignore[arg-type]
+            tokens += item.token_ids
+            reason = item.finish_reason
+            prefill_s = took if took is not None else prefill_s
+            transfer_s = item.transfer_s if item.transfer_s is not None else transfer_s
         return Result(rid, tokens, reason, prefill_s, transfer_s)

@@ -27,9 +27,10 @@ import grpc
 import pytest
 import yaml
 
-from pdserve.status import NAMESPACE, POOL_OF_CLASS, RESOURCES, _check_reachable, format_status
+from pdserve.status import NAMESPACE, POOL_OF_CLASS, RESOURCES, _check_reachable, format_status, status_json
 from tests.conftest import greedy_reference, random_prompt, tiny_model
 from tests.integration.ray_nodes import ENV, free_port, start_node, stop_group
+from worker_core.protocol import LoadReport
 
 ROOT = Path(__file__).parents[2]
 BASE = ROOT / "infra" / "k8s" / "base"
@@ -146,7 +147,7 @@ def test_serve_on_an_existing_cluster_places_pools_by_node_resources(cluster, tm
         for pool in ("prefill", "decode"):
             w = live[pool]
             assert w["node_id"] == nodes[pool]["node_id"], f"the {pool} worker is not on the {pool} node"
-            assert w["healthy"] is True and w["load"]["num_blocks"] > 0, w
+            assert w["healthy"] is True and w["load"].num_blocks > 0, w
             assert nodes[pool]["resources"][f"{pool}_pool"] == {"total": 1.0, "available": 0.0}
         assert (live["prefill"]["worker_id"], live["decode"]["worker_id"]) == (timings.prefill_worker,
                                                                                timings.decode_worker)
@@ -193,7 +194,7 @@ def test_format_status_flags_silent_and_dead_workers():
               "workers": [worker("prefill", "prefill-0-aaaaaa", "ALIVE", False,
                                  error="load() did not answer within 5 s"),
                           worker("decode", "decode-0-bbbbbb", "ALIVE", True,
-                                 {"num_blocks": 100, "free_blocks": 60, "running": 3, "receiving": 1}),
+                                 LoadReport(free_blocks=60, num_blocks=100, running=3, receiving=1)),
                           worker("decode", "decode-1-cccccc", "DEAD", None)],
               "nodes": [{"node_id": "h" * 56, "node_ip": "10.0.0.1", "alive": True, "is_head": True, "resources": {}},
                         {"node_id": "n1" * 28, "node_ip": "10.0.0.7", "alive": True, "is_head": False,
@@ -209,6 +210,9 @@ def test_format_status_flags_silent_and_dead_workers():
     node = next(ln for ln in lines if ln.startswith("n1n1"))
     assert "1/2" in node and "?/4" in node
     assert "pdserve: UNHEALTHY: prefill 0/1 and decode 1/1" in text
+    as_json = json.loads(status_json(status))  # `pdserve status --json`: load reports as plain objects
+    assert as_json["workers"][1]["load"] == {"free_blocks": 60, "num_blocks": 100, "running": 3, "receiving": 1,
+                                             "queued_tokens": 0, "sending": 0}
 
 
 @pytest.mark.parametrize("address,says", [("127.0.0.1:{port}", "no Ray cluster at"), ("ray://127.0.0.1:{port}",

@@ -9,9 +9,10 @@ import ray
 
 from engine import CacheConfig, EngineConfig, SamplingParams
 from kv_transfer import TransferConfig
-from tests.integration.direct_driver import Orchestrator
 from router.pools import add_worker, create_pools
 from tests.conftest import greedy_reference, random_prompt, tiny_model
+from tests.integration.direct_driver import Orchestrator
+from worker_core.protocol import ErrorKind
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,7 @@ def cluster(tmp_path_factory):
 def assert_all_free(pools) -> None:
     for w in pools.prefill + pools.decode:
         load = ray.get(w.load.remote())
-        assert load["free_blocks"] == load["num_blocks"], load
+        assert load.free_blocks == load.num_blocks, load
 
 
 def test_remote_and_local_paths_match_generate(cluster):
@@ -83,9 +84,9 @@ def test_a_transfer_that_never_comes_times_out_and_frees_the_blocks(cluster):
         decode = pools.decode[0]
         prompt = random_prompt(50, 6)
         ray.get(decode.reserve.remote("lost", prompt, SamplingParams(max_tokens=5), pools.prefill_peers[0]))
-        assert ray.get(decode.load.remote())["receiving"] == 1
+        assert ray.get(decode.load.remote()).receiving == 1
         items = [ray.get(r) for r in decode.stream.options(num_returns="streaming").remote("lost")]  # no prefill
-        assert items[-1]["finished"] and "transfer" in items[-1]["error"]
+        assert items[-1].finished and items[-1].error.kind is ErrorKind.TRANSFER_FAILED
         assert_all_free(pools)
         # the pair works again for the next request
         got = Orchestrator(pools).generate(prompt, SamplingParams(max_tokens=5), remote=True)
@@ -103,7 +104,7 @@ def test_a_dead_prefill_worker_is_a_clear_error_and_frees_the_decode_blocks(clus
         with pytest.raises(ray.exceptions.RayActorError):
             Orchestrator(pools).generate(random_prompt(30, 7), SamplingParams(max_tokens=5), remote=True)
         load = ray.get(pools.decode[0].load.remote())
-        assert load["free_blocks"] == load["num_blocks"] and load["receiving"] == 0
+        assert load.free_blocks == load.num_blocks and load.receiving == 0
     finally:
         pools.prefill = []  # already dead
         pools.shutdown()
@@ -166,7 +167,7 @@ def test_auto_dtype_is_settled_by_the_first_worker_and_shared_by_the_pool(cluste
         assert chosen in ("float32", "bfloat16")
         replace_worker(pools, "decode", 0, pools.engine_config, transfer, num_cpus=0)
         infos = ray.get([w.info.remote() for w in pools.prefill + pools.decode])
-        assert {i["dtype"] for i in infos} == {chosen}
+        assert {i.dtype for i in infos} == {chosen}
         ref, _ = load_model(cfg.model, chosen, "cpu")
         ref.generation_config.eos_token_id = None
         prompt = random_prompt(40, 7)

@@ -72,7 +72,7 @@ async def settle(router: Router, timeout_s: float = 60) -> None:
     end = loop.time() + timeout_s
     while loop.time() < end:
         await router.poll_once()
-        if not router._respawning and all(s.healthy for s in router.book.prefill + router.book.decode):
+        if not router.health.respawning and all(s.healthy for s in router.book.prefill + router.book.decode):
             return
         await asyncio.sleep(0.3)
     raise AssertionError("pools did not recover")
@@ -81,7 +81,7 @@ async def settle(router: Router, timeout_s: float = 60) -> None:
 def assert_all_free(pools) -> None:
     for w in pools.prefill + pools.decode:
         load = ray.get(w.load.remote())
-        assert load["free_blocks"] == load["num_blocks"], load
+        assert load.free_blocks == load.num_blocks, load
 
 
 def assert_all_match(ref, prompts: list[list[int]], results: list, n: int) -> None:
@@ -183,8 +183,8 @@ def assert_all_free_eventually(pools, timeout_s: float = 30) -> None:
     end = time.monotonic() + timeout_s
     while True:
         loads = ray.get([w.load.remote() for w in pools.prefill + pools.decode])
-        if all(x["free_blocks"] == x["num_blocks"] for x in loads) or time.monotonic() > end:
+        if all(x.free_blocks == x.num_blocks for x in loads) or time.monotonic() > end:
             break
         time.sleep(0.2)
     for load in loads:
-        assert load["free_blocks"] == load["num_blocks"], load
+        assert load.free_blocks == load.num_blocks, load

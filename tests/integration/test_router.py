@@ -52,7 +52,7 @@ async def collect(router: Router, prompt: list[int], max_tokens: int) -> tuple[l
 def assert_all_free(pools) -> None:
     for w in pools.prefill + pools.decode:
         load = ray.get(w.load.remote())
-        assert load["free_blocks"] == load["num_blocks"], load
+        assert load.free_blocks == load.num_blocks, load
 
 
 def test_calibrated_cost_model_is_plausible(cluster):
@@ -121,7 +121,7 @@ def test_full_decode_worker_queues_then_overloads(cluster):
                 for i in range(fill)]  # these fill the worker: its KV budget or its sequence slots
         waiter = asyncio.create_task(router.submit(GenerateRequest(prompt=random_prompt(10, 4), sampling=big)))
         await asyncio.sleep(0.3)
-        assert not waiter.done() and router._waiting == 1  # queued at the router, not stalling the worker
+        assert not waiter.done() and router.placer.queue.waiting == 1  # queued at the router, not stalling the worker
         with pytest.raises(OverloadedError):
             await router.submit(GenerateRequest(prompt=random_prompt(10, 5), sampling=big))
         await held[0].aclose()
@@ -160,7 +160,7 @@ def test_twenty_streams_dropped_halfway_free_their_blocks_within_a_second(cluste
         t0 = loop.time()
         while True:
             loads = await asyncio.gather(*(w.load.remote() for w in pools.prefill + pools.decode))
-            if all(x["free_blocks"] == x["num_blocks"] for x in loads):
+            if all(x.free_blocks == x.num_blocks for x in loads):
                 return loop.time() - t0, router
             assert loop.time() - t0 < 1.0, loads
             await asyncio.sleep(0.02)
@@ -194,7 +194,7 @@ def test_ten_times_capacity_gets_fast_overload_errors_and_the_rest_completes(clu
     assert len(served) >= 8
     for prompt, out in served:
         assert out == greedy_reference(ref, prompt, 16)
-    assert router._waiting == 0 and all(d.running == 0 for d in router.book.decode)
+    assert router.placer.queue.waiting == 0 and all(d.running == 0 for d in router.book.decode)
     assert_all_free(cluster[1])
 
 

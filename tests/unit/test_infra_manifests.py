@@ -372,6 +372,7 @@ def test_dockerfile_builds_what_the_deployment_needs(flavor):
 def exported_metrics() -> tuple[set[str], dict[str, set[str]]]:
     """Sample names router/metrics.py exports, and each histogram's bucket bounds."""
     from router.metrics import Metrics
+    from worker_core.protocol import LoadReport
 
     m = Metrics()
     for h in (m.ttft, m.itl, m.tpot, m.e2e, m.queue, m.prefill, m.decode):
@@ -380,8 +381,8 @@ def exported_metrics() -> tuple[set[str], dict[str, set[str]]]:
     m.requests.labels("remote", "stop").inc()
     m.errors.labels("overloaded").inc()
     m.decisions.labels("ratio", "remote", "x").inc()
-    m.observe_worker("decode", "d0", {"num_blocks": 4, "free_blocks": 4, "running": 0, "receiving": 0})
-    m.observe_worker("prefill", "p0", {"num_blocks": 4, "free_blocks": 4, "queued_tokens": 0})
+    m.observe_worker("decode", "d0", LoadReport(free_blocks=4, num_blocks=4))
+    m.observe_worker("prefill", "p0", LoadReport(free_blocks=4, num_blocks=4))
     names, buckets = set(), {}
     for family in m.registry.collect():
         for s in family.samples:

@@ -5,15 +5,17 @@ cancelled. Pure asyncio: workers are stand-ins."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 from router.config import RouterConfig
 from router.pools import Pools
 from router.service import Router
 from tests.unit.test_policy import measured_cost
+from worker_core.protocol import LoadReport, WorkerInfo
 
-_INFO = {"worker_id": "d0", "num_blocks": 64, "block_size": 16, "max_num_seqs": 8, "max_model_len": 2048,
-         "vocab_size": 512, "dtype": "float32", "dtype_reason": "set explicitly", "attention": "torch",
-         "compiled": False}
+_INFO = WorkerInfo(worker_id="d0", num_blocks=64, block_size=16, kv_bytes_per_token=1024, num_layers=2,
+                   max_num_seqs=8, max_model_len=2048, vocab_size=512, dtype="float32", dtype_reason="set explicitly",
+                   attention="torch", compiled=False)
 
 
 class _Method:
@@ -46,11 +48,11 @@ def test_stop_polling_returns_when_a_load_answer_races_the_cancel() -> None:
         router = _router(worker)
         router.start_polling()
         await worker.load.called.wait()
-        worker.load.calls[-1].set_result({"free_blocks": 64, "num_blocks": 64, "running": 0, "receiving": 0})
+        worker.load.calls[-1].set_result(LoadReport(free_blocks=64, num_blocks=64))
         stop = asyncio.create_task(router.stop_polling())  # cancel lands before the poller resumes
         await asyncio.wait([stop], timeout=2)
         assert stop.done(), "stop_polling hung: the poller swallowed its cancel"
-        assert router._poller.cancelled()
+        assert router.health._poller.cancelled()
 
     asyncio.run(main())
 
@@ -61,19 +63,19 @@ def test_a_respawn_whose_waiter_was_cancelled_finishes_quietly() -> None:
     import threading
     import time
 
-    from router.service import _in_daemon_thread
+    from router.health import in_daemon_thread
 
     errors: list[BaseException] = []
     hook, threading.excepthook = threading.excepthook, lambda a: errors.append(a.exc_value)
     try:
         async def main() -> None:
-            gone = asyncio.create_task(_in_daemon_thread(time.sleep, 0.2))
+            gone = asyncio.create_task(in_daemon_thread(time.sleep, 0.2))
             await asyncio.sleep(0.05)
             gone.cancel()
             await asyncio.gather(gone, return_exceptions=True)
-            assert await _in_daemon_thread(lambda x: 2 * x, 21) == 42
+            assert await in_daemon_thread(lambda x: 2 * x, 21) == 42
             try:
-                await _in_daemon_thread(lambda: 1 / 0)
+                await in_daemon_thread(lambda: 1 / 0)
                 raise AssertionError("the error did not reach the waiter")
             except ZeroDivisionError:
                 pass
@@ -91,8 +93,8 @@ def test_the_runtime_comes_from_the_workers_and_names_who_chose_the_dtype() -> N
     from router.pools import Pools
     from router.types import Runtime
 
-    chooser = {**_INFO, "worker_id": "p0", "dtype_reason": "the CPU has no bf16 instructions"}
-    decode = {**_INFO, "attention": "avx2", "compiled": True}
+    chooser = replace(_INFO, worker_id="p0", dtype_reason="the CPU has no bf16 instructions")
+    decode = replace(_INFO, attention="avx2", compiled=True)
     router = Router(Pools(decode=[_Worker()]), [chooser], [decode], None, "m", RouterConfig(), measured_cost())
     assert router.runtime == Runtime("float32", "the CPU has no bf16 instructions", "avx2", True)
     assert router.runtime.summary() == "float32, avx2, compiled"

@@ -1,0 +1,137 @@
+"""Placement and booking: where each request runs, and the router's book of what each worker holds.
+
+Request lifecycle here:
+1. `place` (after admission): the policy places the request on the pools as the book sees them
+   (remote prefill on P and decode on D, or local prefill on D); with no decode worker that has
+   room it waits in the `WaitQueue` and tries again. The worst-case KV blocks are booked on D.
+2. `prefilled`: the first token is known (or the request ended before): P's queue shrinks.
+3. `release`: the request left D (finished, failed or moved): its blocks are unbooked and the
+   waiters try again. `replan` places a running request again after a failure, away from the
+   workers that failed it.
+Health results (`set_healthy`) and replaced workers (`replace_worker`) land here too. This is the
+only code that changes the book; it runs on the router's event loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import replace
+
+from engine.errors import InvalidRequestError
+from router.admission import ModelLimits
+from router.book import Booking, DecodeSlot, PoolBook, PrefillSlot
+from router.config import RouterConfig
+from router.cost_model import CostModel
+from router.metrics import Metrics
+from router.policy import NoCapacity, OutputLengthEstimator, Placement, Policy, PoolState, RequestFeatures, make_policy
+from router.wait_queue import WaitQueue
+from worker_core.protocol import WorkerInfo
+
+log = logging.getLogger(__name__)
+
+
+def _decode_slot(info: WorkerInfo) -> DecodeSlot:
+    return DecodeSlot(info.worker_id, info.num_blocks, info.block_size, info.max_num_seqs)
+
+
+class Placer:
+    """Implements `router.request.Planner`.
+
+    Args: prefill / decode: the workers' `WorkerInfo`, index-aligned with the pools; limits; config;
+    cost: the calibrated cost model; metrics; estimator: real output lengths (fed on release).
+    """
+
+    def __init__(self, prefill: list[WorkerInfo], decode: list[WorkerInfo], limits: ModelLimits,
+                 config: RouterConfig, cost: CostModel, metrics: Metrics, estimator: OutputLengthEstimator) -> None:
+        self.config, self._limits, self._metrics, self._estimator = config, limits, metrics, estimator
+        self.book = PoolBook([PrefillSlot(i.worker_id) for i in prefill], [_decode_slot(i) for i in decode])
+        self.policy = make_policy(config.policy, cost, config.ttft_target_s, config.tpot_target_s)
+        self._local_policy = make_policy("always_local", cost)
+        self.queue = WaitQueue(config.max_queued, config.queue_timeout_s, metrics)
+
+    # -- placing ---------------------------------------------------------------------------------
+    async def place(self, features: RequestFeatures, deadline: float | None) -> Booking:
+        """Place and book a new request; waits (bounded; until its own monotonic `deadline` at most)
+        while no decode worker has room. Raises OverloadedError, DeadlineExceeded, InvalidRequestError."""
+        placement = await self._place(features, self.policy, frozenset(), deadline)
+        self._metrics.decisions.labels(self.policy.name, placement.path, placement.reason).inc()
+        self._metrics.prompt_tokens.inc(features.prompt_tokens)
+        return self._admit(placement, features.prompt_tokens, features.max_tokens)
+
+    async def replan(self, prompt_tokens: int, max_tokens: int, avoid: set[str], local: bool) -> Booking:
+        """Place a running request again, away from the workers in `avoid`; `local` forces local prefill."""
+        policy = self._local_policy if local else self.policy
+        placement = await self._place(RequestFeatures(prompt_tokens, max_tokens, max_tokens), policy, avoid, None)
+        self._metrics.decisions.labels(policy.name, placement.path, "recovery").inc()
+        return self._admit(placement, prompt_tokens, max_tokens)
+
+    async def _place(self, features: RequestFeatures, policy: Policy, avoid: frozenset[str] | set[str],
+                     deadline: float | None) -> Placement:
+        limit = self.queue.limit(deadline)
+        while True:
+            try:
+                placement = policy.place(features, self._state(avoid))
+            except NoCapacity:
+                placement = None
+            if placement is not None:
+                if placement.path == "remote" and self._limits.prefill_blocks is not None and \
+                        self._limits.blocks(features.prompt_tokens) > self._limits.prefill_blocks:
+                    raise InvalidRequestError("prompt", "is longer than a prefill worker's KV budget holds")
+                log.debug("%s on %s (%s) %s", placement.path, placement.decode, placement.reason, placement.detail)
+                return placement
+            await self.queue.wait(limit, deadline)
+
+    def _state(self, avoid: frozenset[str] | set[str]) -> PoolState:
+        state = self.book.state()
+        if not avoid:
+            return state
+        return PoolState(tuple(replace(p, healthy=p.healthy and p.worker_id not in avoid) for p in state.prefill),
+                         tuple(replace(d, healthy=d.healthy and d.worker_id not in avoid) for d in state.decode))
+
+    def _admit(self, placement: Placement, prompt_tokens: int, max_tokens: int) -> Booking:
+        booking = self.book.admit(placement, prompt_tokens, max_tokens)
+        self._metrics.in_flight.inc()
+        return booking
+
+    # -- a running request -----------------------------------------------------------------------
+    def prefilled(self, booking: Booking) -> None:
+        """Its prefill is over (first token known, or it ended before). Idempotent."""
+        self.book.prefilled(booking)
+
+    def release(self, booking: Booking, output_tokens: int, outcome: str) -> None:
+        """It left its decode worker with `outcome`. Idempotent."""
+        if not booking.open:
+            return
+        self.book.finished(booking)
+        self._metrics.in_flight.dec()
+        if outcome in ("stop", "length"):
+            self._estimator.observe(min(output_tokens, booking.max_tokens), booking.max_tokens, outcome)
+        asyncio.get_running_loop().create_task(self.queue.notify())
+
+    def worker_failed(self, booking: Booking, pool: str) -> None:
+        """A worker of the booking failed its part: no new requests go to it until it answers again."""
+        slot = booking.decode if pool == "decode" else booking.prefill
+        if slot is not None and slot.healthy:
+            log.warning("%s worker %s failed; no new requests go to it until it answers again", pool, slot.worker_id)
+            slot.healthy = False
+            self._metrics.worker_failures.labels(pool).inc()
+
+    # -- workers ---------------------------------------------------------------------------------
+    def slots(self, pool: str) -> list[PrefillSlot] | list[DecodeSlot]:
+        """The book's slots of `pool` ("prefill" | "decode"), index-aligned with its workers (read only)."""
+        return self.book.prefill if pool == "prefill" else self.book.decode
+
+    def set_healthy(self, pool: str, index: int, healthy: bool) -> None:
+        self.slots(pool)[index].healthy = healthy
+
+    async def replace_worker(self, pool: str, index: int, info: WorkerInfo) -> None:
+        """Worker `index` of `pool` was replaced by the one `info` describes: a fresh slot (bookings
+        of the old worker keep charging the old slot), and the waiters try again."""
+        if pool == "prefill":
+            self.book.prefill[index] = PrefillSlot(info.worker_id)
+        else:
+            self.book.decode[index] = _decode_slot(info)
+        await self.queue.notify()
+
+    def healthy(self) -> bool:
+        return any(d.healthy for d in self.book.decode)

@@ -1,0 +1,56 @@
+"""The engine-owning thread: commands run on it in order; once it stops, a call raises at once
+instead of waiting on a thread that will never answer (a worker's shutdown, then a late call)."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from engine.command_loop import OwnerThread, Stopped
+
+
+def test_commands_run_on_the_owner_thread_and_errors_reach_the_caller():
+    owner = OwnerThread(lambda: False, name="owner-test")
+    try:
+        assert owner.call(lambda: threading.current_thread().name) == "owner-test"
+        with pytest.raises(ZeroDivisionError):
+            owner.call(lambda: 1 / 0)
+        assert owner.call(lambda: 42) == 42  # an error does not stop the thread
+    finally:
+        owner.stop()
+
+
+def test_after_stop_a_call_raises_stopped_and_never_runs():
+    ran = []
+    owner = OwnerThread(lambda: False, name="owner-test")
+    owner.call(lambda: ran.append("before"))
+    owner.stop()
+    with pytest.raises(Stopped, match="owner-test has stopped"):
+        owner.call(lambda: ran.append("after"))
+    assert ran == ["before"]
+
+
+def test_a_call_queued_while_the_thread_stops_gets_an_answer():
+    """Callers racing the stop either run or raise Stopped; none is left waiting."""
+    gate = threading.Event()
+
+    def work() -> bool:
+        gate.wait(0.01)
+        return False
+    owner = OwnerThread(work, name="owner-test")
+    results: list[str] = []
+
+    def caller() -> None:
+        try:
+            owner.call(lambda: None)
+            results.append("ran")
+        except Stopped:
+            results.append("stopped")
+    threads = [threading.Thread(target=caller) for _ in range(20)]
+    for t in threads:
+        t.start()
+    owner.stop()
+    for t in threads:
+        t.join(timeout=5)
+    assert not any(t.is_alive() for t in threads)
+    assert len(results) == 20
