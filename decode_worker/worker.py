@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator
 
 from engine import EngineConfig, SamplingParams
+from engine.command_loop import Stopped
 from engine.profiling import time_decode_step
 from kv_transfer import PeerInfo, TransferConfig, TransferState
 from worker_core import WorkerBase
@@ -73,7 +74,7 @@ class DecodeWorker(WorkerBase):
         while True:
             item = q.get()
             if item.finished:
-                self._owner.call(lambda: self._forget_stream(request_id))
+                self._release_stream(request_id)
             yield item
             if item.finished:
                 return
@@ -98,7 +99,7 @@ class DecodeWorker(WorkerBase):
         except queue.Empty:
             pass
         if items and items[-1].finished:
-            self._owner.call(lambda: self._forget_stream(request_id))
+            self._release_stream(request_id)
         return items
 
     def abort(self, request_id: str) -> bool:
@@ -185,6 +186,13 @@ class DecodeWorker(WorkerBase):
                 self.engine.abort(rid)
                 self.connector.forget(rid)
                 self._fail(rid, ErrorKind.TRANSFER_FAILED, f"KV transfer for {rid} failed")
+
+    def _release_stream(self, request_id: str) -> None:
+        """A reader got a stream's last item (any thread): the stream is forgotten."""
+        try:
+            self._owner.call(lambda: self._forget_stream(request_id))
+        except Stopped:  # the worker has stopped: its streams went with it
+            pass
 
     def _forget_stream(self, request_id: str) -> None:
         self._streams.pop(request_id, None)

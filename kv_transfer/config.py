@@ -1,7 +1,7 @@
 """Frozen KV transfer configuration."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 BACKENDS = ("torch_dist", "object_store", "local")
 
@@ -18,8 +18,10 @@ class TransferConfig:
         port: port of that rendezvous; 0 picks a free one.
     """
 
-    backend: str = "torch_dist"
-    timeout_s: float = 30.0
+    backend: str = field(default="torch_dist", metadata={"flag": "--transfer-backend", "choices": BACKENDS,
+                                                         "help": "how KV moves between workers"})
+    timeout_s: float = field(default=30.0, metadata={"flag": "--transfer-timeout",
+                                                     "help": "seconds before a KV transfer fails"})
     host: str | None = None
     port: int = 0
 

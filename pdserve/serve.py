@@ -40,16 +40,17 @@ class ServeConfig:
         api_keys: keys clients must send (empty: no authentication); never printed.
     """
 
-    engine: EngineConfig = field(default_factory=EngineConfig)
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(compile=True))  # a server runs long: it pays
     transfer: TransferConfig = field(default_factory=TransferConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
-    address: str | None = None
-    num_prefill: int = 1
-    num_decode: int = 1
-    cpus_per_worker: float = 1.0
-    host: str = "127.0.0.1"
-    http_port: int = 8000
-    grpc_port: int = 50051
+    address: str | None = field(default=None, metadata={
+        "help": "Ray cluster to join: auto, HOST:PORT or ray://HOST:PORT (default: start a local one)"})
+    num_prefill: int = field(default=1, metadata={"flag": "--prefill", "help": "prefill workers (0: local prefill only)"})
+    num_decode: int = field(default=1, metadata={"flag": "--decode", "help": "decode workers (>= 1)"})
+    cpus_per_worker: float = field(default=1.0, metadata={"help": "Ray CPUs each worker claims"})
+    host: str = field(default="127.0.0.1", metadata={"help": "interface to bind (0.0.0.0 exposes the server)"})
+    http_port: int = field(default=8000, metadata={"help": "OpenAI-compatible HTTP port (0: any free)"})
+    grpc_port: int = field(default=50051, metadata={"help": "gRPC port (0: any free)"})
     api_keys: frozenset[str] = field(default=frozenset(), repr=False)
 
     def __post_init__(self) -> None:

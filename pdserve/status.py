@@ -221,9 +221,10 @@ def _nodes() -> list[dict]:
 
 
 # -- text ------------------------------------------------------------------------------------------
-def status_json(status: dict) -> str:
+def status_json(status: dict, indent: int | None = 2) -> str:
     """`cluster_status` as JSON (load reports as objects of their fields)."""
-    return json.dumps(status, indent=2, default=lambda o: dataclasses.asdict(o) if isinstance(o, LoadReport) else str(o))
+    return json.dumps(status, indent=indent,
+                      default=lambda o: dataclasses.asdict(o) if isinstance(o, LoadReport) else str(o))
 
 
 def _load_text(pool: str, load: LoadReport | None) -> str:

@@ -1,9 +1,12 @@
-"""Frozen router configuration: placement policy, latency targets, admission limits."""
+"""Frozen router configuration: placement policy, latency targets, admission limits. Fields with `metadata`
+are `pdserve serve` flags (`pdserve.flags`): their help lives here, next to their default."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from router.policy import POLICIES
+
+ON_PREFILL_FAILURE = ("retry", "local", "fail")
 
 
 @dataclass(frozen=True)
@@ -29,17 +32,25 @@ class RouterConfig:
         max_migrations: most times one request moves to another decode worker after one died mid-stream.
     """
 
-    policy: str = "ratio"
-    ttft_target_s: float = 2.0
-    tpot_target_s: float = 0.15
-    max_queued: int = 256
-    queue_timeout_s: float = 30.0
-    served_model_name: str | None = None
+    policy: str = field(default="ratio", metadata={"choices": POLICIES, "help": "placement policy"})
+    ttft_target_s: float = field(default=2.0, metadata={"flag": "--ttft-target",
+                                                        "help": "TTFT target the ratio policy plans for, s"})
+    tpot_target_s: float = field(default=0.15, metadata={"flag": "--tpot-target",
+                                                         "help": "time-per-output-token target, s"})
+    max_queued: int = field(default=256, metadata={"help": "requests that may wait for room before 429"})
+    queue_timeout_s: float = field(default=30.0, metadata={"flag": "--queue-timeout",
+                                                           "help": "longest wait for room before 429, s"})
+    served_model_name: str | None = field(default=None, metadata={
+        "help": "model id clients use (default: the model directory's name)"})
     load_poll_s: float = 1.0
-    default_max_tokens: int = 1024
-    on_prefill_failure: str = "retry"
-    max_attempts: int = 3
-    max_migrations: int = 2
+    default_max_tokens: int = field(default=1024, metadata={
+        "help": "output limit of chat / gRPC requests that set none (cut to the room left in the context)"})
+    on_prefill_failure: str = field(default="retry", metadata={
+        "choices": ON_PREFILL_FAILURE, "help": "a prefill worker died or a KV transfer failed before the first token: "
+        "retry on another prefill worker (local prefill when none is healthy), prefill locally, or fail the request"})
+    max_attempts: int = field(default=3, metadata={"help": "most placements of one request before it fails"})
+    max_migrations: int = field(default=2, metadata={
+        "help": "most moves of one request to another decode worker after one died mid-stream"})
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -47,8 +58,9 @@ class RouterConfig:
         for name in ("ttft_target_s", "tpot_target_s", "queue_timeout_s", "load_poll_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
-        if self.on_prefill_failure not in ("retry", "local", "fail"):
-            raise ValueError(f"on_prefill_failure must be one of retry, local, fail; got {self.on_prefill_failure!r}")
+        if self.on_prefill_failure not in ON_PREFILL_FAILURE:
+            raise ValueError(f"on_prefill_failure must be one of {', '.join(ON_PREFILL_FAILURE)}; "
+                             f"got {self.on_prefill_failure!r}")
         if not isinstance(self.max_attempts, int) or self.max_attempts < 1:
             raise ValueError(f"max_attempts must be an integer >= 1, got {self.max_attempts!r}")
         if not isinstance(self.max_migrations, int) or self.max_migrations < 0:

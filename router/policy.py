@@ -256,11 +256,12 @@ class RatioPolicy(Policy):
         cost: the measured cost model.
         ttft_target_s: time-to-first-token SLO, seconds (> 0).
         tpot_target_s: time-per-output-token SLO, seconds (> 0).
+    Their defaults are `RouterConfig`'s.
     """
 
     name = "ratio"
 
-    def __init__(self, cost: CostModel, ttft_target_s: float = 2.0, tpot_target_s: float = 0.15) -> None:
+    def __init__(self, cost: CostModel, ttft_target_s: float, tpot_target_s: float) -> None:
         for field, value in (("ttft_target_s", ttft_target_s), ("tpot_target_s", tpot_target_s)):
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{field} must be a finite number > 0, got {value!r}")
@@ -291,10 +292,14 @@ class RatioPolicy(Policy):
         return Placement(best.path, best.prefill, best.decode, reason, best.ttft_s, best.tpot_s, detail)
 
 
-def make_policy(name: str, cost: CostModel, ttft_target_s: float = 2.0, tpot_target_s: float = 0.15) -> Policy:
-    """Args: name: one of POLICIES. cost: the measured cost model. ttft_target_s / tpot_target_s: SLOs (ratio).
-    Returns: the policy. Raises: ValueError for an unknown name, listing the allowed ones."""
+def make_policy(name: str, cost: CostModel, ttft_target_s: float | None = None,
+                tpot_target_s: float | None = None) -> Policy:
+    """Args: name: one of POLICIES. cost: the measured cost model. ttft_target_s / tpot_target_s: SLOs
+    (the ratio policy needs them; `RouterConfig` holds their defaults).
+    Returns: the policy. Raises: ValueError for an unknown name (listing the allowed ones), or ratio without targets."""
     if name == "ratio":
+        if ttft_target_s is None or tpot_target_s is None:
+            raise ValueError("the ratio policy needs its TTFT and TPOT targets")
         return RatioPolicy(cost, ttft_target_s, tpot_target_s)
     fixed = {"always_remote": AlwaysRemotePolicy, "always_local": AlwaysLocalPolicy, "round_robin": RoundRobinPolicy}
     if name not in fixed:

@@ -242,8 +242,8 @@ class RouterStream:
         """A stream's error item: raises what the router does about it, by its kind."""
         if error.kind == ErrorKind.TRANSFER_FAILED and not got_any:  # the KV never landed: start again
             raise _WorkerFailure("prefill", error.message, dead=False, kind=error.kind)
-        if error.kind == ErrorKind.WORKER_STOPPING:  # place it again; a started stream migrates
-            raise _WorkerFailure("decode", error.message, dead=False, kind=error.kind)
+        if error.kind == ErrorKind.WORKER_STOPPING:  # gone for new work: place it again; a started stream migrates
+            raise _WorkerFailure("decode", error.message, dead=True, kind=error.kind)
         raise RequestFailed(f"request {self.request_id}: {error.message}", error.kind)
 
     def _on_item(self, item: StreamItem, b: Booking, dispatched: float) -> bool:

@@ -104,8 +104,8 @@ def sigterm(proc: subprocess.Popen) -> int | None:
 
 def status_of(address: str) -> tuple[dict, str]:
     """`cluster_status` and `format_status` from a fresh process (a Ray driver connects once per process)."""
-    code = ("import json, sys; from pdserve.status import cluster_status, format_status; "
-            "s = cluster_status(sys.argv[1]); print(format_status(s)); print(json.dumps(s))")
+    code = ("import sys; from pdserve.status import cluster_status, format_status, status_json; "
+            "s = cluster_status(sys.argv[1]); print(format_status(s)); print(status_json(s, indent=None))")
     res = subprocess.run([sys.executable, "-c", code, address], check=False, capture_output=True, text=True,
                          timeout=120, env=ENV, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -147,7 +147,7 @@ def test_serve_on_an_existing_cluster_places_pools_by_node_resources(cluster, tm
         for pool in ("prefill", "decode"):
             w = live[pool]
             assert w["node_id"] == nodes[pool]["node_id"], f"the {pool} worker is not on the {pool} node"
-            assert w["healthy"] is True and w["load"].num_blocks > 0, w
+            assert w["healthy"] is True and w["load"]["num_blocks"] > 0, w
             assert nodes[pool]["resources"][f"{pool}_pool"] == {"total": 1.0, "available": 0.0}
         assert (live["prefill"]["worker_id"], live["decode"]["worker_id"]) == (timings.prefill_worker,
                                                                                timings.decode_worker)

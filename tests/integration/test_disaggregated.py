@@ -11,23 +11,19 @@ from engine import CacheConfig, EngineConfig, SamplingParams
 from kv_transfer import TransferConfig
 from router.pools import add_worker, create_pools
 from tests.conftest import greedy_reference, random_prompt, tiny_model
+from tests.integration.conftest import saved_tiny_model
 from tests.integration.direct_driver import Orchestrator
 from worker_core.protocol import ErrorKind
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    ref = tiny_model("llama", seed=3)
-    path = tmp_path_factory.mktemp("tiny-llama")
-    ref.save_pretrained(path)
-    ray.init(num_cpus=2, resources={"prefill_pool": 4, "decode_pool": 4}, include_dashboard=False,
-             log_to_driver=False)
-    cfg = EngineConfig(model=str(path), dtype="float32", num_threads=1, cache=CacheConfig(memory_gib=0.02))
+def cluster(ray_cluster, tmp_path_factory):
+    ref, path = saved_tiny_model(tmp_path_factory, "llama", seed=3)
+    cfg = EngineConfig(model=path, dtype="float32", num_threads=1, cache=CacheConfig(memory_gib=0.02))
     transfer = TransferConfig(backend="torch_dist", timeout_s=20, host="127.0.0.1")
     pools = create_pools(2, 1, cfg, transfer, num_cpus=0)
     yield ref, pools, cfg, transfer
     pools.shutdown()
-    ray.shutdown()
 
 
 def assert_all_free(pools) -> None:

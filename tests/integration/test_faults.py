@@ -17,19 +17,16 @@ from router.config import RouterConfig
 from router.pools import create_pools, replace_worker
 from router.service import Router
 from router.types import GenerateRequest, RequestFailed
-from tests.conftest import greedy_reference, random_prompt, tiny_model
+from tests.conftest import greedy_reference, random_prompt
+from tests.integration.conftest import saved_tiny_model
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    ref = tiny_model("qwen2", seed=9)
-    path = tmp_path_factory.mktemp("tiny-qwen2-faults")
-    ref.save_pretrained(path)
-    ray.init(num_cpus=2, resources={"prefill_pool": 4, "decode_pool": 4}, include_dashboard=False,
-             log_to_driver=False)
-    cfg = EngineConfig(model=str(path), dtype="float32", num_threads=1, max_num_seqs=16,
+def cluster(ray_cluster, tmp_path_factory):
+    ref, path = saved_tiny_model(tmp_path_factory, "qwen2", seed=9)
+    cfg = EngineConfig(model=path, dtype="float32", num_threads=1, max_num_seqs=16,
                        cache=CacheConfig(memory_gib=0.004))
     transfer = TransferConfig(backend="torch_dist", timeout_s=5, host="127.0.0.1")
     pools = create_pools(2, 2, cfg, transfer, num_cpus=0)
@@ -41,7 +38,6 @@ def cluster(tmp_path_factory):
 
     yield ref, pools, infos, cost, path, respawn
     pools.shutdown()
-    ray.shutdown()
 
 
 def make_router(cluster, **kw) -> Router:
@@ -115,7 +111,11 @@ def test_killed_prefill_worker_requests_retry_and_match(cluster):
     assert_all_free(pools)
 
 
-def test_killed_decode_worker_mid_stream_migrates_without_losing_a_token(cluster):
+@pytest.mark.parametrize("how", ["killed", "stopped"])
+def test_a_decode_worker_lost_mid_stream_hands_its_streams_on_without_losing_a_token(cluster, how):
+    """Killed: the router sees the actor die. Stopped (a graceful shutdown): the worker ends its streams
+    with WORKER_STOPPING. Either way the router moves them to the other decode worker, which continues
+    each where it stopped."""
     ref, pools = cluster[0], cluster[1]
     prompts = [random_prompt(20 + 3 * i, seed=200 + i) for i in range(6)]
     n = 300
@@ -129,8 +129,13 @@ def test_killed_decode_worker_mid_stream_migrates_without_losing_a_token(cluster
             await asyncio.sleep(0.01)
         victim = next(v[1] for v in progress.values() if v[0] >= 20).decode.worker_id
         index = [s.worker_id for s in router.book.decode].index(victim)
-        kill(pools.decode[index])
+        if how == "killed":
+            kill(pools.decode[index])
+        else:
+            await asyncio.wait_for(pools.decode[index].shutdown.remote(), 30)
         results = await asyncio.wait_for(asyncio.gather(*tasks), 180)
+        if how == "stopped":
+            ray.kill(pools.decode[index])  # a stopped worker is then replaced like a dead one
         await settle(router)
         await router.stop_polling()
         return router, results

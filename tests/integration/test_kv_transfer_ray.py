@@ -57,14 +57,7 @@ class Worker:
 
 
 @pytest.fixture(scope="module")
-def cluster() -> None:
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def dist_workers(cluster: None) -> tuple:
+def dist_workers(ray_cluster: None) -> tuple:
     p1, p2 = Worker.remote("torch_dist", "prefill-1", 1), Worker.remote("torch_dist", "prefill-2", 2)
     d = Worker.remote("torch_dist", "decode-1", 3)
     yield p1, p2, d
@@ -107,7 +100,7 @@ def test_torch_dist_two_senders_one_receiver(dist_workers: tuple) -> None:
     _check(p1, d, "req-c", [4, 5, 6], [10, 11, 12])
 
 
-def test_object_store_moves_30_layers(cluster: None) -> None:
+def test_object_store_moves_30_layers(ray_cluster: None) -> None:
     p, d = Worker.remote("object_store", "os-prefill", 4), Worker.remote("object_store", "os-decode", 5)
     try:
         src, dst = [2, 4, 6], [1, 3, 0]

@@ -14,17 +14,14 @@ from router.config import RouterConfig
 from router.pools import create_pools
 from router.service import Router
 from router.types import GenerateRequest, OverloadedError
-from tests.conftest import greedy_reference, random_prompt, tiny_model
+from tests.conftest import greedy_reference, random_prompt
+from tests.integration.conftest import saved_tiny_model
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    ref = tiny_model("llama", seed=5)
-    path = tmp_path_factory.mktemp("tiny-llama-router")
-    ref.save_pretrained(path)
-    ray.init(num_cpus=2, resources={"prefill_pool": 2, "decode_pool": 2}, include_dashboard=False,
-             log_to_driver=False)
-    cfg = EngineConfig(model=str(path), dtype="float32", num_threads=1, max_num_seqs=8,
+def cluster(ray_cluster, tmp_path_factory):
+    ref, path = saved_tiny_model(tmp_path_factory, "llama", seed=5)
+    cfg = EngineConfig(model=path, dtype="float32", num_threads=1, max_num_seqs=8,
                        cache=CacheConfig(memory_gib=0.004))
     pools = create_pools(1, 1, cfg, TransferConfig(backend="torch_dist", timeout_s=20, host="127.0.0.1"),
                          num_cpus=0)
@@ -32,7 +29,6 @@ def cluster(tmp_path_factory):
     cost = asyncio.run(calibrate(pools, infos[1]))
     yield ref, pools, infos, cost, path
     pools.shutdown()
-    ray.shutdown()
 
 
 def make_router(cluster, **kw) -> Router:

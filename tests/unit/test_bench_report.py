@@ -1,7 +1,7 @@
 """BENCHMARKS.md keeps one engine section per machine class: writing one leaves the others."""
 from __future__ import annotations
 
-from pdserve.bench_report import markers, write_report
+from pdserve.bench.report import markers, write_report
 
 
 def test_each_machine_class_has_its_own_section(tmp_path):

@@ -355,6 +355,8 @@ def test_dockerfile_builds_what_the_deployment_needs(flavor):
     packages = [p.rstrip("*") for p in project["tool"]["setuptools"]["packages"]["find"]["include"]]
     copied = {r.split()[0].rstrip("/") for w, r in ins if w == "COPY"}
     assert set(packages) <= copied, f"not copied into the image: {set(packages) - copied}"
+    assert "['optional-dependencies']['fetch']" in text, "`pdserve model fetch` runs in the image"
+    assert "['bench']" not in text and "matplotlib" not in text, "the image serves: no benchmark dependencies"
     if flavor == "cuda":
         assert "['optional-dependencies']['gpu']" in text and '-e ".[gpu]"' in text and "--device cuda" in text
     else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -120,4 +121,24 @@ def test_fetch_is_idempotent_without_network(monkeypatch: pytest.MonkeyPatch) ->
         raise AssertionError("must not download when the model is present")
 
     monkeypatch.setattr(model_store, "_download_gguf", boom)
+    assert model_store.fetch_default_model(log=lambda _: None) == d
+
+
+@pytest.mark.parametrize("absent", ["gguf", "accelerate"])
+def test_fetch_without_the_fetch_extra_names_it(monkeypatch: pytest.MonkeyPatch, absent: str) -> None:
+    monkeypatch.setitem(sys.modules, absent, None)  # import fails as if not installed
+
+    def boom(*_: object) -> None:
+        raise AssertionError("must not download without the packages to convert it")
+
+    monkeypatch.setattr(model_store, "_download_gguf", boom)
+    with pytest.raises(ModelError) as e:
+        model_store.fetch_default_model(log=lambda _: None)
+    assert absent in str(e.value) and "pip install 'pdserve[fetch]'" in str(e.value)
+
+
+def test_a_fetched_model_needs_no_fetch_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    d = _tiny_model_dir(default_model_dir())
+    monkeypatch.setitem(sys.modules, "gguf", None)
+    monkeypatch.setitem(sys.modules, "accelerate", None)
     assert model_store.fetch_default_model(log=lambda _: None) == d

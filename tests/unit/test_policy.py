@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from router.config import RouterConfig
 from router.cost_model import CostModel, LinearFit, OutputLengthEstimator
 from router.policy import (
     POLICIES,
@@ -36,6 +37,7 @@ def measured_cost(bandwidth: float = 200e6, step_scale: float = 1.0) -> CostMode
 
 
 COST = measured_cost()
+TARGETS = (RouterConfig().ttft_target_s, RouterConfig().tpot_target_s)  # the router's defaults
 
 
 def req(prompt: int, out: int, max_tokens: int | None = None) -> RequestFeatures:
@@ -61,7 +63,7 @@ def switch_point(policy: RatioPolicy, out: int, running: int = 0, limit: int = 4
 
 @pytest.mark.parametrize("running", [0, 3, 12])
 def test_long_prompt_short_output_goes_remote(running: int) -> None:
-    pl = RatioPolicy(COST).place(req(2000, 20), pools(decode=[dec(running)]))
+    pl = RatioPolicy(COST, *TARGETS).place(req(2000, 20), pools(decode=[dec(running)]))
     assert (pl.path, pl.prefill, pl.decode, pl.reason) == ("remote", 0, 0, "cheapest_remote")
     assert "local" in pl.detail  # the losing path is reported too
     assert pl.est_tpot_s == pytest.approx(COST.step_s(running + 1))
@@ -69,36 +71,36 @@ def test_long_prompt_short_output_goes_remote(running: int) -> None:
 
 @pytest.mark.parametrize("running", [0, 1])
 def test_short_prompt_long_output_goes_local(running: int) -> None:
-    pl = RatioPolicy(COST).place(req(20, 500), pools(decode=[dec(running)]))
+    pl = RatioPolicy(COST, *TARGETS).place(req(20, 500), pools(decode=[dec(running)]))
     assert (pl.path, pl.prefill, pl.decode, pl.reason) == ("local", None, 0, "cheapest_local")
-    assert pl.est_ttft_s < RatioPolicy(COST).place(req(2000, 500), pools(decode=[dec(running)])).est_ttft_s
+    assert pl.est_ttft_s < RatioPolicy(COST, *TARGETS).place(req(2000, 500), pools(decode=[dec(running)])).est_ttft_s
 
 
 def test_busy_decode_batch_pushes_short_prompt_remote() -> None:
     # the local stall is charged to every running sequence, so a bigger batch makes local dearer
-    policy = RatioPolicy(COST)
+    policy = RatioPolicy(COST, *TARGETS)
     assert policy.place(req(20, 500), pools(decode=[dec(0)])).path == "local"
     assert policy.place(req(20, 500), pools(decode=[dec(16)])).path == "remote"
     assert switch_point(policy, 500, running=4) < switch_point(policy, 500, running=0)
 
 
 def test_switch_point_follows_transfer_bandwidth() -> None:
-    fast = switch_point(RatioPolicy(measured_cost(bandwidth=200e6)), 500)
-    slow = switch_point(RatioPolicy(measured_cost(bandwidth=10e6)), 500)
+    fast = switch_point(RatioPolicy(measured_cost(bandwidth=200e6), *TARGETS), 500)
+    slow = switch_point(RatioPolicy(measured_cost(bandwidth=10e6), *TARGETS), 500)
     assert fast is not None and slow is not None
     assert 1 < fast < slow < 4000
 
 
 def test_switch_point_follows_decode_step_cost() -> None:
-    base = switch_point(RatioPolicy(COST), 500)
-    slow_steps = switch_point(RatioPolicy(measured_cost(step_scale=2.0)), 500)
-    fast_steps = switch_point(RatioPolicy(measured_cost(step_scale=0.5)), 500)
+    base = switch_point(RatioPolicy(COST, *TARGETS), 500)
+    slow_steps = switch_point(RatioPolicy(measured_cost(step_scale=2.0), *TARGETS), 500)
+    fast_steps = switch_point(RatioPolicy(measured_cost(step_scale=0.5), *TARGETS), 500)
     assert None not in (base, slow_steps, fast_steps)
     assert fast_steps < base < slow_steps  # slower steps hide a local prefill's stall better
 
 
 def test_switch_point_follows_output_length() -> None:
-    policy = RatioPolicy(COST)
+    policy = RatioPolicy(COST, *TARGETS)
     assert switch_point(policy, 100) < switch_point(policy, 500) < switch_point(policy, 2000)
 
 
@@ -120,7 +122,7 @@ def test_ratio_estimates_follow_the_documented_formula() -> None:
 def test_loaded_prefill_worker_is_avoided() -> None:
     state = pools([PrefillLoad("busy", 20_000), PrefillLoad("idle", 100)])
     for name in ("ratio", "always_remote"):
-        pl = make_policy(name, COST).place(req(2000, 20), state)
+        pl = make_policy(name, COST, *TARGETS).place(req(2000, 20), state)
         assert (pl.path, pl.prefill) == ("remote", 1), name
 
 
@@ -128,17 +130,17 @@ def test_loaded_decode_worker_is_avoided() -> None:
     state = pools(decode=[dec(30, wid="busy"), dec(1, wid="light")])
     for name in ("ratio", "always_remote", "always_local"):
         for r in (req(2000, 20), req(20, 500)):
-            assert make_policy(name, COST).place(r, state).decode == 1, (name, r)
+            assert make_policy(name, COST, *TARGETS).place(r, state).decode == 1, (name, r)
     # same batch: the one with more free blocks
     state = pools(decode=[dec(2, free=200), dec(2, free=5000)])
-    assert RatioPolicy(COST).place(req(2000, 20), state).decode == 1
+    assert RatioPolicy(COST, *TARGETS).place(req(2000, 20), state).decode == 1
 
 
 def test_decode_worker_without_room_is_never_chosen() -> None:
     # prompt 1000 + max_tokens 600 = 1600 tokens = 100 blocks of 16; worker 0 is idle but has 99
     state = pools(decode=[dec(0, free=99), dec(25, free=100)])
     for name in POLICIES:
-        policy = make_policy(name, COST)
+        policy = make_policy(name, COST, *TARGETS)
         for _ in range(3):
             assert policy.place(req(1000, 20, max_tokens=600), state).decode == 1, name
 
@@ -147,16 +149,16 @@ def test_decode_worker_without_room_is_never_chosen() -> None:
 def test_all_full_raises_no_capacity(name: str) -> None:
     state = pools(decode=[dec(0, free=10), dec(0, free=99)])
     with pytest.raises(NoCapacity, match="max_tokens 600"):
-        make_policy(name, COST).place(req(1000, 20, max_tokens=600), state)
+        make_policy(name, COST, *TARGETS).place(req(1000, 20, max_tokens=600), state)
     with pytest.raises(NoCapacity):
-        make_policy(name, COST).place(req(20, 20), pools(decode=[]))
+        make_policy(name, COST, *TARGETS).place(req(20, 20), pools(decode=[]))
 
 
 @pytest.mark.parametrize("name", POLICIES)
 def test_unhealthy_workers_are_skipped(name: str) -> None:
     state = pools([PrefillLoad("down", 0, healthy=False), PrefillLoad("up", 50_000)],
                   [dec(0, wid="down", healthy=False), dec(20, wid="up")])
-    policy = make_policy(name, COST)
+    policy = make_policy(name, COST, *TARGETS)
     for r in (req(2000, 20), req(20, 500), req(300, 100)):
         pl = policy.place(r, state)
         assert pl.decode == 1 and pl.prefill in (None, 1), (name, pl)
@@ -168,7 +170,7 @@ def test_unhealthy_workers_are_skipped(name: str) -> None:
 def test_no_prefill_worker_falls_back_to_local(prefill: list[PrefillLoad]) -> None:
     state = pools(prefill, [dec()])
     for name in ("always_remote", "ratio"):
-        pl = make_policy(name, COST).place(req(2000, 20), state)
+        pl = make_policy(name, COST, *TARGETS).place(req(2000, 20), state)
         assert (pl.path, pl.prefill, pl.reason) == ("local", None, "no_prefill_worker"), name
 
 
@@ -187,7 +189,7 @@ def test_make_policy() -> None:
     assert POLICIES == ("ratio", "always_remote", "always_local", "round_robin")
     kinds = (RatioPolicy, AlwaysRemotePolicy, AlwaysLocalPolicy, RoundRobinPolicy)
     for name, kind in zip(POLICIES, kinds, strict=True):
-        policy = make_policy(name, COST)
+        policy = make_policy(name, COST, *TARGETS)
         assert isinstance(policy, kind) and policy.name == name
     ratio = make_policy("ratio", COST, ttft_target_s=0.5, tpot_target_s=0.1)
     assert (ratio.ttft_target_s, ratio.tpot_target_s) == (0.5, 0.1)
@@ -195,7 +197,9 @@ def test_make_policy() -> None:
         make_policy("fastest", COST)
     assert "fastest" in str(err.value) and all(n in str(err.value) for n in POLICIES)
     with pytest.raises(ValueError, match="ttft_target_s"):
-        RatioPolicy(COST, ttft_target_s=0)
+        RatioPolicy(COST, ttft_target_s=0, tpot_target_s=TARGETS[1])
+    with pytest.raises(ValueError, match="needs its TTFT and TPOT targets"):
+        make_policy("ratio", COST)
 
 
 def test_invalid_inputs_name_the_field() -> None:

@@ -11,7 +11,7 @@ from router.config import RouterConfig
 def parse(argv: list[str]):
     parser = build_parser()
     args = parser.parse_args(argv)
-    return _apply_yaml(parser, args, argv) if args.config else args
+    return _apply_yaml(args, argv) if args.config else args
 
 
 def test_yaml_values_apply_and_flags_win(tmp_path):
@@ -23,11 +23,40 @@ def test_yaml_values_apply_and_flags_win(tmp_path):
     assert args.http_port == 9200  # the command line wins
 
 
-def test_yaml_unknown_key_is_named(tmp_path):
+def test_yaml_unknown_key_is_named_with_the_allowed_ones(tmp_path):
     cfg = tmp_path / "serve.yaml"
     cfg.write_text("polcy: ratio\n")
-    with pytest.raises(ValueError, match="polcy"):
+    with pytest.raises(ValueError, match="polcy") as e:
         parse(["serve", "--config", str(cfg)])
+    assert all(key in str(e.value) for key in ("'policy'", "'ttft_target'", "'kv_memory_gib'", "'api_key_file'"))
+
+
+def test_every_flag_default_and_help_comes_from_its_config_field(capsys):
+    """No number is restated in the CLI: a `serve` with no flags builds exactly `ServeConfig()` (threads
+    aside: one per Ray CPU), and `generate` a plain `EngineConfig()`."""
+    import dataclasses
+
+    from engine import EngineConfig
+    from pdserve import flags
+
+    served = flags.build(ServeConfig(), parse(["serve"]), flags.ENGINE + flags.SERVE)
+    assert served == ServeConfig()
+    assert served.engine.compile is True and served.router == RouterConfig()
+    generated = flags.build(ServeConfig(engine=EngineConfig()), build_parser().parse_args(["generate", "hi"]),
+                            flags.ENGINE).engine
+    assert generated == EngineConfig()
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    for path in flags.ENGINE + flags.SERVE:
+        f, _ = flags._field(ServeConfig(), path)
+        assert flags.flag_name(f) in help_text and " ".join(f.metadata["help"].split())[:30] in help_text, path
+    changed = parse(["serve", "--ttft-target", "0.5", "--kv-memory-gib", "2", "--prefill", "0", "--no-compile",
+                     "--transfer-backend", "object_store"])
+    cfg = flags.build(ServeConfig(), changed, flags.ENGINE + flags.SERVE)
+    assert (cfg.router.ttft_target_s, cfg.engine.cache.memory_gib, cfg.num_prefill, cfg.engine.compile,
+            cfg.transfer.backend) == (0.5, 2.0, 0, False, "object_store")
+    assert dataclasses.replace(cfg.engine.cache, memory_gib=1.0) == ServeConfig().engine.cache
 
 
 def test_yaml_must_be_a_mapping(tmp_path):
@@ -114,3 +143,20 @@ def test_a_ray_client_connection_that_fails_to_start_is_tried_again(monkeypatch,
         with pytest.raises(ConnectionAbortedError):
             serve._connect(cfg)
     assert seen == [address] * calls
+
+
+def test_a_field_becomes_a_flag_only_with_help_and_a_plain_type():
+    import argparse
+    from dataclasses import dataclass, field
+
+    from pdserve import flags
+
+    @dataclass(frozen=True)
+    class Odd:
+        silent: int = 1
+        listed: list = field(default_factory=list, metadata={"help": "a list"})
+
+    with pytest.raises(TypeError, match="no help text"):
+        flags.add_flags(argparse.ArgumentParser(), [("silent",)], Odd())
+    with pytest.raises(TypeError, match="cannot be a flag"):
+        flags.add_flags(argparse.ArgumentParser(), [("listed",)], Odd())

@@ -137,7 +137,8 @@ def _machine() -> str:
 
     cpus = os.cpu_count()
     try:
-        model = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
+        with open("/proc/cpuinfo") as f:
+            model = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
     except (OSError, StopIteration):
         model = platform.processor()
     return f"{cpus} cores ({model}), {platform.system()} {platform.release()}, Python {platform.python_version()}, " \
@@ -162,7 +163,7 @@ def run_report(args: argparse.Namespace) -> int:
         subprocess.run(["bash", "bench/setup_vllm.sh", args.vllm_venv], check=True)
     for kind in args.servers:
         bench_server(kind, workloads, args, out)
-    from pdserve.bench_serving_report import write_report
+    from pdserve.bench.serving_report import write_report
 
     write_report(out, args, workloads, _machine())
     return 0

@@ -86,14 +86,14 @@ def _killer(address: str, every_s: float, stop: threading.Event, kills: list) ->
     while not stop.wait(every_s):
         cls = ("PrefillWorker", "DecodeWorker")[turn % 2]
         turn += 1
-        res = subprocess.run([sys.executable, "-c", code, address, cls], capture_output=True, text=True,
-                             timeout=120, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+        res = subprocess.run([sys.executable, "-c", code, address, cls], check=False, capture_output=True,
+                             text=True, timeout=120, env={**os.environ, "RAY_AUTH_MODE": "disabled"})
         kills.append({"t": time.time(), "class": cls, "out": res.stdout.strip(), "ok": res.returncode == 0})
         print(f"[soak] killed {cls}: {res.stdout.strip() or res.stderr[-300:]}", file=sys.stderr, flush=True)
 
 
 def run_soak(args: argparse.Namespace) -> int:
-    from pdserve.bench_serving import _free_port, _machine, _stop, _wait_http
+    from pdserve.bench.serving import _free_port, _machine, _stop, _wait_http
 
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -122,7 +122,7 @@ def run_soak(args: argparse.Namespace) -> int:
         n = int(args.rate * args.minutes * 60)
         specs = build_workload(f"fixed:{args.prompt}:{args.output}", n, seed=1, vocab_size=49152)
 
-        async def drive():  # noqa: ANN202
+        async def drive():
             client = make_client("openai", base, model="model", timeout_s=300)
             try:
                 return await run_open_loop(client, specs, args.rate, 1, args.minutes * 60 + 60)
@@ -156,14 +156,15 @@ def _write_report(doc: dict, report: Path) -> None:
     errors = ", ".join(f"{k}: {v}" for k, v in s["errors_by_kind"].items()) or "none"
     rec = ", ".join(f"{k.split('=')[1]}: {v:.0f}" for k, v in doc["recoveries"].items()) or "none"
     rep = ", ".join(f"{k.split('=')[1]}: {v:.0f}" for k, v in doc["replacements"].items()) or "none"
-    lines = [MARK_START, "", f"Machine: {doc['machine']}. Command: `pdserve bench soak --minutes {doc['minutes']}` "
-             f"(`{doc['command']}`).", "",
-             "| minutes | rate (req/s) | prompt/output | sent | served | failed | worker kills | recoveries | "
-             "replaced | memory start → end (MiB) |", "|---:|---:|---|---:|---:|---:|---:|---|---|---|",
-             f"| {doc['minutes']} | {doc['rate']} | {doc['workload']} | {s['requests']['total']} | "
-             f"{s['requests']['ok']} | {s['requests']['errors']} ({errors}) | {len(doc['kills'])} | {rec} | {rep} | "
-             f"router {m['start']['router']:.0f} → {m['end']['router']:.0f}, workers {m['start']['workers']:.0f} → "
-             f"{m['end']['workers']:.0f} |", "", MARK_END]
+    lines = [MARK_START, "",
+             (f"Machine: {doc['machine']}. Command: `pdserve bench soak --minutes {doc['minutes']}` "
+              f"(`{doc['command']}`)."), "",
+             ("| minutes | rate (req/s) | prompt/output | sent | served | failed | worker kills | recoveries | "
+              "replaced | memory start → end (MiB) |"), "|---:|---:|---|---:|---:|---:|---:|---|---|---|",
+             (f"| {doc['minutes']} | {doc['rate']} | {doc['workload']} | {s['requests']['total']} | "
+              f"{s['requests']['ok']} | {s['requests']['errors']} ({errors}) | {len(doc['kills'])} | {rec} | {rep} | "
+              f"router {m['start']['router']:.0f} → {m['end']['router']:.0f}, workers {m['start']['workers']:.0f} → "
+              f"{m['end']['workers']:.0f} |"), "", MARK_END]
     text = "\n".join(lines)
     old = report.read_text() if report.exists() else ""
     if MARK_START in old and MARK_END in old:

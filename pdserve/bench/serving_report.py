@@ -21,8 +21,8 @@ def _docs(out: Path) -> list[dict]:
 
 
 def _open_table(docs: list[dict], workload: str) -> list[str]:
-    lines = ["| server | rate (req/s) | ok / sent | goodput (req/s) | TTFT p50 / p99 (s) | ITL p50 / p99 / max (s) | "
-             "TPOT p50 (s) | output tok/s |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [("| server | rate (req/s) | ok / sent | goodput (req/s) | TTFT p50 / p99 (s) | ITL p50 / p99 / max (s) | "
+              "TPOT p50 (s) | output tok/s |"), "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for doc in docs:
         if doc["meta"]["workload"] != workload:
             continue
@@ -73,9 +73,10 @@ def _plots(out: Path, docs: list[dict], workloads: list) -> list[str]:
 def write_report(out: Path, args: argparse.Namespace, workloads: list, machine: str) -> str:
     """Build the section, write it into the report file between the markers. Returns the section."""
     docs = _docs(out)
-    section = [MARK_START, "", f"Machine: {machine}. Model: `{Path(args.model_dir).name}`, {args.dtype}. "
-               f"Goodput targets: TTFT ≤ {args.ttft_target} s and TPOT ≤ {args.tpot_target} s. "
-               f"{args.num_requests} requests per run. Command: `make bench` (`pdserve bench report`).", ""]
+    section = [MARK_START, "", (f"Machine: {machine}. Model: `{Path(args.model_dir).name}`, {args.dtype}. "
+                                f"Goodput targets: TTFT ≤ {args.ttft_target} s and TPOT ≤ {args.tpot_target} s. "
+                                f"{args.num_requests} requests per run. Command: `make bench` (`pdserve bench report`)."),
+               ""]
     for w in workloads:
         parts = " + ".join(f"{p}/{o}" for p, o in w.parts)
         section += [f"**{w.name}** (prompt/output tokens: {parts}; open loop, Poisson)", ""]

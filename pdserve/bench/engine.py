@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from pdserve.bench_report import render, write_report
-from pdserve.cpu_watch import CpuMonitor
+from pdserve.bench.cpu_watch import CpuMonitor
+from pdserve.bench.report import render, write_report
 
 THREADS = 2
 WARM_LEN = 16  # prompt length of the warm-up before each decode workload

@@ -2,8 +2,9 @@
 
 On 2 cores, one busy process from someone else makes 2-thread torch runs 2-50× slower
 (threads wait on a descheduled sibling). `CpuMonitor` measures the CPU share other processes
-take (from /proc/stat minus this process's CPU time), waits for a quiet machine, and lets a
-workload abort early (`check`) so that it can be run again instead of being reported wrong.
+take (the machine's busy CPU time from psutil, minus this process's CPU time), waits for a quiet
+machine, and lets a workload abort early (`check`) so that it can be run again instead of being
+reported wrong.
 """
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import itertools
 import os
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
+
+import psutil
 
 Snapshot = tuple[float, float, float]  # wall clock, machine busy CPU seconds, this process's CPU seconds
 
@@ -21,9 +23,19 @@ class Contended(Exception):
     """Another process took too much CPU during a timed workload."""
 
 
+def _busy_seconds(times: Any) -> float:
+    """Machine-wide CPU seconds spent on anything but idle and iowait; steal counts as busy.
+
+    On Linux, guest time is already part of user and nice time, so it is not added again.
+    """
+    busy = times.user + times.system
+    for field in ("nice", "irq", "softirq", "steal"):
+        busy += getattr(times, field, 0.0)
+    return busy
+
+
 def _snapshot() -> Snapshot:
-    f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-    busy = (sum(f) - f[3] - f[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait (steal counts as busy)
+    busy = _busy_seconds(psutil.cpu_times())
     return time.perf_counter(), busy, time.process_time()
 
 

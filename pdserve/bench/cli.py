@@ -1,0 +1,76 @@
+"""`pdserve bench`: the benchmark sub-commands, their flags, and the dispatch to each benchmark."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+
+BENCH_PACKAGES = ("matplotlib", "numpy", "psutil")  # the `bench` extra
+
+
+def require_bench_extra() -> None:
+    """Raises ValueError naming the `bench` extra when one of its packages is not installed."""
+    missing = [name for name in BENCH_PACKAGES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ValueError(f"`pdserve bench` needs {', '.join(missing)}: install the bench extra "
+                         "(`pip install 'pdserve[bench]'`)")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    require_bench_extra()
+    if args.bench_cmd == "serve":
+        from loadtest.cli import run
+
+        return run(args)
+    if args.bench_cmd == "compare":
+        from loadtest.cli import run_compare
+
+        return run_compare(args)
+    if args.bench_cmd == "soak":
+        from pdserve.bench.soak import run_soak
+
+        return run_soak(args)
+    if args.bench_cmd == "report":
+        from pdserve.bench.serving import run_report
+
+        return run_report(args)
+    if args.bench_cmd == "phases":
+        from pdserve.bench.phases import run_phases
+
+        return run_phases(args)
+    from pdserve.bench.engine import run_engine_bench
+
+    run_engine_bench(args)
+    return 0
+
+
+def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Adds `bench` and its sub-commands to the `pdserve` sub-parsers `sub`."""
+    from engine.config import DTYPES, EngineConfig
+    from loadtest.cli import add_arguments as add_loadtest_arguments
+    from loadtest.cli import add_compare_arguments
+    from pdserve.bench.phases import add_arguments as add_phases_arguments
+    from pdserve.bench.serving import add_arguments as add_report_arguments
+    from pdserve.bench.soak import add_arguments as add_soak_arguments
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bsub = bench.add_subparsers(dest="bench_cmd", required=True)
+    eng = bsub.add_parser("engine", help="engine throughput vs transformers generate and this machine's limits")
+    eng.add_argument("--model", default=None)
+    eng.add_argument("--dtype", default=EngineConfig.dtype, choices=[d for d in DTYPES if d != "float16"],
+                     help="auto: what `pdserve serve` would choose here (default: %(default)s)")
+    eng.add_argument("--quick", action="store_true", help="smaller workloads (a smoke run)")
+    eng.add_argument("--no-compile", action="store_true", help="measure the eager decode path instead")
+    eng.add_argument("--out", default=None, help="JSON results (default: bench/results/engine-CLASS.json, CLASS "
+                     "this machine's class, e.g. avx2-fma)")
+    eng.add_argument("--report", default="BENCHMARKS.md")
+    add_loadtest_arguments(bsub.add_parser("serve", help="load-test a running server: pdserve (gRPC or HTTP) or "
+                                           "any OpenAI-compatible one; goodput under TTFT/TPOT targets"))
+    add_compare_arguments(bsub.add_parser("compare", help="goodput vs rate of several load-test results, one chart"))
+    add_phases_arguments(bsub.add_parser("phases", help="prefill vs decode time over a grid of lengths on a "
+                                         "running pdserve, next to the cost model's prediction"))
+    add_report_arguments(bsub.add_parser("report", help="the serving report: pdserve (ratio, always_remote, "
+                                         "colocated) and vLLM-CPU under three workloads, into BENCHMARKS.md"))
+    add_soak_arguments(bsub.add_parser("soak", help="steady load for --minutes while worker processes are killed: "
+                                       "served, failed, migrated, memory"))
+    bench.set_defaults(func=cmd_bench)
+    return bench

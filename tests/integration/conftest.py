@@ -1,0 +1,28 @@
+"""Fixtures the integration tests share: one local Ray cluster per test module, with both pools'
+resources, and tiny random models saved where workers can load them."""
+from __future__ import annotations
+
+import pytest
+import ray
+from transformers import PreTrainedModel
+
+from router.pools import DECODE_RESOURCE, PREFILL_RESOURCE
+from tests.conftest import tiny_model
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> None:
+    """A local Ray for one test module: 2 CPUs and room for 4 workers per pool (workers claim no
+    CPU: `num_cpus=0`). Shut down after the module, with every actor it started."""
+    ray.init(num_cpus=2, resources={PREFILL_RESOURCE: 4, DECODE_RESOURCE: 4}, include_dashboard=False,
+             log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def saved_tiny_model(tmp_path_factory: pytest.TempPathFactory, arch: str, seed: int) -> tuple[PreTrainedModel, str]:
+    """A tiny random model (the oracle) and the directory it is saved in (what workers load)."""
+    ref = tiny_model(arch, seed=seed)
+    path = tmp_path_factory.mktemp(f"tiny-{arch}")
+    ref.save_pretrained(path)
+    return ref, str(path)
