@@ -125,13 +125,11 @@ class DecodeWorker(WorkerBase):
         return self._owner.call(lambda: [time_decode_step(self.engine, b, context, steps, seed=i)
                                          for i, b in enumerate(batches)])
 
-    def load(self) -> LoadReport:
+    def _load_now(self) -> LoadReport:
         """Free KV blocks, total blocks, running and reserved sequences."""
-        def do() -> LoadReport:
-            bm, sched = self.engine.block_manager, self.engine.scheduler
-            return LoadReport(bm.num_free_blocks, bm.num_blocks, running=len(sched.running) + len(sched.waiting),
-                              receiving=len(sched.receiving))
-        return self._owner.call(do)
+        bm, sched = self.engine.block_manager, self.engine.scheduler
+        return LoadReport(bm.num_free_blocks, bm.num_blocks, running=len(sched.running) + len(sched.waiting),
+                          receiving=len(sched.receiving))
 
     # -- engine loop thread ------------------------------------------------------------------------
     def _work(self) -> bool:
@@ -200,8 +198,11 @@ class DecodeWorker(WorkerBase):
 
     def _emit(self, request_id: str, item: StreamItem) -> None:
         q = self._streams.get(request_id)
-        if q is not None:
-            q.put(item)
+        if q is None:
+            return
+        if item.finished:
+            self._publish_load()  # its blocks are back in the pool before its caller hears that it ended
+        q.put(item)
 
     def _fail(self, request_id: str, kind: ErrorKind, message: str) -> None:
         self._emit(request_id, StreamItem.failed(kind, message))

@@ -45,8 +45,9 @@ class CommandQueue:
                 return
             fut.set_exception(self._closed)
 
-    def drain(self, wait_s: float = 0.0) -> None:
-        """Run every queued command; first wait up to `wait_s` for one when none is queued."""
+    def drain(self, wait_s: float = 0.0, after: Callable[[], None] | None = None) -> None:
+        """Run every queued command; first wait up to `wait_s` for one when none is queued. `after`
+        runs after each command, before its caller gets the result."""
         try:
             item = self._q.get(timeout=wait_s) if wait_s > 0 else self._q.get_nowait()
         except queue.Empty:
@@ -54,9 +55,17 @@ class CommandQueue:
         while True:
             fn, fut = item
             try:
-                fut.set_result(fn())
+                result = fn()
             except BaseException as e:  # the caller gets the error; the owning thread keeps serving
-                fut.set_exception(e)
+                result, error = None, e
+            else:
+                error = None
+            if after is not None:
+                after()
+            if error is None:
+                fut.set_result(result)
+            else:
+                fut.set_exception(error)
             try:
                 item = self._q.get_nowait()
             except queue.Empty:
@@ -71,11 +80,15 @@ class OwnerThread:
         work: one round of the owner's work; returns whether more is pending (then no idle wait).
         name: thread name.
         idle_wait_s: how long to wait for a command when idle.
+        after: runs on this thread after every command (before its caller gets the result) and after
+            every round: it publishes what other threads read without waiting (a worker's load).
     """
 
-    def __init__(self, work: Callable[[], bool], name: str, idle_wait_s: float = 0.002) -> None:
+    def __init__(self, work: Callable[[], bool], name: str, idle_wait_s: float = 0.002,
+                 after: Callable[[], None] | None = None) -> None:
         self.commands = CommandQueue()
         self._work = work
+        self._after = None if after is None else self._kept_alive(after, name)
         self._idle_wait_s = idle_wait_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -90,14 +103,25 @@ class OwnerThread:
         self._stop.set()
         self._thread.join(timeout=timeout_s)
 
+    @staticmethod
+    def _kept_alive(after: Callable[[], None], name: str) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                after()
+            except Exception:  # logged; the thread keeps serving
+                log.exception("%s: publishing its state failed", name)
+        return run
+
     def _run(self) -> None:
         busy = False
         while not self._stop.is_set():
-            self.commands.drain(0.0 if busy else self._idle_wait_s)
+            self.commands.drain(0.0 if busy else self._idle_wait_s, self._after)
             try:
                 busy = self._work()
             except Exception:  # the owner's own handler failed: keep serving commands (abort, shutdown)
                 log.exception("%s: a round of work failed", self._thread.name)
                 busy = False
-        self.commands.drain()  # what was queued before the stop still runs
+            if self._after is not None:
+                self._after()
+        self.commands.drain(after=self._after)  # what was queued before the stop still runs
         self.commands.close(f"{self._thread.name} has stopped")

@@ -39,8 +39,10 @@ def _generate_remote(args: argparse.Namespace) -> int:
 
     try:
         metadata = [("authorization", f"Bearer {args.api_key}")] if args.api_key else None
+        ca = _read_ca(args.tls_ca) if args.tls_ca else None
         for resp in generate_stream(args.server, args.prompt, not args.no_chat, args.max_tokens, args.temperature,
-                                    args.top_p, args.top_k, args.seed, args.stop or [], metadata=metadata):
+                                    args.top_p, args.top_k, args.seed, args.stop or [], metadata=metadata,
+                                    root_certificates=ca):
             sys.stdout.write(resp.text)
             sys.stdout.flush()
             if resp.finish_reason:
@@ -53,6 +55,14 @@ def _generate_remote(args: argparse.Namespace) -> int:
         print(f"\npdserve: error: {e.code().name}: {e.details()}", file=sys.stderr)
         return 2 if e.code() == grpc.StatusCode.INVALID_ARGUMENT else 1
     return 0
+
+
+def _read_ca(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise ValueError(f"tls_ca: cannot read {path}: {e.strerror or e}") from None
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -168,6 +178,8 @@ def build_parser(serve_defaults: dict | None = None) -> argparse.ArgumentParser:
                      "the engine in-process)")
     gen.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
                      help="API key for --server (default: $PDSERVE_API_KEY)")
+    gen.add_argument("--tls-ca", default=None, help="for --server over TLS: the PEM CA certificate (or the "
+                     "server's self-signed one) to trust")
     flags.add_flags(gen, flags.ENGINE, _generate_defaults())
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)

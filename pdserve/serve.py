@@ -17,11 +17,15 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine import EngineConfig
 from kv_transfer import TransferConfig
 from router.config import RouterConfig
 from worker_core.protocol import WorkerInfo
+
+if TYPE_CHECKING:
+    from router.tls import TlsFiles
 
 log = logging.getLogger("pdserve.serve")
 
@@ -37,6 +41,8 @@ class ServeConfig:
         cpus_per_worker: Ray CPUs each actor claims.
         host: interface both servers bind (loopback by default; 0.0.0.0 exposes them).
         http_port / grpc_port: their ports (0 picks a free one).
+        ssl_certfile / ssl_keyfile: TLS for both servers (both or neither); protect_metrics: /metrics
+            needs an API key too.
         api_keys: keys clients must send (empty: no authentication); never printed.
     """
 
@@ -51,6 +57,11 @@ class ServeConfig:
     host: str = field(default="127.0.0.1", metadata={"help": "interface to bind (0.0.0.0 exposes the server)"})
     http_port: int = field(default=8000, metadata={"help": "OpenAI-compatible HTTP port (0: any free)"})
     grpc_port: int = field(default=50051, metadata={"help": "gRPC port (0: any free)"})
+    ssl_certfile: str | None = field(default=None, metadata={
+        "help": "serve HTTPS and gRPC over TLS with this PEM certificate (chain); needs --ssl-keyfile"})
+    ssl_keyfile: str | None = field(default=None, metadata={"help": "the certificate's PEM private key"})
+    protect_metrics: bool = field(default=False, metadata={
+        "help": "with API keys, /metrics needs a key too (Prometheus then scrapes with a bearer token)"})
     api_keys: frozenset[str] = field(default=frozenset(), repr=False)
 
     def __post_init__(self) -> None:
@@ -63,6 +74,17 @@ class ServeConfig:
         for name in ("http_port", "grpc_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise ValueError(f"{name}: must be in [0, 65535] (0 = any free port), got {getattr(self, name)}")
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("ssl_certfile / ssl_keyfile: give both (a certificate and its key) or neither")
+
+    @property
+    def tls(self) -> TlsFiles | None:
+        """Both servers' TLS certificate and key; None: plaintext."""
+        if self.ssl_certfile is None or self.ssl_keyfile is None:
+            return None
+        from router.tls import TlsFiles
+
+        return TlsFiles(self.ssl_certfile, self.ssl_keyfile)
 
 
 _CLIENT_ATTEMPTS = 3  # a head node under load sometimes fails to start the per-client server once
@@ -123,6 +145,8 @@ async def serve(cfg: ServeConfig, ready: asyncio.Event | None = None, stop: asyn
     from router.pools import replace_worker
     from router.service import Router
 
+    if cfg.tls is not None:
+        cfg.tls.http_context()  # a bad certificate or key is refused before anything starts
     model_dir = resolve_model(cfg.engine.model)
     tokenizer = load_tokenizer(model_dir)
     _connect(cfg)
@@ -139,8 +163,10 @@ async def serve(cfg: ServeConfig, ready: asyncio.Event | None = None, stop: asyn
         router = Router(pools, p_infos, d_infos, tokenizer, model_dir, cfg.router, cost, respawn=respawn)
         await router.poll_once()
         router.start_polling()
-        http, http_port = await start_http_server(router, cfg.host, cfg.http_port, api_keys=cfg.api_keys)
-        grpc_server, grpc_port = await start_grpc_server(router, cfg.host, cfg.grpc_port, api_keys=cfg.api_keys)
+        http, http_port = await start_http_server(router, cfg.host, cfg.http_port, api_keys=cfg.api_keys, tls=cfg.tls,
+                                                  protect_metrics=cfg.protect_metrics)
+        grpc_server, grpc_port = await start_grpc_server(router, cfg.host, cfg.grpc_port, api_keys=cfg.api_keys,
+                                                         tls=cfg.tls)
         _announce(router, cfg, cost, http_port, grpc_port)
         stop = stop or asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -190,12 +216,14 @@ def _announce(router: object, cfg: ServeConfig, cost: object, http_port: int, gr
     print(f"[pdserve] cost model: {c}", file=sys.stderr)
     auth = " -H 'Authorization: Bearer $PDSERVE_API_KEY'" if cfg.api_keys else ""
     keys = f" ({len(cfg.api_keys)} API keys required)" if cfg.api_keys else ""
-    print(f"[pdserve] serving {name!r} with policy {cfg.router.policy}: HTTP http://{host}:{http_port}  "
-          f"gRPC {host}:{grpc_port}{keys}\n"
-          f"  curl http://{host}:{http_port}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
+    scheme, tls = ("https", " over TLS") if cfg.tls is not None else ("http", "")
+    ca = f" --tls-ca {cfg.ssl_certfile}" if cfg.tls is not None else ""
+    print(f"[pdserve] serving {name!r} with policy {cfg.router.policy}: HTTP {scheme}://{host}:{http_port}  "
+          f"gRPC {host}:{grpc_port}{tls}{keys}\n"
+          f"  curl {scheme}://{host}:{http_port}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
           f"-d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hello!\"}}], "
           f"\"max_tokens\": 32}}'\n"
-          f"  pdserve generate --server {host}:{grpc_port} \"Hello!\"", file=sys.stderr, flush=True)
+          f"  pdserve generate --server {host}:{grpc_port}{ca} \"Hello!\"", file=sys.stderr, flush=True)
     print(f"READY http={http_port} grpc={grpc_port}", flush=True)
 
 

@@ -23,6 +23,7 @@ from worker_core import WorkerBase
 from worker_core.protocol import LoadReport, PrefillResult
 
 log = logging.getLogger(__name__)
+STALL_S = 8.0  # fault "stall": longer than the router's health-check timeout
 
 
 class PrefillWorker(WorkerBase):
@@ -42,9 +43,10 @@ class PrefillWorker(WorkerBase):
     def inject_fault(self, kind: str | None) -> None:
         """Fault injection for tests, applied to the next request prefilled: "drop" (its KV is never
         sent: the receiver waits until its timeout), "bad_header" (a layer arrives with the wrong
-        block count), "die" (this process exits halfway through its layers). None clears it."""
-        if kind not in (None, "drop", "bad_header", "die"):
-            raise ValueError(f"kind must be drop, bad_header, die or None; got {kind!r}")
+        block count), "die" (this process exits halfway through its layers), "stall" (once its last
+        layer is sent, the engine thread is held for STALL_S, as by a very long prefill). None clears it."""
+        if kind not in (None, "drop", "bad_header", "die", "stall"):
+            raise ValueError(f"kind must be drop, bad_header, die, stall or None; got {kind!r}")
         self._owner.call(lambda: setattr(self, "_fault", kind))
 
     def probe_transfer(self, request_id: str, prompt: list[int], decode_peer: PeerInfo, timeout_s: float = 30.0) -> float:
@@ -93,15 +95,14 @@ class PrefillWorker(WorkerBase):
             return found
         return self._owner.call(do)
 
-    def load(self) -> LoadReport:
-        def do() -> LoadReport:
-            bm, sched = self.engine.block_manager, self.engine.scheduler
-            return LoadReport(bm.num_free_blocks, bm.num_blocks, queued_tokens=sum(s.num_tokens for s in sched.waiting),
-                              sending=len(self._sending))
-        return self._owner.call(do)
+    def _load_now(self) -> LoadReport:
+        bm, sched = self.engine.block_manager, self.engine.scheduler
+        return LoadReport(bm.num_free_blocks, bm.num_blocks, queued_tokens=sum(s.num_tokens for s in sched.waiting),
+                          sending=len(self._sending))
 
     # -- engine loop thread ------------------------------------------------------------------------
     def _ship_layer(self, layer: int, seqs: list[Sequence]) -> None:
+        stall = self._fault == "stall"
         for seq in seqs:
             peer = self._peers.get(seq.request_id)
             if peer is None:  # calibration prompts have no destination
@@ -109,6 +110,9 @@ class PrefillWorker(WorkerBase):
             if self._fault is not None and not self._injected(seq, layer):
                 continue
             self.connector.send(seq.request_id, layer, seq.block_table, peer)
+            if stall and self._fault is None:  # its last layer is on its way
+                log.warning("fault injection: holding the engine thread for %.0f s", STALL_S)
+                time.sleep(STALL_S)
 
     def _injected(self, seq: Sequence, layer: int) -> bool:
         """Apply the injected fault to this layer of `seq`. Returns whether to send it normally."""

@@ -23,6 +23,8 @@ class RouterConfig:
         queue_timeout_s: longest wait for room before "overloaded".
         served_model_name: the model id clients use; None: the model directory's name.
         load_poll_s: how often workers' load (KV blocks, batch) is read for gauges and health.
+        hang_timeout_s: a worker that answers no load poll for this long (its process stopped or
+            wedged; a busy engine still answers) is killed and replaced; its requests move.
         default_max_tokens: output limit of requests that give none (chat, gRPC), cut to the room left
             in the context.
         on_prefill_failure: when a prefill worker dies or a KV transfer fails before the first token:
@@ -43,6 +45,9 @@ class RouterConfig:
     served_model_name: str | None = field(default=None, metadata={
         "help": "model id clients use (default: the model directory's name)"})
     load_poll_s: float = 1.0
+    hang_timeout_s: float = field(default=30.0, metadata={
+        "flag": "--hang-timeout", "help": "a worker that answers no health check for this long is declared hung: "
+        "it is killed, replaced, and its requests move to other workers, s"})
     default_max_tokens: int = field(default=1024, metadata={
         "help": "output limit of chat / gRPC requests that set none (cut to the room left in the context)"})
     on_prefill_failure: str = field(default="retry", metadata={
@@ -55,7 +60,7 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
-        for name in ("ttft_target_s", "tpot_target_s", "queue_timeout_s", "load_poll_s"):
+        for name in ("ttft_target_s", "tpot_target_s", "queue_timeout_s", "load_poll_s", "hang_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
         if self.on_prefill_failure not in ON_PREFILL_FAILURE:

@@ -44,6 +44,7 @@ from protos.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from router.auth import as_key_set, bearer_token, key_allowed
 from router.limits import CLIENT_REQUEST_ID, DEFAULT_LIMITS, RequestLimits, check_limits
 from router.openai_protocol import CHAT_ROLES
+from router.tls import TlsFiles
 from router.types import (
     ERROR_STATUS,
     Chunk,
@@ -300,8 +301,8 @@ def _deny(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler
 
 
 async def start_grpc_server(router: RouterAPI, host: str, port: int, *, api_keys: frozenset[str] = frozenset(),
-                            max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                            limits: RequestLimits = DEFAULT_LIMITS) -> tuple[grpc.aio.Server, int]:
+                            max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, limits: RequestLimits = DEFAULT_LIMITS,
+                            tls: TlsFiles | None = None) -> tuple[grpc.aio.Server, int]:
     """Start the gRPC API; stop it with `await server.stop(grace_s)`.
 
     Args:
@@ -311,9 +312,16 @@ async def start_grpc_server(router: RouterAPI, host: str, port: int, *, api_keys
         api_keys: when non-empty, every call but health and reflection needs one of them.
         max_message_bytes: larger request messages are refused with RESOURCE_EXHAUSTED.
         limits: size limits on prompts, messages and stop lists (over → INVALID_ARGUMENT).
+        tls: serve over TLS with this certificate and key; None: plaintext.
     Returns:
         (the started server, the port it is bound to).
+    Raises:
+        ValueError (naming the flag) for TLS files that do not load; OSError when the port is taken.
     """
+    credentials = None
+    if tls is not None:
+        tls.http_context()  # the same check as HTTPS: grpc itself reports a bad PEM only at the first handshake
+        credentials = tls.grpc_credentials()
     keys = as_key_set(api_keys)
     interceptors = [ApiKeyInterceptor(keys)] if keys else []  # outermost first: no key, nothing is parsed
     server = grpc.aio.server(interceptors=[*interceptors, MalformedRequestInterceptor()],
@@ -325,7 +333,7 @@ async def start_grpc_server(router: RouterAPI, host: str, port: int, *, api_keys
     reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
-        bound = server.add_insecure_port(address)
+        bound = server.add_insecure_port(address) if credentials is None else server.add_secure_port(address, credentials)
     except RuntimeError as exc:  # grpc raises when the address is taken or invalid
         raise OSError(f"gRPC server cannot listen on {address}: {exc}") from exc
     if bound == 0:

@@ -1,10 +1,13 @@
-"""Worker health: the load poll, and the replacement of workers that died.
+"""Worker health: the load poll, and the replacement of workers that died or hang.
 
-Lifecycle: every `load_poll_s` each worker is asked for its `LoadReport` (gauges refreshed from
-it). A worker that does not answer in time is marked unhealthy (no new requests go to it) and
-healthy again once it answers. One whose actor died is replaced when the router was given a
-`respawn` function: in a daemon thread of its own (starting an actor blocks), after which its
-peers drop their transfer pairs with the dead one and the placer gets the new worker's slot.
+Lifecycle: every `load_poll_s` every worker is asked for its `LoadReport`, all at once (gauges
+refreshed from it). Workers answer it off their engine thread, so a busy worker answers: one
+that does not answer in time is marked unhealthy (no new requests go to it) and healthy again
+once it answers. One that stays silent for `hang_timeout_s` (its process stopped or wedged) is
+declared hung and killed, so that it dies for everyone: its requests' streams fail and move to
+other workers, and it is replaced like a dead one. A dead worker is replaced when the router was
+given a `respawn` function: in a daemon thread of its own (starting an actor blocks), after which
+its peers drop their transfer pairs with the dead one and the placer gets the new worker's slot.
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ class HealthMonitor:
         self._respawn = respawn
         self._poller: asyncio.Task | None = None
         self.respawning: set[tuple[str, int]] = set()  # (pool, index) of replacements under way
+        self._silent_since: dict[tuple[str, int], float] = {}  # (pool, index) -> first unanswered poll
 
     def start(self) -> None:
         """Poll every `load_poll_s` (call inside the serving loop)."""
@@ -48,10 +52,10 @@ class HealthMonitor:
             await asyncio.gather(self._poller, return_exceptions=True)
 
     async def poll_once(self) -> None:
-        for pool, actors in (("prefill", self._pools.prefill), ("decode", self._pools.decode)):
-            for i, actor in enumerate(actors):
-                if (pool, i) not in self.respawning:
-                    await self._poll(pool, i, actor)
+        """Ask every worker for its load at once (a silent one holds up no other)."""
+        await asyncio.gather(*(self._poll(pool, i, actor)
+                               for pool, actors in (("prefill", self._pools.prefill), ("decode", self._pools.decode))
+                               for i, actor in enumerate(actors) if (pool, i) not in self.respawning))
 
     async def _poll(self, pool: str, index: int, actor: ray.actor.ActorHandle) -> None:
         slot = self._placer.slots(pool)[index]
@@ -63,14 +67,31 @@ class HealthMonitor:
                 log.warning("%s worker %s failed its health check: %r", pool, slot.worker_id, e)
                 self._metrics.worker_failures.labels(pool).inc()
             self._placer.set_healthy(pool, index, False)
-            if isinstance(e, ray.exceptions.RayActorError) and self._respawn is not None:
-                self.respawning.add((pool, index))
-                asyncio.get_running_loop().create_task(self._replace(pool, index))
+            if isinstance(e, ray.exceptions.RayActorError):
+                self._silent_since.pop((pool, index), None)
+                if self._respawn is not None:
+                    self.respawning.add((pool, index))
+                    asyncio.get_running_loop().create_task(self._replace(pool, index))
+            elif isinstance(e, TimeoutError):
+                self._check_hung(pool, index, actor, slot.worker_id)
             return
+        self._silent_since.pop((pool, index), None)
         if not slot.healthy:
             log.info("%s worker %s is healthy again", pool, slot.worker_id)
         self._placer.set_healthy(pool, index, True)
         self._metrics.observe_worker(pool, slot.worker_id, load)
+
+    def _check_hung(self, pool: str, index: int, actor: ray.actor.ActorHandle, worker_id: str) -> None:
+        """A poll went unanswered: kill the worker once it has been silent for `hang_timeout_s`."""
+        now = asyncio.get_running_loop().time()
+        since = self._silent_since.setdefault((pool, index), now)
+        if now - since < self._config.hang_timeout_s:
+            return
+        log.warning("%s worker %s answered no health check for %.0f s: declared hung and killed; its requests "
+                    "move to other workers", pool, worker_id, now - since)
+        self._metrics.worker_hangs.labels(pool).inc()
+        del self._silent_since[(pool, index)]
+        ray.kill(actor, no_restart=True)  # the next poll sees it dead and replaces it
 
     async def _replace(self, pool: str, index: int) -> None:
         """Start a worker in place of a dead one; its fresh slot joins the book once it answers."""

@@ -66,6 +66,7 @@ from router.openai_protocol import (
     parse_chat_request,
     parse_completion_request,
 )
+from router.tls import TlsFiles
 from router.types import ERROR_STATUS, ModelNotFoundError, RequestFailed, RequestStream, RouterAPI
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,8 @@ ROUTER_KEY = web.AppKey("pdserve_router", object)
 MAX_BODY_KEY = web.AppKey("pdserve_max_body_bytes", int)
 API_KEYS_KEY = web.AppKey("pdserve_api_keys", frozenset)
 LIMITS_KEY = web.AppKey("pdserve_limits", RequestLimits)
-OPEN_ROUTES = frozenset({"/health", "/metrics"})  # served without an API key
+OPEN_KEY = web.AppKey("pdserve_open_routes", frozenset)
+OPEN_ROUTES = frozenset({"/health", "/metrics"})  # served without an API key (/metrics: unless protect_metrics)
 # aiohttp's default access log format, pinned: no header but Referer and User-Agent is ever logged.
 ACCESS_LOG_FORMAT = '%a %t "%r" %s %b "%{Referer}i" "%{User-Agent}i"'
 _LOG_ID = web.RequestKey("pdserve_log_id", str)
@@ -83,18 +85,20 @@ _DONE = b"data: [DONE]\n\n"
 
 
 def build_app(router: RouterAPI, max_body_bytes: int = 4 << 20, *, api_keys: frozenset[str] = frozenset(),
-              limits: RequestLimits = DEFAULT_LIMITS) -> web.Application:
+              limits: RequestLimits = DEFAULT_LIMITS, protect_metrics: bool = False) -> web.Application:
     """Args:
         router: the router core.
         max_body_bytes: larger request bodies get 413.
         api_keys: when non-empty, every route but /health and /metrics needs `Authorization: Bearer <key>`.
         limits: size limits on prompts, messages and stop lists (over → 400).
+        protect_metrics: /metrics needs a key too (when there are keys).
     Returns: the aiohttp app."""
     app = web.Application(middlewares=[error_middleware], client_max_size=max_body_bytes)
     app[ROUTER_KEY] = router
     app[MAX_BODY_KEY] = max_body_bytes
     app[API_KEYS_KEY] = as_key_set(api_keys)
     app[LIMITS_KEY] = limits
+    app[OPEN_KEY] = OPEN_ROUTES - {"/metrics"} if protect_metrics else OPEN_ROUTES
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
@@ -105,15 +109,17 @@ def build_app(router: RouterAPI, max_body_bytes: int = 4 << 20, *, api_keys: fro
 
 
 async def start_http_server(router: RouterAPI, host: str, port: int, *, api_keys: frozenset[str] = frozenset(),
-                            max_body_bytes: int = 4 << 20,
-                            limits: RequestLimits = DEFAULT_LIMITS) -> tuple[web.AppRunner, int]:
-    """Serve on host:port (0 picks a free port); api_keys, max_body_bytes, limits: as `build_app`.
-    Returns: (runner — `await runner.cleanup()` stops it, the bound port). Handlers are cancelled when
-    their client disconnects, which aborts the request."""
-    app = build_app(router, max_body_bytes, api_keys=api_keys, limits=limits)
+                            max_body_bytes: int = 4 << 20, limits: RequestLimits = DEFAULT_LIMITS,
+                            tls: TlsFiles | None = None, protect_metrics: bool = False) -> tuple[web.AppRunner, int]:
+    """Serve on host:port (0 picks a free port), HTTPS with `tls`; api_keys, max_body_bytes, limits,
+    protect_metrics: as `build_app`. Returns: (runner — `await runner.cleanup()` stops it, the bound
+    port). Handlers are cancelled when their client disconnects, which aborts the request.
+    Raises ValueError (naming the flag) for TLS files that do not load."""
+    context = tls.http_context() if tls is not None else None
+    app = build_app(router, max_body_bytes, api_keys=api_keys, limits=limits, protect_metrics=protect_metrics)
     runner = web.AppRunner(app, handler_cancellation=True, access_log_format=ACCESS_LOG_FORMAT)
     await runner.setup()
-    await web.TCPSite(runner, host, port).start()
+    await web.TCPSite(runner, host, port, ssl_context=context).start()
     return runner, runner.addresses[0][1]
 
 
@@ -288,7 +294,7 @@ def _check_api_key(request: web.Request) -> web.Response | None:
     if not keys:
         return None
     resource = request.match_info.route.resource  # the matched route, not the raw path: no "/health/../x"
-    if resource is not None and resource.canonical in OPEN_ROUTES:
+    if resource is not None and resource.canonical in request.app[OPEN_KEY]:
         return None
     header = request.headers.get("Authorization")
     if key_allowed(bearer_token(header), keys):

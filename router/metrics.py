@@ -59,6 +59,8 @@ class Metrics:
                                        registry=r)
         self.worker_replacements = Counter("pdserve_worker_replacements", "Dead workers replaced, by pool",
                                            ["pool"], registry=r)
+        self.worker_hangs = Counter("pdserve_worker_hangs", "Workers silent for --hang-timeout, killed, by pool",
+                                    ["pool"], registry=r)
         self.decisions = Counter("pdserve_placement_decisions", "Placement decisions by policy, path and reason",
                                  ["policy", "path", "reason"], registry=r)
         self.prompt_tokens = Counter("pdserve_prompt_tokens", "Prompt tokens of admitted requests", registry=r)

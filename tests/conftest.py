@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import faulthandler
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -62,3 +63,31 @@ def tiny_pair(request: pytest.FixtureRequest) -> tuple[PreTrainedModel, PreTrain
 def random_prompt(n: int, seed: int, vocab: int = 512) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+
+def self_signed_cert(directory: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 and localhost and its key, PEM files in `directory`."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
+                                                        x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                           critical=False)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(key, hashes.SHA256()))
+    cert_path, key_path = directory / "cert.pem", directory / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return cert_path, key_path

@@ -2,8 +2,11 @@
 
 A worker owns one `LLMEngine` on one device and one KV connector registered on that engine's
 pool. Only the engine-loop thread (`OwnerThread`) touches the engine; actor methods, which Ray
-runs on other threads, hand it commands with `self._owner.call`. A subclass sets up its own
-state, then calls `_start_loop()`, and implements `_work()` (one round of the loop).
+runs on other threads, hand it commands with `self._owner.call`. Liveness never waits behind that
+thread: `info()` is fixed at start, and `load()` is the report the engine thread publishes after
+every command and every round. A subclass sets up its own
+state, then calls `_start_loop()`, and implements `_work()` (one round of the loop) and
+`_load_now()` (its `LoadReport`).
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from engine import EngineConfig, LLMEngine
 from engine.command_loop import OwnerThread, Stopped
 from engine.profiling import time_prefill
 from kv_transfer import PeerInfo, TransferConfig, make_connector
-from worker_core.protocol import WorkerInfo
+from worker_core.protocol import LoadReport, WorkerInfo
 
 
 class WorkerBase:
@@ -28,11 +31,20 @@ class WorkerBase:
 
     def _start_loop(self) -> None:
         """Start the engine loop; call last in the subclass's `__init__` (it starts running at once)."""
-        self._owner = OwnerThread(self._work, name=f"engine-{self.worker_id}")
+        self._publish_load()
+        self._owner = OwnerThread(self._work, name=f"engine-{self.worker_id}", after=self._publish_load)
 
     def _work(self) -> bool:
         """One round of the engine loop; returns whether work remains."""
         raise NotImplementedError
+
+    def _load_now(self) -> LoadReport:
+        """The worker's load, read on the engine thread."""
+        raise NotImplementedError
+
+    def _publish_load(self) -> None:
+        """Engine thread, after every command and every round: the report `load()` hands out."""
+        self._load: LoadReport | None = self._load_now()  # one reference swap: never half-built
 
     # -- actor API shared by both roles (any thread) -------------------------------------------------
     def pid(self) -> int:
@@ -48,6 +60,15 @@ class WorkerBase:
     def peer_info(self) -> PeerInfo:
         """This worker's transfer address, for its peers."""
         return self.connector.local_info()
+
+    def load(self) -> LoadReport:
+        """The load as of the engine thread's last command or round. Never waits behind the engine
+        thread: a worker in a long prefill answers at once (busy, not dead). Raises Stopped after
+        `shutdown` (a stopped worker is not a healthy one)."""
+        load = self._load
+        if load is None:
+            raise Stopped(f"worker {self.worker_id} has shut down")
+        return load
 
     def info(self) -> WorkerInfo:
         """Static facts the router plans with (KV geometry, limits, vocabulary size) and what runs them
@@ -69,6 +90,7 @@ class WorkerBase:
         except Stopped:  # a second shutdown
             pass
         self._owner.stop()
+        self._load = None
         self.connector.close()
 
     def _stopping(self) -> None:

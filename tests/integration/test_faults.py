@@ -111,17 +111,18 @@ def test_killed_prefill_worker_requests_retry_and_match(cluster):
     assert_all_free(pools)
 
 
-@pytest.mark.parametrize("how", ["killed", "stopped"])
+@pytest.mark.parametrize("how", ["killed", "stopped", "hung"])
 def test_a_decode_worker_lost_mid_stream_hands_its_streams_on_without_losing_a_token(cluster, how):
     """Killed: the router sees the actor die. Stopped (a graceful shutdown): the worker ends its streams
-    with WORKER_STOPPING. Either way the router moves them to the other decode worker, which continues
-    each where it stopped."""
+    with WORKER_STOPPING. Hung (SIGSTOP): it answers nothing, and after `hang_timeout_s` the router
+    kills it. Each way the router moves its streams to the other decode worker, which continues each
+    where it stopped, and the lost worker is replaced."""
     ref, pools = cluster[0], cluster[1]
     prompts = [random_prompt(20 + 3 * i, seed=200 + i) for i in range(6)]
     n = 300
 
     async def main():
-        router = make_router(cluster, policy="round_robin")
+        router = make_router(cluster, policy="round_robin", hang_timeout_s=2.0)
         router.start_polling()
         progress: dict = {}
         tasks = [asyncio.create_task(run_one(router, p, n, progress, i)) for i, p in enumerate(prompts)]
@@ -131,8 +132,10 @@ def test_a_decode_worker_lost_mid_stream_hands_its_streams_on_without_losing_a_t
         index = [s.worker_id for s in router.book.decode].index(victim)
         if how == "killed":
             kill(pools.decode[index])
-        else:
+        elif how == "stopped":
             await asyncio.wait_for(pools.decode[index].shutdown.remote(), 30)
+        else:
+            os.kill(ray.get(pools.decode[index].pid.remote()), signal.SIGSTOP)
         results = await asyncio.wait_for(asyncio.gather(*tasks), 180)
         if how == "stopped":
             ray.kill(pools.decode[index])  # a stopped worker is then replaced like a dead one
@@ -144,7 +147,36 @@ def test_a_decode_worker_lost_mid_stream_hands_its_streams_on_without_losing_a_t
     assert_all_match(ref, prompts, results, n)
     text = router.metrics_text()[0].decode()
     assert 'pdserve_request_recoveries_total{action="migrate"}' in text
+    assert ('pdserve_worker_hangs_total{pool="decode"} 1.0' in text) == (how == "hung")
     assert_all_free(pools)
+
+
+def test_a_worker_busy_in_a_long_step_answers_its_health_checks(cluster):
+    """The prefill worker's engine thread is held for longer than a health check may take (as by a
+    very long prefill): its load is still answered, so it is never marked unhealthy, and the request
+    completes exactly."""
+    ref, pools = cluster[0], cluster[1]
+    prompt = random_prompt(40, seed=400)
+
+    async def main():
+        router = make_router(cluster, policy="always_remote")
+        await settle(router)
+        for w in pools.prefill:
+            await asyncio.wait_for(w.inject_fault.remote("stall"), 30)
+        router.start_polling()
+        try:
+            return await asyncio.wait_for(run_one(router, prompt, 10, {}, 0), 60), router
+        finally:
+            await router.stop_polling()
+            for w in pools.prefill:
+                await asyncio.wait_for(w.inject_fault.remote(None), 30)
+
+    out, router = asyncio.run(main())
+    assert out == greedy_reference(ref, prompt, 10)
+    text = router.metrics_text()[0].decode()
+    assert "pdserve_worker_failures_total{" not in text, text  # busy, never unhealthy
+    assert "pdserve_worker_hangs_total{" not in text
+    assert_all_free_eventually(pools)
 
 
 @pytest.mark.parametrize("fault", ["drop", "bad_header", "die"])

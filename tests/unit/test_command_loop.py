@@ -54,3 +54,31 @@ def test_a_call_queued_while_the_thread_stops_gets_an_answer():
         t.join(timeout=5)
     assert not any(t.is_alive() for t in threads)
     assert len(results) == 20
+
+
+def test_after_runs_on_the_owner_thread_after_each_command_before_its_caller_returns():
+    """What `after` publishes (a worker's load) is current by the time a command's caller returns."""
+    state = {"n": 0}
+    published: list[tuple[int, str]] = []
+    owner = OwnerThread(lambda: False, name="owner-test",
+                        after=lambda: published.append((state["n"], threading.current_thread().name)))
+    try:
+        for i in range(1, 4):
+            owner.call(lambda: state.__setitem__("n", state["n"] + 1))
+            assert published[-1][0] == i  # published before call() returned
+        assert {name for _, name in published} == {"owner-test"}
+        with pytest.raises(ZeroDivisionError):
+            owner.call(lambda: 1 / 0)
+        assert published[-1][0] == 3  # after runs after a failed command too
+    finally:
+        owner.stop()
+
+
+def test_a_failing_after_is_logged_and_the_thread_keeps_serving():
+    def broken() -> None:
+        raise RuntimeError("cannot publish")
+    owner = OwnerThread(lambda: False, name="owner-test", after=broken)
+    try:
+        assert owner.call(lambda: 7) == 7 and owner.call(lambda: 8) == 8
+    finally:
+        owner.stop()

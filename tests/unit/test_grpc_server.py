@@ -28,9 +28,10 @@ TIMEOUT_S = 20
 
 
 class Served:
-    def __init__(self, router: FakeRouter, channel: grpc.Channel) -> None:
+    def __init__(self, router: FakeRouter, channel: grpc.Channel, target: str) -> None:
         self.router = router
         self.channel = channel
+        self.target = target
         self.stub = pb_grpc.GenerationServiceStub(channel)
 
     def generate(self, request: pb.GenerateRequest) -> list[pb.GenerateResponse]:
@@ -38,8 +39,9 @@ class Served:
 
 
 @contextmanager
-def serving(**options: object) -> Iterator[Served]:
-    """A server over a fresh FakeRouter; options go to `start_grpc_server`."""
+def serving(root_certificates: bytes | None = None, **options: object) -> Iterator[Served]:
+    """A server over a fresh FakeRouter; options go to `start_grpc_server`; a TLS channel when
+    `root_certificates` is given."""
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="grpc-server-loop", daemon=True)
     thread.start()
@@ -47,9 +49,11 @@ def serving(**options: object) -> Iterator[Served]:
     server, port = asyncio.run_coroutine_threadsafe(start_grpc_server(router, "127.0.0.1", 0, **options),
                                                     loop).result(30)
     assert port > 0
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    address = f"127.0.0.1:{port}"
+    channel = grpc.insecure_channel(address) if root_certificates is None else \
+        grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates))
     try:
-        yield Served(router, channel)
+        yield Served(router, channel, address)
     finally:
         channel.close()
         asyncio.run_coroutine_threadsafe(server.stop(None), loop).result(30)
@@ -354,3 +358,31 @@ def test_no_keys_means_no_auth(served: Served) -> None:
     assert_complete(generate(), n_tokens=2, prompt_tokens=1)
     assert list_models().models
     assert list(served.stub.ListModels(pb.ListModelsRequest(), timeout=TIMEOUT_S).models)
+
+
+def test_over_tls_a_trusting_client_streams_and_a_plaintext_one_is_refused(tmp_path):
+    from pdserve.grpc_client import generate_stream
+    from router.tls import TlsFiles
+    from tests.conftest import self_signed_cert
+
+    cert, key = self_signed_cert(tmp_path)
+    with serving(root_certificates=cert.read_bytes(), tls=TlsFiles(str(cert), str(key))) as s:
+        out = s.generate(text_request("hello world", max_tokens=4))
+        assert "".join(r.text for r in out) and out[-1].finish_reason == "length"
+        got = list(generate_stream(s.target, "hi", False, 3, 0.0, 1.0, 0, None, [], timeout_s=TIMEOUT_S,
+                                   root_certificates=cert.read_bytes()))  # what `generate --tls-ca` runs
+        assert got[-1].finish_reason == "length"
+        with grpc.insecure_channel(s.target) as plain, pytest.raises(grpc.RpcError) as e:
+            list(pb_grpc.GenerationServiceStub(plain).Generate(text_request("hi", max_tokens=2), timeout=5))
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_tls_files_that_do_not_load_are_refused_naming_the_flag(tmp_path):
+    from router.tls import TlsFiles
+    from tests.conftest import self_signed_cert
+
+    cert, key = self_signed_cert(tmp_path)
+    with pytest.raises(ValueError, match="ssl_keyfile: cannot read"):
+        TlsFiles(str(cert), str(tmp_path / "missing.pem")).http_context()
+    with pytest.raises(ValueError, match="ssl_certfile / ssl_keyfile: not a PEM certificate"):
+        TlsFiles(str(key), str(key)).http_context()

@@ -26,17 +26,18 @@ class ServerThread:
     on disconnect)."""
 
     def __init__(self, router: FakeRouter, max_body_bytes: int | None = None,
-                 api_keys: frozenset[str] = frozenset(), limits: RequestLimits | None = None) -> None:
+                 api_keys: frozenset[str] = frozenset(), limits: RequestLimits | None = None,
+                 **options: object) -> None:
         self.router = router
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.runner, self.port = self.call(self._start(max_body_bytes, api_keys, limits))
+        self.runner, self.port = self.call(self._start(max_body_bytes, api_keys, limits, options))
 
     async def _start(self, max_body_bytes: int | None, api_keys: frozenset[str],
-                     limits: RequestLimits | None) -> tuple[web.AppRunner, int]:
+                     limits: RequestLimits | None, options: dict) -> tuple[web.AppRunner, int]:
         if max_body_bytes is None and limits is None:
-            return await start_http_server(self.router, "127.0.0.1", 0, api_keys=api_keys)
+            return await start_http_server(self.router, "127.0.0.1", 0, api_keys=api_keys, **options)
         runner = web.AppRunner(build_app(self.router, max_body_bytes or 4 << 20, api_keys=api_keys,
                                          limits=limits or RequestLimits()))
         await runner.setup()
@@ -465,3 +466,40 @@ def test_no_keys_means_no_auth(server: ServerThread) -> None:
 def test_api_keys_must_be_a_collection() -> None:
     with pytest.raises(TypeError, match="not a single string"):
         build_app(FakeRouter(), api_keys="secret")  # type: ignore[arg-type]
+
+
+def test_protect_metrics_puts_metrics_behind_the_key_and_leaves_health_open() -> None:
+    s = ServerThread(FakeRouter(), api_keys=frozenset({KEY}), protect_metrics=True)
+    try:
+        status, headers, body = s.request("GET", "/metrics")
+        assert_401(status, headers, body)
+        status, _, body = s.request("GET", "/metrics", headers={"Authorization": f"Bearer {KEY}"})
+        assert status == 200 and b"pdserve_" in body
+        assert s.request("GET", "/health")[0] == 200
+    finally:
+        s.stop()
+
+
+def test_https_serves_the_openai_sdk_that_trusts_the_certificate(tmp_path) -> None:
+    import ssl
+
+    from router.tls import TlsFiles
+    from tests.conftest import self_signed_cert
+
+    cert, key = self_signed_cert(tmp_path)
+    s = ServerThread(FakeRouter(), tls=TlsFiles(str(cert), str(key)))
+    try:
+        trusting = openai.OpenAI(base_url=f"https://127.0.0.1:{s.port}/v1", api_key="x", max_retries=0,
+                                 http_client=openai.DefaultHttpxClient(verify=ssl.create_default_context(cafile=str(cert))))
+        resp = trusting.completions.create(model=MODEL, prompt="hello world", max_tokens=3)
+        assert resp.choices[0].text == words(3)
+        doubting = openai.OpenAI(base_url=f"https://127.0.0.1:{s.port}/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.APIConnectionError):  # an unknown issuer is not trusted
+            doubting.models.list()
+        conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=10)  # plaintext to a TLS port: no answer
+        with pytest.raises((http.client.HTTPException, ConnectionError)):
+            conn.request("GET", "/health")
+            conn.getresponse()
+        conn.close()
+    finally:
+        s.stop()

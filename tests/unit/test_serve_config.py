@@ -88,8 +88,12 @@ def test_yaml_sets_dtype_and_compile(tmp_path):
 @pytest.mark.parametrize("argv,message", [
     (["serve", "--dtype", "float16"], "dtype float16 needs a CUDA device; on cpu use auto, bfloat16 or float32"),
     (["generate", "hi", "--dtype", "float16"], "dtype float16 needs a CUDA device"),
+    (["serve", "--ssl-certfile", "cert.pem"], "ssl_certfile / ssl_keyfile: give both"),
+    (["serve", "--ssl-certfile", "/nonexistent/cert.pem", "--ssl-keyfile", "/nonexistent/key.pem"],
+     "ssl_certfile: cannot read /nonexistent/cert.pem"),
+    (["generate", "hi", "--server", "127.0.0.1:1", "--tls-ca", "/nonexistent/ca.pem"], "tls_ca: cannot read"),
 ])
-def test_float16_on_cpu_is_refused_before_anything_starts(argv, message, capsys):
+def test_bad_settings_are_refused_before_anything_starts(argv, message, capsys):
     from pdserve import cli
 
     assert cli.main(argv) == 2
