@@ -18,12 +18,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import replace
 from typing import Protocol
 
 import ray
 
+from engine.command_loop import Stopped
 from engine.errors import CapacityError
 from engine.sampling_params import SamplingParams
 from router.book import Booking
@@ -208,6 +209,8 @@ class RouterStream:
             await d.start_remote.remote(rid, first.first_token, first.handoff)
         except ray.exceptions.RayActorError as e:
             raise _WorkerFailure("decode", e, dead=True, kind=ErrorKind.INTERNAL) from None
+        except Stopped as e:  # the decode worker shut down (Ray raises the worker's own error type)
+            raise _WorkerFailure("decode", e, dead=True, kind=ErrorKind.WORKER_STOPPING) from None
         except Exception as e:  # its reservation expired: the transfer never completed
             raise _WorkerFailure("prefill", e, dead=False, kind=ErrorKind.TRANSFER_FAILED) from None
 
@@ -303,11 +306,14 @@ class RouterStream:
                 log.debug("abort of %s: %r", self.request_id, e)
 
 
-async def _call(pool: str, ref: ray.ObjectRef, kind: ErrorKind) -> object:
-    """Await a worker call; its failure becomes a `_WorkerFailure` of that pool, of error `kind`."""
+async def _call(pool: str, ref: Awaitable, kind: ErrorKind) -> object:
+    """Await a worker call; its failure becomes a `_WorkerFailure` of that pool, of error `kind` (a
+    worker that shut down: WORKER_STOPPING, and it takes no more work)."""
     try:
         return await ref
     except ray.exceptions.RayActorError as e:
         raise _WorkerFailure(pool, e, dead=True, kind=kind) from None
+    except Stopped as e:  # Ray raises the worker's own error type
+        raise _WorkerFailure(pool, e, dead=True, kind=ErrorKind.WORKER_STOPPING) from None
     except (ray.exceptions.RayTaskError, CapacityError, RuntimeError) as e:
         raise _WorkerFailure(pool, e, dead=False, kind=kind) from None

@@ -9,6 +9,7 @@ import grpc
 import pytest
 from ray import cloudpickle
 
+from engine.command_loop import Stopped
 from kv_transfer import TransferState
 from router.grpc_server import error_status
 from router.http_server import _error
@@ -106,3 +107,19 @@ def test_the_router_acts_on_a_stream_error_by_its_kind_not_its_words(kind, got_a
     else:
         assert isinstance(e, _WorkerFailure) and e.pool == acts.split()[-1] and e.kind is kind
         assert e.dead == (kind is ErrorKind.WORKER_STOPPING)  # a stopping worker takes no new work
+
+
+@pytest.mark.parametrize("error,dead,kind", [
+    (Stopped("engine-decode-0 has stopped"), True, ErrorKind.WORKER_STOPPING),  # shut down: no more work
+    (RuntimeError("no reservation"), False, ErrorKind.PREFILL_FAILED),
+])
+def test_a_worker_call_that_fails_becomes_a_worker_failure_by_its_type(error, dead, kind):
+    import asyncio
+
+    from router.request import _call, _WorkerFailure
+
+    async def failing() -> None:
+        raise error
+    with pytest.raises(_WorkerFailure) as raised:
+        asyncio.run(_call("decode", failing(), ErrorKind.PREFILL_FAILED))
+    assert (raised.value.dead, raised.value.kind) == (dead, kind)
