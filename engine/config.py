@@ -21,7 +21,8 @@ class CacheConfig:
     block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
     memory_gib: float = field(default=1.0, metadata={"flag": "--kv-memory-gib",
                                                      "help": "memory budget of each worker's paged KV pool, GiB"})
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = field(default=True, metadata={
+        "help": "reuse the KV blocks of earlier prompts' shared prefixes"})
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:
@@ -57,11 +58,12 @@ class EngineConfig:
         "the CPU (or GPU) and, where that does not decide, a short measurement"})
     device: str = field(default="cpu", metadata={"help": "cpu or cuda[:N]"})
     max_num_seqs: int = field(default=64, metadata={"help": "most sequences a worker runs at once"})
-    max_num_batched_tokens: int = 8192
+    max_num_batched_tokens: int = field(default=8192, metadata={
+        "help": "most prompt tokens in one prefill batch (a longer prompt still runs alone)"})
     max_model_len: int | None = field(default=None, metadata={"help": "context limit (default: the model's)"})
     num_threads: int | None = field(default=None, metadata={
         "flag": "--threads", "help": "torch threads per engine (default: torch's choice; serve: --cpus-per-worker)"})
-    seed: int = 0
+    seed: int = field(default=0, metadata={"help": "seed of sampled requests that give none of their own"})
     compile: bool = field(default=False, metadata={
         "help": "run each decode step as one torch.compile'd graph (faster decode; ~15 s of compiling at start, "
         "cached on disk after)"})

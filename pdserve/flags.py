@@ -2,8 +2,9 @@
 
 A flag is one field of `ServeConfig` or of a config inside it (`EngineConfig`, `CacheConfig`,
 `TransferConfig`, `RouterConfig`), named by its path (`("router", "ttft_target_s")`). The field
-gives the rest: the flag's name (`metadata["flag"]`, else `--` and the field's name), its help
-(`metadata["help"]`), its choices (`metadata["choices"]`), its type (the field's annotation), and
+gives the rest: the flag's name (`metadata["flag"]`, else `--` and the field's name) and other
+names (`metadata["aliases"]`), its help (`metadata["help"]`), its choices (`metadata["choices"]`),
+its type (the field's annotation), and
 its default, read off a default config (`ServeConfig()` for `serve`, whose engine compiles; a plain
 `EngineConfig()` for `generate`). `build` puts the parsed values back into a config. A YAML file
 of `serve` flags uses their argparse names (`http_port: 9000`), listed by `dests`.
@@ -24,7 +25,8 @@ ENGINE: tuple[Path, ...] = (
     ("engine", "model"), ("engine", "dtype"), ("engine", "device"), ("engine", "cache", "memory_gib"),
     ("engine", "cache", "block_size"), ("engine", "num_threads"), ("engine", "compile"))
 SERVE: tuple[Path, ...] = (
-    ("engine", "max_num_seqs"), ("engine", "max_model_len"), ("address",), ("num_prefill",), ("num_decode",),
+    ("engine", "max_num_seqs"), ("engine", "max_num_batched_tokens"), ("engine", "cache", "enable_prefix_caching"),
+    ("engine", "seed"), ("engine", "max_model_len"), ("address",), ("num_prefill",), ("num_decode",),
     ("cpus_per_worker",), ("transfer", "backend"), ("transfer", "timeout_s"), ("host",), ("http_port",),
     ("grpc_port",), ("router", "policy"), ("router", "ttft_target_s"), ("router", "tpot_target_s"),
     ("router", "max_queued"), ("router", "queue_timeout_s"), ("router", "default_max_tokens"),
@@ -72,7 +74,7 @@ def add_flags(parser: argparse.ArgumentParser, paths: Sequence[Path], defaults: 
             kw["action"] = argparse.BooleanOptionalAction
         else:
             kw["type"] = typ
-        parser.add_argument(flag_name(f), **kw)
+        parser.add_argument(flag_name(f), *f.metadata.get("aliases", ()), **kw)
 
 
 def dests(paths: Sequence[Path], defaults: object) -> set[str]:

@@ -55,7 +55,8 @@ class ServeConfig:
     num_decode: int = field(default=1, metadata={"flag": "--decode", "help": "decode workers (>= 1)"})
     cpus_per_worker: float = field(default=1.0, metadata={"help": "Ray CPUs each worker claims"})
     host: str = field(default="127.0.0.1", metadata={"help": "interface to bind (0.0.0.0 exposes the server)"})
-    http_port: int = field(default=8000, metadata={"help": "OpenAI-compatible HTTP port (0: any free)"})
+    http_port: int = field(default=8000, metadata={"help": "OpenAI-compatible HTTP port (0: any free)",
+                                                   "aliases": ("--port",)})
     grpc_port: int = field(default=50051, metadata={"help": "gRPC port (0: any free)"})
     ssl_certfile: str | None = field(default=None, metadata={
         "help": "serve HTTPS and gRPC over TLS with this PEM certificate (chain); needs --ssl-keyfile"})

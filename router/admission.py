@@ -77,8 +77,7 @@ class Admission:
     async def admit(self, request: GenerateRequest) -> Admitted:
         """Raises ModelNotFoundError or InvalidRequestError (naming the field)."""
         deadline = None if request.timeout_s is None else time.monotonic() + request.timeout_s
-        if request.model is not None and request.model != self.model_name:
-            raise ModelNotFoundError(request.model, self.model_name)
+        self.check_model(request.model)
         prompt = await self._tokenize_async(request)
         sp = request.sampling
         if request.max_tokens_default:
@@ -87,6 +86,19 @@ class Admission:
         self.validate(prompt, sp.max_tokens, "messages" if request.messages is not None else "prompt")
         features = RequestFeatures(len(prompt), self._estimator.expected(sp.max_tokens, sp.ignore_eos), sp.max_tokens)
         return Admitted(prompt, sp, features, deadline)
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ModelNotFoundError(model, self.model_name)
+
+    def detokenize(self, token_ids: list[int]) -> str:
+        """The text of `token_ids`. Raises InvalidRequestError for ids outside the vocabulary."""
+        if self.tokenizer is None:
+            raise InvalidRequestError("tokens", "this model has no tokenizer")
+        bad = next((t for t in token_ids if not 0 <= t < self.limits.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError("tokens", f"token id {bad} is outside [0, {self.limits.vocab_size})")
+        return self.tokenizer.decode(token_ids)
 
     async def _tokenize_async(self, request: GenerateRequest) -> list[int]:
         size = len(request.prompt) if isinstance(request.prompt, str) else \

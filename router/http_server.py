@@ -33,10 +33,13 @@ Errors are always `{"error": {"message", "type", "param", "code"}}`:
 429 carries `Retry-After` (whole seconds) and `retry-after-ms`, which the openai SDKs honour when
 they retry; clients key off the status, the type is informational. Tracebacks go to the log only.
 
+Besides the OpenAI routes: POST /tokenize and /detokenize (the model's tokenizer, the chat template
+applied as for a request), GET /version, GET and POST /ping (the same answer as /health).
+
 API keys (`api_keys`, see `router.auth`): when non-empty, every route needs one except GET /health
-(liveness probes) and GET /metrics (so Prometheus scrapes without a secret; it exposes aggregate
-counters and worker load only, no prompts or keys; keep the port off the public network, or put
-the scrape behind a proxy, if that matters). Unknown routes need a key too (401 before 404). A 401
+and /ping (liveness probes) and GET /metrics (so Prometheus scrapes without a secret; it exposes
+aggregate counters and worker load only, no prompts or keys; keep the port off the public network,
+or set `protect_metrics`). Unknown routes need a key too (401 before 404). A 401
 never echoes what was sent. Keys and the Authorization header are never logged: the access log
 format (`ACCESS_LOG_FORMAT`) writes the request line, status, size, Referer and User-Agent only.
 """
@@ -44,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib.metadata
 import json
 import logging
 import math
@@ -65,6 +69,8 @@ from router.openai_protocol import (
     openai_finish_reason,
     parse_chat_request,
     parse_completion_request,
+    parse_detokenize_request,
+    parse_tokenize_request,
 )
 from router.tls import TlsFiles
 from router.types import ERROR_STATUS, ModelNotFoundError, RequestFailed, RequestStream, RouterAPI
@@ -76,12 +82,13 @@ MAX_BODY_KEY = web.AppKey("pdserve_max_body_bytes", int)
 API_KEYS_KEY = web.AppKey("pdserve_api_keys", frozenset)
 LIMITS_KEY = web.AppKey("pdserve_limits", RequestLimits)
 OPEN_KEY = web.AppKey("pdserve_open_routes", frozenset)
-OPEN_ROUTES = frozenset({"/health", "/metrics"})  # served without an API key (/metrics: unless protect_metrics)
+OPEN_ROUTES = frozenset({"/health", "/ping", "/metrics"})  # served without an API key (/metrics: unless protect_metrics)
 # aiohttp's default access log format, pinned: no header but Referer and User-Agent is ever logged.
 ACCESS_LOG_FORMAT = '%a %t "%r" %s %b "%{Referer}i" "%{User-Agent}i"'
 _LOG_ID = web.RequestKey("pdserve_log_id", str)
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 _DONE = b"data: [DONE]\n\n"
+_VERSION = importlib.metadata.version("pdserve")
 
 
 def build_app(router: RouterAPI, max_body_bytes: int = 4 << 20, *, api_keys: frozenset[str] = frozenset(),
@@ -105,6 +112,11 @@ def build_app(router: RouterAPI, max_body_bytes: int = 4 << 20, *, api_keys: fro
     app.router.add_get("/health", health)
     app.router.add_get("/pdserve/cost_model", cost_model)
     app.router.add_get("/metrics", metrics)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/version", version)
+    app.router.add_get("/ping", health)
+    app.router.add_post("/ping", health)
     return app
 
 
@@ -147,6 +159,23 @@ async def models(request: web.Request) -> web.Response:
 async def cost_model(request: web.Request) -> web.Response:
     """The cost model calibrated at start-up (pdserve's extension; `pdserve bench phases` reads it)."""
     return web.json_response(_router(request).cost_model())
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """The token ids a prompt (or a chat, through the model's chat template) runs as."""
+    parsed = parse_tokenize_request(await _read_json(request), limits=request.app[LIMITS_KEY])
+    router = _router(request)
+    tokens = router.tokenize(parsed)
+    return web.json_response({"count": len(tokens), "max_model_len": router.max_model_len, "tokens": tokens})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    token_ids, model = parse_detokenize_request(await _read_json(request))
+    return web.json_response({"prompt": _router(request).detokenize(token_ids, model)})
+
+
+async def version(request: web.Request) -> web.Response:
+    return web.json_response({"version": _VERSION})
 
 
 async def health(request: web.Request) -> web.Response:
@@ -337,7 +366,8 @@ def _http_error(request: web.Request, exc: web.HTTPException) -> web.Response:
         headers["Allow"] = allowed
     elif isinstance(exc, web.HTTPNotFound):
         message = (f"no route {request.method} {request.path}; this server serves POST /v1/completions, "
-                   "POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics")
+                   "POST /v1/chat/completions, GET /v1/models, POST /tokenize, POST /detokenize, GET /version, "
+                   "GET /health, GET /ping, GET /metrics")
     elif isinstance(exc, web.HTTPRequestEntityTooLarge):
         message = f"the request body is larger than the limit of {request.app[MAX_BODY_KEY]} bytes"
     else:

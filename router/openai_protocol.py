@@ -81,6 +81,32 @@ def parse_chat_request(body: Any, default_max_tokens: int = DEFAULT_MAX_TOKENS,
     return _parsed(body, check_limits(request, limits))
 
 
+def parse_tokenize_request(body: Any, limits: RequestLimits = DEFAULT_LIMITS) -> GenerateRequest:
+    """POST /tokenize: {"prompt": text} or {"messages": [...]} (rendered with the chat template),
+    optional "model". Returns the request to tokenize. Raises: InvalidRequestError naming the field."""
+    body = _object(body)
+    if (body.get("prompt") is None) == (body.get("messages") is None):
+        raise InvalidRequestError("prompt", "give exactly one of prompt (a string) or messages")
+    if body.get("messages") is not None:
+        request = GenerateRequest(messages=_messages(body["messages"], limits.max_messages), model=_model(body))
+    else:
+        prompt = _prompt(body["prompt"])
+        if not isinstance(prompt, str):
+            raise InvalidRequestError("prompt", "must be a string (it is what gets tokenized)")
+        request = GenerateRequest(prompt=prompt, model=_model(body))
+    return check_limits(request, limits)
+
+
+def parse_detokenize_request(body: Any) -> tuple[list[int], str | None]:
+    """POST /detokenize: {"tokens": [ids]}, optional "model". Returns (token ids, model).
+    Raises: InvalidRequestError naming the field."""
+    body = _object(body)
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(_is(t, int) and 0 <= t <= MAX_TOKEN_ID for t in tokens):
+        raise InvalidRequestError("tokens", f"is required: a list of token ids (integers in [0, {MAX_TOKEN_ID}])")
+    return list(tokens), _model(body)
+
+
 def _parsed(body: dict, request: GenerateRequest) -> ParsedRequest:
     stream = _typed(body, "stream", bool, "a boolean", False)
     options = _typed(body, "stream_options", dict, "an object", None)

@@ -88,6 +88,14 @@ class Router:
     def models(self) -> list[ModelCard]:
         return [ModelCard(self.model_name, self._created, "pdserve", self.max_model_len, self.runtime)]
 
+    def tokenize(self, request: GenerateRequest) -> list[int]:
+        self.admission.check_model(request.model)
+        return self.admission.tokenize(request)
+
+    def detokenize(self, token_ids: list[int], model: str | None) -> str:
+        self.admission.check_model(model)
+        return self.admission.detokenize(token_ids)
+
     def cost_model(self) -> dict:
         return self.cost.to_dict()
 

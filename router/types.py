@@ -203,6 +203,15 @@ class RouterAPI(Protocol):
 
     def models(self) -> list[ModelCard]: ...
 
+    def tokenize(self, request: GenerateRequest) -> list[int]:
+        """The token ids `submit` would run for this prompt or chat (the chat template applied).
+        Raises InvalidRequestError (names the field) or ModelNotFoundError."""
+        ...
+
+    def detokenize(self, token_ids: list[int], model: str | None) -> str:
+        """The text of these token ids. Raises InvalidRequestError or ModelNotFoundError."""
+        ...
+
     def healthy(self) -> bool: ...
 
     def cost_model(self) -> dict:

@@ -162,3 +162,19 @@ def test_still_serving_after_errors(client, server):
     post(server, "/v1/completions", b"[1, 2")
     resp = client.completions.create(model=server.model, prompt="Hello", max_tokens=2)
     assert resp.choices[0].finish_reason in ("stop", "length")
+
+
+def test_tokenize_is_the_models_tokenizer_and_its_chat_template(server, oracle):
+    tokenizer = oracle[1]
+    text = "Disaggregated serving: prefill here, decode there. Ünïcödé too."
+    status, body = post(server, "/tokenize", {"model": server.model, "prompt": text})
+    assert status == 200 and body["tokens"] == tokenizer(text)["input_ids"] and body["count"] == len(body["tokens"])
+    status, body = post(server, "/tokenize", {"messages": MESSAGES})
+    hf = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)
+    assert status == 200 and body["tokens"] == list(hf["input_ids"] if hasattr(hf, "keys") else hf)
+    status, back = post(server, "/detokenize", {"tokens": tokenizer(text)["input_ids"]})
+    assert status == 200 and back["prompt"] == tokenizer.decode(tokenizer(text)["input_ids"])
+    status, body = post(server, "/detokenize", {"tokens": [10**6]})
+    assert status == 400 and body["error"]["param"] == "tokens"
+    with urllib.request.urlopen(server.http + "/version", timeout=30) as resp:
+        assert json.loads(resp.read())["version"]

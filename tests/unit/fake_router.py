@@ -84,6 +84,19 @@ class FakeRouter:
         rid = request.request_id or f"fake-{len(self.requests)}"
         return FakeStream(rid, len(ids), request.sampling.max_tokens, text.strip() == "explode", self)
 
+    def tokenize(self, request: GenerateRequest) -> list[int]:
+        """One id per whitespace-separated word: its length."""
+        if request.model is not None and request.model != MODEL:
+            raise ModelNotFoundError(request.model, MODEL)
+        text = request.prompt if request.messages is None else \
+            "\n".join(f"{m['role']}: {m['content']}" for m in request.messages)
+        return [len(w) for w in str(text).split()]
+
+    def detokenize(self, token_ids: list[int], model: str | None) -> str:
+        if model is not None and model != MODEL:
+            raise ModelNotFoundError(model, MODEL)
+        return " ".join("x" * t for t in token_ids)
+
     def models(self) -> list[ModelCard]:
         return [ModelCard(MODEL, 1700000000, "pdserve", MAX_MODEL_LEN)]
 

@@ -503,3 +503,34 @@ def test_https_serves_the_openai_sdk_that_trusts_the_certificate(tmp_path) -> No
         conn.close()
     finally:
         s.stop()
+
+
+def test_tokenize_detokenize_version_and_ping(server: ServerThread) -> None:
+    status, _, body = server.request("POST", "/tokenize", {"prompt": "hello big world"})
+    assert status == 200 and json.loads(body) == {"count": 3, "max_model_len": MAX_MODEL_LEN, "tokens": [5, 3, 5]}
+    status, _, body = server.request("POST", "/tokenize", {"messages": USER})
+    assert status == 200 and json.loads(body)["count"] >= 2
+    status, _, body = server.request("POST", "/detokenize", {"tokens": [2, 1]})
+    assert status == 200 and json.loads(body) == {"prompt": "xx x"}
+    status, _, body = server.request("GET", "/version")
+    assert status == 200 and json.loads(body)["version"]
+    assert server.request("GET", "/ping")[0] == 200 and server.request("POST", "/ping")[0] == 200
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/tokenize", {}, "prompt"), ("/tokenize", {"prompt": "a", "messages": USER}, "prompt"),
+    ("/tokenize", {"prompt": [1, 2]}, "prompt"), ("/tokenize", {"prompt": "a", "model": "other"}, "model"),
+    ("/detokenize", {"tokens": "abc"}, "tokens"), ("/detokenize", {"tokens": [-1]}, "tokens"),
+    ("/detokenize", {}, "tokens"),
+])
+def test_tokenize_and_detokenize_errors_name_the_field(server: ServerThread, path: str, body: dict,
+                                                       param: str) -> None:
+    status, _, resp = server.request("POST", path, body)
+    err = json.loads(resp)["error"]
+    assert status in (400, 404) and err["param"] == param, resp
+
+
+def test_ping_is_open_and_tokenize_needs_the_key(keyed: ServerThread) -> None:
+    assert keyed.request("GET", "/ping")[0] == 200
+    status, headers, body = keyed.request("POST", "/tokenize", {"prompt": "hi"})
+    assert_401(status, headers, body)

@@ -57,6 +57,11 @@ def test_every_flag_default_and_help_comes_from_its_config_field(capsys):
     assert (cfg.router.ttft_target_s, cfg.engine.cache.memory_gib, cfg.num_prefill, cfg.engine.compile,
             cfg.transfer.backend) == (0.5, 2.0, 0, False, "object_store")
     assert dataclasses.replace(cfg.engine.cache, memory_gib=1.0) == ServeConfig().engine.cache
+    alike = parse(["serve", "--port", "9300", "--max-num-batched-tokens", "4096", "--no-enable-prefix-caching",
+                   "--seed", "7"])  # the flags vLLM users know
+    cfg = flags.build(ServeConfig(), alike, flags.ENGINE + flags.SERVE)
+    assert (cfg.http_port, cfg.engine.max_num_batched_tokens, cfg.engine.cache.enable_prefix_caching,
+            cfg.engine.seed) == (9300, 4096, False, 7)
 
 
 def test_yaml_must_be_a_mapping(tmp_path):
