@@ -1,9 +1,10 @@
 """Attention over the paged KV pool, plugged into transformers' attention interface.
 
 The model runs on packed inputs: all of a step's new tokens in one row (batch dim 1),
-positions given explicitly. Each layer writes its new K/V into the pool at `slot_mapping`,
-then attends each sequence's queries to that sequence's keys, read through its block
-table. No sequence's cache is ever moved or copied to make room for another.
+positions given explicitly: decoding sequences' newest tokens first, then prompt chunks.
+Each layer writes its new K/V into the pool at `slot_mapping`, then attends each sequence's
+queries to that sequence's keys, read through its block table (decode rows with the paged
+kernel where there is one). No sequence's cache is ever moved or copied to make room for another.
 """
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ class AttnMetadata:
     """What every layer needs to find and place K/V for this step."""
 
     slot_mapping: torch.Tensor  # [N] pool slot (block * block_size + offset) of each new token
-    prefill: list[PrefillSlice] | None = None
+    prefill: list[PrefillSlice] | None = None  # None: every row is a decoding sequence's
+    num_decode: int = 0  # with `prefill`: rows [0, num_decode) are decoding sequences'; the decode fields are theirs
     decode_blocks: torch.Tensor | None = None  # [B, max_blocks] block tables, padded
     ctx_lens: torch.Tensor | None = None  # [B] context length of each decoding sequence
     max_ctx: int = 0  # longest context in the decode batch
@@ -53,25 +55,38 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     when `attn_meta.layer_kv`."""
     assert attn_meta is not None and kv_cache is not None, "paged attention needs attn_meta and kv_cache"
     kv_layer = kv_cache if attn_meta.layer_kv else kv_cache[module.layer_idx]
-    if attn_meta.use_kernel and attn_meta.prefill is None:
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        args = (query[0].transpose(0, 1), key[0], value[0], attn_meta.slot_mapping)
-        if query.is_cuda:
-            out = triton_attention.paged_decode(*args, kv_layer[0], kv_layer[1], attn_meta.decode_blocks,
-                                                attn_meta.ctx_lens, scale)
-        else:
-            op = kernels.active().op or paged_decode_step  # the C++ operator, or the Python one over ctypes
-            out = op(*args, kv_layer, attn_meta.decode_blocks, attn_meta.ctx_lens, scale)
-        return out.unsqueeze(0), None
+    if attn_meta.prefill is None and attn_meta.use_kernel:  # a decode step: the kernel alone
+        return _kernel_decode(query, key, value, attn_meta.slot_mapping, kv_layer, attn_meta, scaling), None
+    nd = query.shape[2] if attn_meta.prefill is None else attn_meta.num_decode
+    outs = []
+    written = 0  # leading rows whose K/V the kernel wrote
+    if nd and attn_meta.use_kernel:  # a mixed step: the kernel takes whole tensors of the decode rows
+        outs.append(_kernel_decode(query[:, :, :nd].contiguous(), key[:, :, :nd].contiguous(),
+                                   value[:, :, :nd].contiguous(), attn_meta.slot_mapping[:nd].contiguous(),
+                                   kv_layer, attn_meta, scaling))
+        written = nd
     k_pool, v_pool = kv_layer  # [KVH, blocks, block_size, D] each
     kvh, d = k_pool.shape[0], k_pool.shape[-1]
-    k_pool.view(kvh, -1, d).index_copy_(1, attn_meta.slot_mapping, key[0])
-    v_pool.view(kvh, -1, d).index_copy_(1, attn_meta.slot_mapping, value[0])
+    k_pool.view(kvh, -1, d).index_copy_(1, attn_meta.slot_mapping[written:], key[0, :, written:])
+    v_pool.view(kvh, -1, d).index_copy_(1, attn_meta.slot_mapping[written:], value[0, :, written:])
+    if nd and not written:
+        outs.append(_decode(query[:, :, :nd], k_pool, v_pool, attn_meta, scaling))
     if attn_meta.prefill is not None:
-        out = _prefill(query, key, value, k_pool, v_pool, attn_meta.prefill, scaling)
+        outs.append(_prefill(query, key, value, k_pool, v_pool, attn_meta.prefill, scaling))
+    return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
+
+
+def _kernel_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor,
+                   kv_layer: torch.Tensor, meta: AttnMetadata, scaling: float | None) -> torch.Tensor:
+    """Decode rows on the paged kernel, which writes their K/V: query [1, H, B, D] → [1, B, H, D]."""
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    args = (query[0].transpose(0, 1), key[0], value[0], slots)
+    if query.is_cuda:
+        out = triton_attention.paged_decode(*args, kv_layer[0], kv_layer[1], meta.decode_blocks, meta.ctx_lens, scale)
     else:
-        out = _decode(query, k_pool, v_pool, attn_meta, scaling)
-    return out, None
+        op = kernels.active().op or paged_decode_step  # the C++ operator, or the Python one over ctypes
+        out = op(*args, kv_layer, meta.decode_blocks, meta.ctx_lens, scale)
+    return out.unsqueeze(0)
 
 
 def _prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_pool: torch.Tensor,

@@ -5,9 +5,9 @@ block before it). A new sequence reuses the cached blocks of its longest cached 
 Freed blocks keep their key until they are reused: the free list is ordered least recently
 freed first, so the prefix cache evicts least-recently-used blocks when free blocks run out.
 
-A block is keyed as soon as it is allocated full, before its KV is written. That is safe
-because a sequence that hits it in the same prefill batch reads it only after the batch's
-K/V for that layer have been written (see `engine/attention.py`).
+A block is keyed by `commit` once the KV of all its tokens has been computed (or has landed
+from a prefill worker), never before: a prompt prefilled in chunks over several steps offers
+only what it has finished.
 """
 from __future__ import annotations
 
@@ -96,10 +96,8 @@ class BlockManager:
         return new + reusable_free <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, use_cache: bool = True) -> None:
-        """Give `seq` blocks for all its tokens, reusing cached prefix blocks.
-
-        With `use_cache=False` (KV that will arrive from elsewhere) nothing is reused and the
-        blocks are keyed only by `publish`, once their KV has landed."""
+        """Give `seq` blocks for all its tokens, reusing cached prefix blocks (not with
+        `use_cache=False`: KV that will arrive from elsewhere). New blocks are keyed by `commit`."""
         assert not seq.block_table, f"{seq.request_id} already holds blocks"
         assert self.can_allocate(seq), f"{seq.request_id}: not enough free blocks"
         hits = self._cached_prefix(seq.token_ids) if use_cache else []
@@ -113,23 +111,19 @@ class BlockManager:
         self.num_prefix_hits += seq.num_cached_tokens
         for _ in range(self.blocks_needed(seq.num_tokens) - len(hits)):
             seq.block_table.append(self._take_free())
-        if use_cache:
-            self._register_full_blocks(seq, start=len(hits))
 
-    def publish(self, seq: Sequence) -> None:
-        """Key `seq`'s full blocks for prefix reuse (after KV allocated with use_cache=False landed)."""
-        self._register_full_blocks(seq, start=0)
+    def commit(self, seq: Sequence, start: int, end: int) -> None:
+        """The KV of `seq`'s tokens [start, end) is in the pool: key the blocks it fills for reuse."""
+        self._register_full_blocks(seq, start // self.block_size, end // self.block_size)
 
     def can_append(self, seq: Sequence) -> bool:
         """Whether the token appended last (whose KV the next step writes) has a slot."""
         return len(seq.block_table) >= self.blocks_needed(seq.num_tokens) or self.num_free_blocks > 0
 
     def append_slot(self, seq: Sequence) -> None:
-        """Make room for the KV of `seq`'s last token; key the block it fills."""
+        """Make room for the KV of `seq`'s last token."""
         if len(seq.block_table) < self.blocks_needed(seq.num_tokens):
             seq.block_table.append(self._take_free())
-        if seq.num_tokens % self.block_size == 0:
-            self._register_full_blocks(seq, start=len(seq.block_table) - 1)
 
     def free_seq(self, seq: Sequence) -> None:
         """Release `seq`'s blocks; cached ones stay reusable until evicted."""
@@ -152,12 +146,13 @@ class BlockManager:
         block.key, block.token_ids, block.ref_count = None, (), 1
         return block_id
 
-    def _register_full_blocks(self, seq: Sequence, start: int) -> None:
-        if not self.enable_prefix_caching:
+    def _register_full_blocks(self, seq: Sequence, start: int, end: int) -> None:
+        """Key blocks [start, end) of `seq`'s table (the blocks before them are keyed)."""
+        if not self.enable_prefix_caching or start >= end:
             return
         bs = self.block_size
         key = self.blocks[seq.block_table[start - 1]].key if start > 0 else None
-        for i in range(start, seq.num_tokens // bs):
+        for i in range(start, end):
             block = self.blocks[seq.block_table[i]]
             chunk = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             key = chain_key(key, chunk)

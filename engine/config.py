@@ -41,7 +41,10 @@ class EngineConfig:
             serves fastest on this machine, chosen at start-up (`engine.auto_dtype`).
         device: "cpu" or a CUDA device such as "cuda:0".
         max_num_seqs: most sequences in one batch.
-        max_num_batched_tokens: most prompt tokens in one prefill batch (a single longer prompt still runs alone).
+        max_num_batched_tokens: most tokens one step computes: prompt chunks plus one per decoding sequence
+            (those always run).
+        prefill_chunk_tokens: most prompt tokens of one sequence in one step, and of all prompts in a
+            step that also decodes: the longest a prompt holds up the running batch or other prompts.
         max_model_len: context limit; None means the model's own.
         num_threads: torch intra-op threads on CPU; None leaves torch's default.
         seed: seed for requests that sample without a seed of their own.
@@ -59,7 +62,10 @@ class EngineConfig:
     device: str = field(default="cpu", metadata={"help": "cpu or cuda[:N]"})
     max_num_seqs: int = field(default=64, metadata={"help": "most sequences a worker runs at once"})
     max_num_batched_tokens: int = field(default=8192, metadata={
-        "help": "most prompt tokens in one prefill batch (a longer prompt still runs alone)"})
+        "help": "most tokens one step computes: prompt chunks plus one per decoding sequence"})
+    prefill_chunk_tokens: int = field(default=256, metadata={
+        "help": "most prompt tokens of one sequence per step, and of all prompts in a step that also decodes "
+        "(longer prompts are prefilled in chunks next to the running batch)"})
     max_model_len: int | None = field(default=None, metadata={"help": "context limit (default: the model's)"})
     num_threads: int | None = field(default=None, metadata={
         "flag": "--threads", "help": "torch threads per engine (default: torch's choice; serve: --cpus-per-worker)"})
@@ -80,6 +86,8 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.prefill_chunk_tokens < 1:
+            raise ValueError(f"prefill_chunk_tokens must be >= 1, got {self.prefill_chunk_tokens}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads < 1:

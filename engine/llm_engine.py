@@ -2,8 +2,9 @@
 
 Request lifecycle:
 1. `add_request`: validate, tokenize (chat template for messages), queue as WAITING.
-2. `step` (prefill): the scheduler admits it with blocks (reusing a cached prefix);
-   the runner computes the uncached prompt tokens; the sampler picks the first token.
+2. `step` (prefill): the scheduler admits it with blocks (reusing a cached prefix); the
+   runner computes the uncached prompt tokens in chunks, one per step, next to the running
+   batch's decode tokens; after the last chunk the sampler picks the first token.
 3. `step` (decode): one token per step in the running batch, sequences joining and
    leaving between steps.
 4. The stop check finishes it (EOS, stop token or string, max_tokens, context limit),
@@ -31,7 +32,7 @@ from engine.model_loader import dtype_name, encode_prompt, eos_token_ids, max_co
 from engine.model_runner import ModelRunner, kv_shape
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Batch, Scheduler
 from engine.sequence import FinishReason, Sequence
 
 Prompt = str | list[int] | list[dict]
@@ -58,9 +59,10 @@ class EngineStats:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     prefill_tokens: int = 0  # prompt tokens computed (cached prefix tokens excluded)
-    decode_tokens: int = 0
-    prefill_steps: int = 0
-    decode_steps: int = 0
+    decode_tokens: int = 0  # in decode and mixed steps
+    prefill_steps: int = 0  # steps that computed prompt chunks
+    decode_steps: int = 0  # steps of decode tokens only
+    mixed_steps: int = 0  # prefill steps that also decoded running sequences
 
 
 class LLMEngine:
@@ -94,12 +96,12 @@ class LLMEngine:
                                           config.cache.enable_prefix_caching)
         self.stop_checker = StopChecker(eos_token_ids(model, tokenizer), self.max_model_len, tokenizer)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.stop_checker)
+                                   self.stop_checker, config.prefill_chunk_tokens)
         self.runner = ModelRunner(model, self.layout, compile=config.compile)
         self.sampler = Sampler(config.seed)
         self.stats = EngineStats()
         self._ids = itertools.count()
-        self._batch_seqs: list[Sequence] = []  # the step's batch, for the prefill layer hook
+        self._batch_seqs: list[Sequence] = []  # the step's prompts that finish, for the prefill layer hook
 
     # -- requests ----------------------------------------------------------------------------
     def tokenize(self, prompt: Prompt, chat: bool = False) -> list[int]:
@@ -146,7 +148,8 @@ class LLMEngine:
         self.scheduler.release(request_id)
 
     def set_prefill_layer_hook(self, hook: Callable[[int, list[Sequence]], None]) -> None:
-        """Call `hook(layer, seqs)` after each layer of every prefill step (see ModelRunner.set_layer_hook)."""
+        """Call `hook(layer, seqs)` after each layer of every step that computes prompt chunks, with the
+        sequences whose prompt that step completes (see ModelRunner.set_layer_hook)."""
         self.runner.set_layer_hook(lambda layer: hook(layer, self._batch_seqs))
 
     def _new_sequence(self, prompt: Prompt, sampling: SamplingParams | None, request_id: str | None,
@@ -199,30 +202,32 @@ class LLMEngine:
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule → run → postprocess. Returns one output per sequence in the batch."""
+        """Schedule → run → postprocess. Returns one output per sequence that got a token (decoding
+        ones and prompts whose last chunk ran; a step of only partial chunks returns none)."""
         batch = self.scheduler.schedule()
         if batch is None:
             return []
         t0 = time.perf_counter()
-        self._batch_seqs = batch.seqs
-        if batch.is_prefill:
-            logits = self.runner.prefill(batch.seqs)
-        else:
-            logits = self.runner.decode(batch.seqs)
-        tokens = self.sampler.sample(logits, batch.seqs)
-        self._account(batch.is_prefill, batch.num_tokens, time.perf_counter() - t0)
+        sampled = batch.sampled
+        self._batch_seqs = [c.seq for c in batch.prefill if c.final]
+        logits = self.runner.run(batch.decode, batch.prefill)
+        tokens = self.sampler.sample(logits, sampled) if sampled else []
+        self._account(batch, time.perf_counter() - t0)
         self.scheduler.update(batch, tokens)
-        return [self._output(seq, [tok]) for seq, tok in zip(batch.seqs, tokens)]
+        return [self._output(seq, [tok]) for seq, tok in zip(sampled, tokens)]
 
-    def _account(self, is_prefill: bool, num_tokens: int, seconds: float) -> None:
+    def _account(self, batch: Batch, seconds: float) -> None:
+        """A step with prompt chunks counts as prefill time (its decode tokens ride along), one
+        without as decode time."""
         s = self.stats
-        if is_prefill:
+        s.decode_tokens += len(batch.decode)
+        s.prefill_tokens += batch.num_prefill_tokens
+        if batch.is_prefill:
             s.prefill_seconds += seconds
-            s.prefill_tokens += num_tokens
             s.prefill_steps += 1
+            s.mixed_steps += bool(batch.decode)
         else:
             s.decode_seconds += seconds
-            s.decode_tokens += num_tokens
             s.decode_steps += 1
 
     def _output(self, seq: Sequence, new_ids: list[int]) -> RequestOutput:

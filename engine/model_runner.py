@@ -12,6 +12,7 @@ from engine import hardware, kernels, triton_attention
 from engine.attention import ATTN_NAME, AttnMetadata, PrefillSlice
 from engine.config import KVLayout
 from engine.sampling_params import SamplingParams
+from engine.scheduler import Chunk
 from engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -79,8 +80,8 @@ class ModelRunner:
         return self._step is not None
 
     def set_layer_hook(self, hook: Callable[[int], None]) -> None:
-        """Call `hook(layer)` after each decoder layer of a prefill, once that layer's K/V sit in
-        the pool: the prefill worker ships layer i while layer i + 1 computes."""
+        """Call `hook(layer)` after each decoder layer of a step that computes prompt chunks, once that
+        layer's K/V sit in the pool: the prefill worker ships layer i while layer i + 1 computes."""
         self._layer_hook = hook
         if not self._hooked:
             for i, layer in enumerate(self.decoder.layers):
@@ -136,33 +137,47 @@ class ModelRunner:
         return table[pos // bs] * bs + pos % bs
 
     @torch.inference_mode()
-    def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Compute each sequence's uncached tokens; return logits of each last token [B, V]."""
-        ids: list[int] = []
-        positions, slots, slices, last = [], [], [], []
-        n = 0
-        for seq in seqs:
-            start, end = seq.num_cached_tokens, seq.num_tokens
-            ids.extend(seq.token_ids[start:])
-            positions.append(torch.arange(start, end))
-            slots.append(self._slots(seq.block_table, start, end))
+    def run(self, decode: list[Sequence], chunks: list[Chunk]) -> torch.Tensor:
+        """One step in one forward pass: the newest token of each decoding sequence, then each
+        prompt chunk. Returns next-token logits [B, V] of the decoding sequences and the chunks
+        that finish a prompt, in that order (`Batch.sampled`)."""
+        if not chunks:
+            return self.decode(decode)
+        nd = len(decode)
+        ids = [s.last_token_id for s in decode]
+        positions, slots, slices = [], [], []
+        meta = AttnMetadata(slot_mapping=torch.empty(0, dtype=torch.long), num_decode=nd)
+        if decode:
+            table, ctx, decode_slots, mask = self._decode_inputs(decode)
+            positions.append(ctx - 1)
+            slots.append(decode_slots)
+            meta.decode_blocks, meta.ctx_lens, meta.max_ctx = table.to(self.device), ctx.to(self.device), int(ctx.max())
+            meta.decode_mask, meta.use_kernel = mask, self.use_kernel
+        last = list(range(nd))
+        n = nd
+        for c in chunks:
+            ids.extend(c.seq.token_ids[c.start:c.end])
+            positions.append(torch.arange(c.start, c.end))
+            slots.append(self._slots(c.seq.block_table, c.start, c.end))
             blocks = mask = None
-            if start > 0:
-                blocks = torch.tensor([seq.block_table], dtype=torch.long, device=self.device)
-                mask = (torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]).to(self.device)
-            slices.append(PrefillSlice(n, n + end - start, start, blocks, mask))
-            n += end - start
-            last.append(n - 1)
-        meta = AttnMetadata(slot_mapping=torch.cat(slots).to(self.device), prefill=slices)
+            if c.start > 0:
+                blocks = torch.tensor([c.seq.block_table], dtype=torch.long, device=self.device)
+                mask = (torch.arange(c.end)[None, :] <= torch.arange(c.start, c.end)[:, None]).to(self.device)
+            slices.append(PrefillSlice(n, n + c.end - c.start, c.start, blocks, mask))
+            n += c.end - c.start
+            if c.final:
+                last.append(n - 1)
+        meta.slot_mapping, meta.prefill = torch.cat(slots).to(self.device), slices
         self._prefilling = self._layer_hook is not None
         try:
             return self._forward(ids, torch.cat(positions), meta, last)
         finally:
             self._prefilling = False
 
-    @torch.inference_mode()
-    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Compute one token per sequence (its last); return next-token logits [B, V]."""
+    def _decode_inputs(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                            torch.Tensor | None]:
+        """Block tables [B, max_blocks] (at least 2 columns), context lengths [B], the newest tokens'
+        slots [B], and the padding mask of gather + SDPA (None with the kernel or equal lengths); on the CPU."""
         bs = self.layout.block_size
         ctx = torch.tensor([s.num_tokens for s in seqs])
         max_ctx = int(ctx.max())
@@ -172,18 +187,25 @@ class ModelRunner:
         for i, seq in enumerate(seqs):
             table[i, :len(seq.block_table)] = torch.tensor(seq.block_table[:max_blocks])
         last = ctx - 1
-        slot_mapping = table[torch.arange(len(seqs)), last // bs] * bs + last % bs
+        slots = table[torch.arange(len(seqs)), last // bs] * bs + last % bs
+        mask = None
+        if not self.use_kernel and int(ctx.min()) != max_ctx:
+            mask = (torch.arange(max_ctx)[None, :] < ctx[:, None])[:, None, None, :].to(self.device)
+        return table, ctx, slots, mask
+
+    @torch.inference_mode()
+    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Compute one token per sequence (its last); return next-token logits [B, V]."""
+        table, ctx, slot_mapping, mask = self._decode_inputs(seqs)
+        last = ctx - 1
         ids = [s.last_token_id for s in seqs]
         if self._step is not None:
             inputs = (torch.tensor([ids]), last[None], slot_mapping, table, ctx)
             if self.device.type != "cpu":
                 inputs = tuple(t.to(self.device, non_blocking=True) for t in inputs)
             return self._decode_compiled(*inputs)
-        mask = None
-        if not self.use_kernel and int(ctx.min()) != max_ctx:
-            mask = (torch.arange(max_ctx)[None, :] < ctx[:, None])[:, None, None, :].to(self.device)
         meta = AttnMetadata(slot_mapping=slot_mapping.to(self.device), decode_blocks=table.to(self.device),
-                            ctx_lens=ctx.to(self.device), max_ctx=max_ctx, decode_mask=mask,
+                            ctx_lens=ctx.to(self.device), max_ctx=int(ctx.max()), decode_mask=mask,
                             use_kernel=self.use_kernel)
         return self._forward(ids, last, meta, list(range(len(seqs))))
 
@@ -212,7 +234,7 @@ class ModelRunner:
                            attn_meta=meta, kv_cache=self.kv)
         hidden = out.last_hidden_state[0]
         if len(last) != hidden.shape[0]:
-            hidden = hidden[torch.tensor(last, device=self.device)]
+            hidden = hidden[torch.tensor(last, dtype=torch.long, device=self.device)]
         return self.lm_head(hidden)
 
 

@@ -15,15 +15,16 @@ def _prompt(engine: LLMEngine, n: int, rng: random.Random) -> list[int]:
 
 
 def time_prefill(engine: LLMEngine, num_tokens: int, seed: int = 0) -> float:
-    """Seconds of one prefill step of a `num_tokens` prompt (engine otherwise idle)."""
+    """Seconds to prefill a `num_tokens` prompt, every chunk of it (engine otherwise idle)."""
     assert not engine.has_unfinished(), "profile an idle engine"
     rng = random.Random(seed)
     rid = engine.add_request(_prompt(engine, num_tokens, rng), SamplingParams(max_tokens=1, ignore_eos=True),
                              request_id=f"profile-prefill-{num_tokens}-{seed}")
     t0 = time.perf_counter()
-    outs = engine.step()
+    while not (outs := engine.step()):
+        pass
     seconds = time.perf_counter() - t0
-    assert outs and outs[0].finished, rid
+    assert outs[0].finished, rid
     return seconds
 
 
@@ -35,7 +36,7 @@ def time_decode_step(engine: LLMEngine, batch: int, context: int, steps: int = 4
     ids = [engine.add_request(_prompt(engine, context, rng), params, request_id=f"profile-decode-{batch}-{i}-{seed}")
            for i in range(batch)]
     try:
-        while engine.scheduler.waiting:
+        while engine.scheduler.has_prefill_work():
             engine.step()  # prefills
         times = []
         for _ in range(steps):

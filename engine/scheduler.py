@@ -1,15 +1,21 @@
-"""Continuous batching: decides which sequences run each step. No torch.
+"""Continuous batching with chunked prefill: decides what each step computes. No torch.
 
-A step is either a prefill batch (newly admitted prompts, admitted while blocks and the
-token budget allow) or a decode batch (every running sequence, one token each). When a
-decode step finds no free block, the most recently admitted sequence is preempted: its
-blocks are freed and it waits to be recomputed (its cached prefix blocks usually survive).
+A step computes, under a token budget, one token for every decoding sequence and a chunk of the
+prompt of sequences still prefilling, in one forward pass ("mixed" steps): a long prompt never
+stops the running batch for longer than one chunk. A sequence is sampled once the KV of all its
+tokens is computed (after its last chunk; every decode step). Per step:
+1. decoding sequences (one uncomputed token) get a slot for it; when none is free, the most
+   recently admitted sequence is preempted: its blocks are freed and it waits to be recomputed
+   (its cached prefix blocks usually survive);
+2. sequences part-way through their prompt get their next chunk;
+3. waiting sequences are admitted, in order, while a sequence slot, blocks and budget remain.
+Blocks are keyed for prefix reuse once their KV is computed, never before.
 """
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.sequence import FinishReason, Sequence, SequenceStatus
@@ -17,16 +23,45 @@ from engine.sequence import FinishReason, Sequence, SequenceStatus
 StopCheck = Callable[[Sequence], "FinishReason | None"]
 
 
+@dataclass(frozen=True)
+class Chunk:
+    """Prompt tokens [start, end) of `seq` computed in one step."""
+
+    seq: Sequence
+    start: int
+    end: int
+    final: bool  # it completes the sequence's KV: the step samples its next token
+
+
 @dataclass
 class Batch:
-    seqs: list[Sequence]
-    is_prefill: bool
+    """One step: each decoding sequence's newest token, then each prefill chunk."""
+
+    decode: list[Sequence] = field(default_factory=list)
+    prefill: list[Chunk] = field(default_factory=list)
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        """Every sequence the step computes for, decoding ones first."""
+        return self.decode + [c.seq for c in self.prefill]
+
+    @property
+    def sampled(self) -> list[Sequence]:
+        """The sequences that get a token from this step, in the order of the step's logits."""
+        return self.decode + [c.seq for c in self.prefill if c.final]
+
+    @property
+    def is_prefill(self) -> bool:
+        """Whether the step computes prompt tokens (alone or next to decoding sequences)."""
+        return bool(self.prefill)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(c.end - c.start for c in self.prefill)
 
     @property
     def num_tokens(self) -> int:
-        if not self.is_prefill:
-            return len(self.seqs)
-        return sum(s.num_tokens - s.num_cached_tokens for s in self.seqs)
+        return len(self.decode) + self.num_prefill_tokens
 
 
 class Scheduler:
@@ -35,15 +70,18 @@ class Scheduler:
     Args:
         block_manager: allocator of KV blocks.
         max_num_seqs: most sequences running at once.
-        max_num_batched_tokens: most prompt tokens computed in one prefill step.
+        max_num_batched_tokens: most tokens one step computes (decoding sequences always run).
         stop_check: decides after each new token whether a sequence is done.
+        prefill_chunk_tokens: most prompt tokens of one sequence in a step, and most prompt tokens
+            in all of a step while sequences decode in it (the longest a prompt stalls them).
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 stop_check: StopCheck) -> None:
+                 stop_check: StopCheck, prefill_chunk_tokens: int | None = None) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.prefill_chunk_tokens = prefill_chunk_tokens or max_num_batched_tokens
         self.stop_check = stop_check
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -72,10 +110,11 @@ class Scheduler:
     def activate(self, request_id: str, first_token: int) -> Sequence:
         """The KV landed: the sequence joins the decode batch with the first token sampled remotely."""
         seq = self.receiving.pop(request_id)
-        self.block_manager.publish(seq)
+        self.block_manager.commit(seq, 0, seq.num_tokens)
+        seq.num_computed_tokens = seq.num_tokens
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
-        self.update(Batch([seq], is_prefill=True), [first_token])
+        self._append(seq, first_token)
         return seq
 
     def release(self, request_id: str) -> Sequence:
@@ -85,35 +124,49 @@ class Scheduler:
         return seq
 
     def schedule(self) -> Batch | None:
-        """Pick the next batch: admit waiting prompts first, else decode all running."""
-        batch = self._schedule_prefill()
-        if batch is not None:
-            return batch
-        return self._schedule_decode()
-
-    def _schedule_prefill(self) -> Batch | None:
-        seqs: list[Sequence] = []
-        budget = self.max_num_batched_tokens
-        while self.waiting and len(self.running) + len(seqs) < self.max_num_seqs:
-            seq = self.waiting[0]
-            cost = seq.num_tokens - self.block_manager.cached_prefix_len(seq.token_ids)
-            if seqs and cost > budget:  # a prompt over the budget still runs, alone
+        """Pick the next step's work (see the module docstring). None when there is none."""
+        decode, prefilling = self._schedule_running()
+        budget = self.max_num_batched_tokens - len(decode)
+        if decode:
+            budget = min(budget, self.prefill_chunk_tokens)
+        chunks = []
+        for seq in prefilling:
+            if budget <= 0:
                 break
+            chunks.append(self._chunk(seq, budget))
+            budget -= chunks[-1].end - chunks[-1].start
+        while budget > 0 and self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
             if not self.block_manager.can_allocate(seq):
                 break
-            self.block_manager.allocate(seq)
-            budget -= cost
             self.waiting.popleft()
+            self.block_manager.allocate(seq)
+            seq.num_computed_tokens = seq.num_cached_tokens
             seq.status = SequenceStatus.RUNNING
-            seqs.append(seq)
-        self.running.extend(seqs)
-        return Batch(seqs, is_prefill=True) if seqs else None
+            self.running.append(seq)
+            chunks.append(self._chunk(seq, budget))
+            budget -= chunks[-1].end - chunks[-1].start
+        return Batch(decode, chunks) if decode or chunks else None
 
-    def _schedule_decode(self) -> Batch | None:
-        scheduled: list[Sequence] = []
+    def has_prefill_work(self) -> bool:
+        """Whether prompts wait or are part-way through their prefill."""
+        return bool(self.waiting) or any(not self._decoding(s) for s in self.running)
+
+    def _chunk(self, seq: Sequence, budget: int) -> Chunk:
+        start = seq.num_computed_tokens
+        end = start + min(seq.num_uncomputed, self.prefill_chunk_tokens, budget)
+        return Chunk(seq, start, end, final=end == seq.num_tokens)
+
+    def _schedule_running(self) -> tuple[list[Sequence], list[Sequence]]:
+        """(decoding, prefilling) running sequences, in admission order. Each decoding one gets a slot
+        for its newest token's KV, preempting the most recently admitted when no block is free."""
+        kept: list[Sequence] = []
         running = list(self.running)
         while running:
             seq = running.pop(0)
+            if not self._decoding(seq):  # its blocks came with its admission
+                kept.append(seq)
+                continue
             while not self.block_manager.can_append(seq):
                 victim = running.pop() if running else seq
                 self._preempt(victim)
@@ -121,34 +174,50 @@ class Scheduler:
                     break
             else:
                 self.block_manager.append_slot(seq)
-                scheduled.append(seq)
-        self.running = scheduled
-        return Batch(list(scheduled), is_prefill=False) if scheduled else None
+                kept.append(seq)
+        self.running = kept
+        return [s for s in kept if self._decoding(s)], [s for s in kept if not self._decoding(s)]
+
+    @staticmethod
+    def _decoding(seq: Sequence) -> bool:
+        """Whether `seq` runs as a decode row: one token to compute. A prompt with one token left runs as
+        one too (the same computation), except a prefill-only one: its last chunk must be a chunk, which
+        the prefill worker's layer hook ships."""
+        return seq.num_uncomputed == 1 and not seq.prefill_only
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free_seq(seq)
+        seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
     def update(self, batch: Batch, token_ids: list[int]) -> list[Sequence]:
-        """Append each sequence's new token; finish those that stop. Returns the finished."""
-        finished = []
-        for seq, token_id in zip(batch.seqs, token_ids):
-            if seq.is_finished:  # aborted while the step ran: drop its token, keep ABORT
-                continue
-            seq.token_ids.append(token_id)
-            if seq.prefill_only:  # remote prefill: keep the blocks until the KV is sent
-                self.running.remove(seq)
-                seq.status = SequenceStatus.HELD
-                self.held[seq.request_id] = seq
-                continue
-            reason = self.stop_check(seq)
-            if reason is not None:
-                self._finish(seq, reason)
-                finished.append(seq)
-        return finished
+        """Record the step: its KV is computed (and keyed for reuse); each of `batch.sampled` gets
+        its token from `token_ids`, and those that stop finish. Returns the finished."""
+        for seq, end in [(s, s.num_tokens) for s in batch.decode] + [(c.seq, c.end) for c in batch.prefill]:
+            if not seq.is_finished:  # aborted while the step ran: its blocks are gone
+                self.block_manager.commit(seq, seq.num_computed_tokens, end)
+                seq.num_computed_tokens = end
+        return [seq for seq, token_id in zip(batch.sampled, token_ids) if self._append(seq, token_id)]
+
+    def _append(self, seq: Sequence, token_id: int) -> bool:
+        """Append a sampled token; hold a remote prefill's blocks or finish a stopped sequence.
+        Returns whether it finished."""
+        if seq.is_finished:  # aborted while the step ran: drop its token, keep ABORT
+            return False
+        seq.token_ids.append(token_id)
+        if seq.prefill_only:  # remote prefill: keep the blocks until the KV is sent
+            self.running.remove(seq)
+            seq.status = SequenceStatus.HELD
+            self.held[seq.request_id] = seq
+            return False
+        reason = self.stop_check(seq)
+        if reason is not None:
+            self._finish(seq, reason)
+            return True
+        return False
 
     def find(self, request_id: str) -> Sequence | None:
         """The unfinished sequence with this id, if any."""

@@ -3,7 +3,8 @@
 Lifecycle (only the scheduler changes `status`):
 1. WAITING: added, or preempted (its blocks freed; it is recomputed on re-admission).
    RECEIVING (decode side of a remote prefill): blocks reserved, the prompt's KV arriving.
-2. RUNNING: blocks allocated; prefilled, then one token per decode step.
+2. RUNNING: blocks allocated; prefilled in chunks of steps (a token is sampled once the whole
+   prompt's KV is computed), then one token per step.
    HELD (prefill side of a remote prefill): prefilled, first token sampled, blocks kept
    until the KV has been sent and the owner releases it.
 3. FINISHED: stopped by EOS, a stop token or string, max_tokens, the context limit, or an abort.
@@ -44,6 +45,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     block_table: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    num_computed_tokens: int = 0  # leading tokens whose KV sits in the pool (cached ones included)
     num_preemptions: int = 0
     prefill_only: bool = False  # remote prefill: hold the blocks after the first token
     generator: Any = None  # the sampler's per-request RNG; opaque to the scheduler
@@ -68,6 +70,11 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens whose KV is still to compute: 1 while decoding (the newest token), more while prefilling."""
+        return len(self.token_ids) - self.num_computed_tokens
 
     @property
     def last_token_id(self) -> int:

@@ -25,7 +25,8 @@ ENGINE: tuple[Path, ...] = (
     ("engine", "model"), ("engine", "dtype"), ("engine", "device"), ("engine", "cache", "memory_gib"),
     ("engine", "cache", "block_size"), ("engine", "num_threads"), ("engine", "compile"))
 SERVE: tuple[Path, ...] = (
-    ("engine", "max_num_seqs"), ("engine", "max_num_batched_tokens"), ("engine", "cache", "enable_prefix_caching"),
+    ("engine", "max_num_seqs"), ("engine", "max_num_batched_tokens"), ("engine", "prefill_chunk_tokens"),
+    ("engine", "cache", "enable_prefix_caching"),
     ("engine", "seed"), ("engine", "max_model_len"), ("address",), ("num_prefill",), ("num_decode",),
     ("cpus_per_worker",), ("transfer", "backend"), ("transfer", "timeout_s"), ("host",), ("http_port",),
     ("grpc_port",), ("router", "policy"), ("router", "ttft_target_s"), ("router", "tpot_target_s"),

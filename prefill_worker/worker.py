@@ -97,7 +97,8 @@ class PrefillWorker(WorkerBase):
 
     def _load_now(self) -> LoadReport:
         bm, sched = self.engine.block_manager, self.engine.scheduler
-        return LoadReport(bm.num_free_blocks, bm.num_blocks, queued_tokens=sum(s.num_tokens for s in sched.waiting),
+        queued = sum(s.num_uncomputed for s in (*sched.waiting, *sched.running))  # prompt tokens still to compute
+        return LoadReport(bm.num_free_blocks, bm.num_blocks, queued_tokens=queued,
                           sending=len(self._sending))
 
     # -- engine loop thread ------------------------------------------------------------------------

@@ -13,20 +13,20 @@ from kv_transfer import TransferConfig, TransferState, make_connector
 from tests.conftest import greedy_reference, random_prompt
 
 
-@pytest.fixture
-def pair(tiny_pair):
+@pytest.fixture(params=[256, 16, 9], ids=["chunk256", "chunk16", "chunk9"])
+def pair(tiny_pair, request):
     ref, model = tiny_pair
-    cfg = EngineConfig(dtype="float32", cache=CacheConfig(memory_gib=0.02))
+    cfg = EngineConfig(dtype="float32", cache=CacheConfig(memory_gib=0.02), prefill_chunk_tokens=request.param)
     prefill, decode = LLMEngine(cfg, model=model), LLMEngine(cfg, model=copy.deepcopy(ref))
     tx = make_connector(TransferConfig(backend="local"), "prefill-0")
     rx = make_connector(TransferConfig(backend="local"), "decode-0")
     tx.register(prefill.runner.kv)
     rx.register(decode.runner.kv)
-    layers_seen: list[int] = []
+    layers_seen: list[tuple[str, int]] = []
 
-    def ship(layer: int, seqs: list) -> None:  # runs after each layer of a prefill step
-        layers_seen.append(layer)
-        for seq in seqs:
+    def ship(layer: int, seqs: list) -> None:  # runs after each layer of a step with prompt chunks
+        for seq in seqs:  # the prompts this step completes
+            layers_seen.append((seq.request_id, layer))
             tx.send(seq.request_id, layer, seq.block_table, rx.local_info())
 
     prefill.set_prefill_layer_hook(ship)
@@ -42,11 +42,11 @@ def run_remote(prefill, decode, tx, rx, prompts, sampling) -> dict[str, list[int
         rx.recv(f"r{i}", blocks, layers, tx.local_info())
         prefill.add_request(prompt, sampling, request_id=f"r{i}", prefill_only=True)
     outputs: dict[str, list[int]] = {}
-    for out in prefill.step():  # one batched prefill of every prompt
-        assert rx.poll(out.request_id) == TransferState.DONE == tx.poll(out.request_id)
-        prefill.release(out.request_id)
-        outputs[out.request_id] = list(decode.activate(out.request_id, out.new_token_ids[0]).new_token_ids)
-    assert not prefill.has_unfinished()
+    while prefill.has_unfinished():  # batched prefill steps of every prompt, in chunks
+        for out in prefill.step():
+            assert rx.poll(out.request_id) == TransferState.DONE == tx.poll(out.request_id)
+            prefill.release(out.request_id)
+            outputs[out.request_id] = list(decode.activate(out.request_id, out.new_token_ids[0]).new_token_ids)
     while decode.has_unfinished():
         for out in decode.step():
             outputs[out.request_id] += out.new_token_ids
@@ -59,7 +59,8 @@ def test_remote_prefill_matches_generate(pair):
     expected = [greedy_reference(ref, p, 20) for p in prompts]
     got = run_remote(prefill, decode, tx, rx, prompts, SamplingParams(max_tokens=20))
     assert [got[f"r{i}"] for i in range(len(prompts))] == expected
-    assert layers_seen == list(range(prefill.layout.num_layers))  # shipped layer by layer, in order
+    for i in range(len(prompts)):  # each prompt shipped layer by layer, in order, once
+        assert [layer for rid, layer in layers_seen if rid == f"r{i}"] == list(range(prefill.layout.num_layers))
     for engine in (prefill, decode):
         bm = engine.block_manager
         assert bm.num_free_blocks == bm.num_blocks
@@ -78,6 +79,11 @@ def test_reserve_refuses_when_full_and_abort_frees(pair):
     assert decode.abort("big")
     assert decode.block_manager.num_free_blocks == decode.block_manager.num_blocks
     prefill.add_request(random_prompt(30, 3), SamplingParams(max_tokens=4), request_id="p", prefill_only=True)
-    prefill.step()
+    while prefill.has_unfinished():
+        prefill.step()
     assert prefill.held_blocks("p") and prefill.abort("p")  # an abort frees held blocks too
+    assert prefill.block_manager.num_free_blocks == prefill.block_manager.num_blocks
+    prefill.add_request(random_prompt(300, 4), SamplingParams(max_tokens=4), request_id="q", prefill_only=True)
+    prefill.step()  # part-way through its prompt
+    assert prefill.abort("q") and not prefill.has_unfinished()
     assert prefill.block_manager.num_free_blocks == prefill.block_manager.num_blocks

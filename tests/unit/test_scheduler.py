@@ -25,9 +25,9 @@ def make_seq(n: int, max_tokens: int = 8, base: int = 0) -> Sequence:
 
 
 def make(*seqs: Sequence, num_blocks: int = 64, max_num_seqs: int = 8, max_tokens: int = 1024,
-         caching: bool = True) -> Scheduler:
+         caching: bool = True, chunk: int | None = None) -> Scheduler:
     """A scheduler over a fresh pool, with `seqs` added in order."""
-    sched = Scheduler(BlockManager(num_blocks, BS, caching), max_num_seqs, max_tokens, stop_on_max_tokens)
+    sched = Scheduler(BlockManager(num_blocks, BS, caching), max_num_seqs, max_tokens, stop_on_max_tokens, chunk)
     for s in seqs:
         sched.add(s)
     return sched
@@ -38,9 +38,13 @@ def step(sched: Scheduler, token: int = 1) -> Batch | None:
     batch = sched.schedule()
     if batch is not None:
         batch.computed = batch.num_tokens  # type: ignore[attr-defined]
-        batch.per_seq = [s.num_tokens - s.num_cached_tokens for s in batch.seqs]  # type: ignore[attr-defined]
-        sched.update(batch, [token] * len(batch.seqs))
+        batch.per_seq = [1] * len(batch.decode) + [c.end - c.start for c in batch.prefill]  # type: ignore[attr-defined]
+        sched.update(batch, [token] * len(batch.sampled))
     return batch
+
+
+def chunks(batch: Batch) -> list[tuple[Sequence, int, int]]:
+    return [(c.seq, c.start, c.end) for c in batch.prefill]
 
 
 def test_prefill_respects_max_num_seqs() -> None:
@@ -53,22 +57,38 @@ def test_prefill_respects_max_num_seqs() -> None:
     assert list(sched.waiting) == [seqs[2]] and seqs[2].status is SequenceStatus.WAITING
 
 
-def test_prefill_respects_token_budget() -> None:
+def test_the_token_budget_is_filled_with_a_chunk_of_the_next_prompt() -> None:
     seqs = [make_seq(4, base=10 * i) for i in range(3)]
     sched = make(*seqs, max_tokens=10)
     b = step(sched)
-    assert b.is_prefill and b.seqs == seqs[:2] and b.computed == 8
-    b = step(sched)  # third prompt admitted on the next step
-    assert b.is_prefill and b.seqs == [seqs[2]]
+    assert chunks(b) == [(seqs[0], 0, 4), (seqs[1], 0, 4), (seqs[2], 0, 2)] and b.computed == 10
+    assert b.sampled == seqs[:2] and seqs[2].num_output_tokens == 0  # no token before its prompt is done
+    b = step(sched)  # the two decode next to the rest of the third prompt
+    assert b.decode == seqs[:2] and chunks(b) == [(seqs[2], 2, 4)] and b.sampled == seqs
+    assert [s.num_output_tokens for s in seqs] == [2, 2, 1]
 
 
-def test_prompt_over_budget_runs_alone() -> None:
+def test_a_long_prompt_is_prefilled_in_chunks_next_to_the_running_batch() -> None:
     short1, long_, short2 = make_seq(3, base=0), make_seq(25, base=100), make_seq(3, base=200)
-    sched = make(short1, long_, short2, max_tokens=10)
-    assert step(sched).seqs == [short1]  # the long one does not fit the rest of the budget
+    sched = make(short1, long_, short2, max_tokens=9, chunk=6)
     b = step(sched)
-    assert b.is_prefill and b.seqs == [long_] and b.computed == 25
-    assert step(sched).seqs == [short2]
+    assert chunks(b) == [(short1, 0, 3), (long_, 0, 6)]  # each prompt's chunk is at most 6 tokens
+    assert chunks(step(sched)) == [(long_, 6, 12)]  # 1 decode token; prompts get at most a chunk's worth
+    b = step(sched)
+    assert b.decode == [short1] and chunks(b) == [(long_, 12, 18)] and b.sampled == [short1]
+    b = step(sched)
+    assert b.decode == [short1] and chunks(b) == [(long_, 18, 24)]
+    b = step(sched)  # the long prompt's last token runs as a decode row; the next prompt starts
+    assert b.decode == [short1, long_] and chunks(b) == [(short2, 0, 3)]
+    assert b.sampled == [short1, long_, short2]
+    assert [s.num_output_tokens for s in (short1, long_, short2)] == [5, 1, 1]
+
+
+def test_without_decoding_sequences_several_chunks_fill_the_budget() -> None:
+    a, b_ = make_seq(20, base=0), make_seq(20, base=100)
+    sched = make(a, b_, max_tokens=10, chunk=6)
+    assert chunks(step(sched)) == [(a, 0, 6), (b_, 0, 4)]
+    assert chunks(step(sched)) == [(a, 6, 12), (b_, 4, 8)]
 
 
 def test_decode_batch_contains_all_running() -> None:
@@ -87,9 +107,9 @@ def test_sequences_join_mid_run() -> None:
     step(sched)
     b = make_seq(5, max_tokens=3, base=50)
     sched.add(b)
-    batch = step(sched)  # the newcomer's prefill comes first
-    assert batch.is_prefill and batch.seqs == [b]
-    assert a.num_output_tokens == 2 and b.num_output_tokens == 1
+    batch = step(sched)  # the newcomer's prefill runs next to the running one's decode
+    assert batch.decode == [a] and chunks(batch) == [(b, 0, 5)]
+    assert a.num_output_tokens == 3 and b.num_output_tokens == 1
     batch = step(sched)
     assert not batch.is_prefill and batch.seqs == [a, b]
     while sched.has_unfinished():
@@ -200,31 +220,32 @@ class FakeRunner:
         return seq.block_table[pos // BS] * BS + pos % BS
 
     def run(self, batch: Batch) -> None:
-        writes = [(s, p) for s in batch.seqs
-                  for p in (range(s.num_cached_tokens, s.num_tokens) if batch.is_prefill else [s.num_tokens - 1])]
+        writes = [(s, s.num_tokens - 1) for s in batch.decode] + [(c.seq, p) for c in batch.prefill
+                                                                  for p in range(c.start, c.end)]
         step: dict[int, tuple[int, ...]] = {}
         for s, p in writes:
-            if not batch.is_prefill:  # only a prefill may fill a block another sequence already holds
-                assert self.bm.blocks[s.block_table[p // BS]].ref_count == 1, "decode writes a shared block"
+            assert p >= s.num_computed_tokens, "KV computed twice"
+            assert self.bm.blocks[s.block_table[p // BS]].ref_count == 1, "a write into a block another sequence holds"
             kv = tuple(s.token_ids[:p + 1])
             assert step.setdefault(self.slot(s, p), kv) == kv, "two different writes to one slot in a step"
         self.pool.update(step)  # the real attention writes a layer's K/V for the whole batch, then reads
-        if batch.is_prefill:
-            assert all(s.num_cached_tokens < s.num_tokens for s in batch.seqs), "the last token must be computed"
-        for s in batch.seqs:
-            for p in range(s.num_tokens):
+        reads = [(s, s.num_tokens) for s in batch.decode] + [(c.seq, c.end) for c in batch.prefill]
+        for s, end in reads:
+            for p in range(end):
                 assert self.pool.get(self.slot(s, p)) == tuple(s.token_ids[:p + 1]), "stale KV read"
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**32 - 1), num_blocks=st.integers(6, 14), max_num_seqs=st.integers(1, 6),
-       budget=st.integers(4, 40), caching=st.booleans(),
+       budget=st.integers(4, 40), chunk=st.integers(1, 12), caching=st.booleans(),
        specs=st.lists(st.tuples(st.integers(1, 12), st.integers(1, 10), st.integers(0, 3)), min_size=1, max_size=12))
-def test_random_workload_runs_to_completion(seed: int, num_blocks: int, max_num_seqs: int, budget: int,
+def test_random_workload_runs_to_completion(seed: int, num_blocks: int, max_num_seqs: int, budget: int, chunk: int,
                                             caching: bool, specs: list[tuple[int, int, int]]) -> None:
+    """Chunks of any size, decode steps, arrivals, prefix hits and preemption: every step reads exactly
+    the KV of its tokens, within the budget, and every sequence runs to its length with no block lost."""
     rng = random.Random(seed)
     bm = BlockManager(num_blocks, BS, caching)
-    sched = Scheduler(bm, max_num_seqs, budget, stop_on_max_tokens)
+    sched = Scheduler(bm, max_num_seqs, budget, stop_on_max_tokens, chunk)
     runner = FakeRunner(bm)
     prefixes = [[rng.randrange(4) for _ in range(2 * BS)] for _ in range(3)]
     pending = []
@@ -234,22 +255,23 @@ def test_random_workload_runs_to_completion(seed: int, num_blocks: int, max_num_
         prompt = prompt[:max(1, num_blocks * BS - max_tokens)]
         pending.append(Sequence(f"s{len(pending)}", prompt, SamplingParams(max_tokens=max(1, max_tokens))))
     all_seqs = list(pending)
-    total = sum(s.sampling.max_tokens for s in all_seqs)
+    limit = 50 * sum(s.sampling.max_tokens + s.num_tokens for s in all_seqs)
     steps = 0
     while pending or sched.has_unfinished():
         if pending and (rng.random() < 0.5 or not sched.has_unfinished()):
             sched.add(pending.pop(0))  # arrivals between steps, also while others decode
         steps += 1
-        assert steps <= total, "every step must produce at least one token"
+        assert steps <= limit, "no progress"
         batch = sched.schedule()
-        assert batch is not None, "work left but nothing scheduled"
+        assert batch is not None and batch.num_tokens >= 1, "work left but nothing scheduled"
         assert len(sched.running) <= max_num_seqs
-        if batch.is_prefill:
-            assert batch.num_tokens <= budget or len(batch.seqs) == 1
-        else:
-            assert batch.seqs == sched.running
+        chunked = [c.seq for c in batch.prefill]
+        assert batch.decode == [s for s in sched.running if s.num_uncomputed == 1 and s not in chunked], \
+            "every decoding sequence runs"
+        assert all(c.end - c.start <= chunk for c in batch.prefill)
+        assert batch.num_prefill_tokens <= (min(chunk, budget - len(batch.decode)) if batch.decode else budget)
         runner.run(batch)
-        sched.update(batch, [rng.randrange(4) for _ in batch.seqs])
+        sched.update(batch, [rng.randrange(4) for _ in batch.sampled])
         held = [b for s in sched.running for b in s.block_table]
         assert all(b.ref_count == held.count(b.block_id) >= 0 for b in bm.blocks)
         assert all(not s.block_table for s in sched.waiting)

@@ -1,0 +1,84 @@
+"""Chunked prefill and mixed steps: greedy output equals transformers `generate` (fp32) whatever the
+chunk size (a block, half a block, uneven), with the decode kernel and without, with prefix hits
+and under preemption; a long prompt never stops the running batch."""
+from __future__ import annotations
+
+import pytest
+
+from engine import SamplingParams
+from tests.conftest import greedy_reference, random_prompt
+from tests.integration.test_engine_correctness import assert_all_free, make_engine
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["kernel", "sdpa"])
+@pytest.mark.parametrize("chunk", [16, 8, 7])
+def test_chunked_prefill_matches_generate(tiny_pair, chunk, kernel):
+    ref, model = tiny_pair
+    prompts = [random_prompt(n, seed=n) for n in (1, 7, 33, 150)]
+    expected = [greedy_reference(ref, p, 12) for p in prompts]
+    engine = make_engine(model, prefill_chunk_tokens=chunk, max_num_batched_tokens=40)
+    engine.runner.use_kernel &= kernel
+    outs = engine.generate(prompts, SamplingParams(max_tokens=12))
+    assert [o.output_token_ids for o in outs] == expected
+    assert engine.stats.mixed_steps > 0  # the short prompts decoded while the long one was chunked
+    assert_all_free(engine)
+
+
+def test_a_long_prompt_never_stops_the_running_batch(tiny_pair):
+    ref, model = tiny_pair
+    first, long_ = random_prompt(20, 1), random_prompt(300, 2)
+    engine = make_engine(model, prefill_chunk_tokens=32)
+    engine.add_request(first, SamplingParams(max_tokens=40), request_id="first")
+    got: dict[str, list[int]] = {"first": [], "long": []}
+    first_token_step = None
+    for step in range(100):
+        if step == 3:
+            engine.add_request(long_, SamplingParams(max_tokens=5), request_id="long")
+        outs = {o.request_id: o for o in engine.step()}
+        if len(got["first"]) < 40:
+            assert "first" in outs, f"step {step}: the running sequence got no token"
+        for rid, out in outs.items():
+            got[rid] += out.new_token_ids
+        if first_token_step is None and got["long"]:
+            first_token_step = step
+        if not engine.has_unfinished():
+            break
+    assert first_token_step == 3 + 300 // 32  # ten chunks of at most 32 tokens, the last one sampled
+    assert engine.stats.mixed_steps >= 300 // 32
+    assert got == {"first": greedy_reference(ref, first, 40), "long": greedy_reference(ref, long_, 5)}
+    assert_all_free(engine)
+
+
+def test_a_prompt_reuses_only_the_blocks_another_has_finished_computing(tiny_pair):
+    ref, model = tiny_pair
+    prefix = random_prompt(100, 3)
+    a, b = prefix + random_prompt(20, 4), prefix + random_prompt(30, 5)
+    engine = make_engine(model, prefill_chunk_tokens=32)
+    engine.add_request(a, SamplingParams(max_tokens=6), request_id="a")
+    engine.step()
+    engine.step()  # a: 64 tokens computed, four 16-token blocks keyed
+    engine.add_request(b, SamplingParams(max_tokens=6), request_id="b")
+    got: dict[str, list[int]] = {"a": [], "b": []}
+    cached = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            got[out.request_id] += out.new_token_ids
+            cached[out.request_id] = out.num_cached_tokens
+    assert cached["b"] == 64
+    assert got == {"a": greedy_reference(ref, a, 6), "b": greedy_reference(ref, b, 6)}
+    c = prefix + random_prompt(9, 6)  # after both: every full block of the prefix is cached
+    out = engine.generate([c], SamplingParams(max_tokens=6))[0]
+    assert out.num_cached_tokens == 96 and out.output_token_ids == greedy_reference(ref, c, 6)
+    assert_all_free(engine)
+
+
+def test_chunked_prefill_under_preemption(tiny_pair):
+    ref, model = tiny_pair
+    prompts = [random_prompt(30 + 7 * i, 20 + i) for i in range(6)]
+    expected = [greedy_reference(ref, p, 40) for p in prompts]
+    # 768 B per token (3 layers x 2 kv heads x 16 dims x 4 bytes x k, v); 80 blocks of 4 tokens
+    engine = make_engine(model, memory_gib=80 * 4 * 768 / (1 << 30), block_size=4, prefill_chunk_tokens=5)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=40))
+    assert engine.scheduler.num_preemptions > 0 and engine.stats.mixed_steps > 0
+    assert [o.output_token_ids for o in outs] == expected
+    assert_all_free(engine)
