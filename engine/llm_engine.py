@@ -197,6 +197,7 @@ class LLMEngine:
         return {"num_blocks": layout.num_blocks, "block_size": layout.block_size,
                 "kv_bytes_per_token": layout.bytes_per_block // layout.block_size, "num_layers": layout.num_layers,
                 "max_num_seqs": self.config.max_num_seqs, "max_model_len": self.max_model_len,
+                "prefill_chunk_tokens": self.scheduler.prefill_chunk_tokens,
                 "vocab_size": self.vocab_size, "dtype": self.config.dtype, "dtype_reason": self.dtype_choice.reason,
                 "attention": self.runner.attention_kernel, "compiled": self.runner.compiled}
 

@@ -88,6 +88,7 @@ async def calibrate(pools: Pools, info: WorkerInfo) -> CostModel:
     else:
         prefill, transfer = local, LinearFit(0.0, 0.0)
     cost = CostModel(prefill=prefill, local_prefill=local, decode_step=steps, transfer=transfer,
-                     kv_bytes_per_token=info.kv_bytes_per_token, num_layers=info.num_layers, hop_s=3 * rtt)
+                     kv_bytes_per_token=info.kv_bytes_per_token, num_layers=info.num_layers, hop_s=3 * rtt,
+                     prefill_chunk_tokens=info.prefill_chunk_tokens)
     log.info("calibrated in %.1f s: %s", time.perf_counter() - t0, cost.to_dict())
     return cost

@@ -95,6 +95,10 @@ class CostModel:
         kv_bytes_per_token: KV bytes of one token over all layers.
         num_layers: model layers (KV ships layer by layer).
         hop_s: extra round trips of the remote path (reserve + start), seconds.
+        prefill_chunk_tokens: prompt tokens a worker computes per step (None: a whole prompt in one step).
+
+    A step that computes a prompt chunk next to decoding sequences reads the weights once for both: it
+    takes the longer of the chunk's prefill (compute-bound) and the decode step (memory-bound).
     """
 
     prefill: LinearFit
@@ -104,6 +108,7 @@ class CostModel:
     kv_bytes_per_token: int
     num_layers: int
     hop_s: float
+    prefill_chunk_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("prefill", "local_prefill", "transfer"):
@@ -125,6 +130,8 @@ class CostModel:
         if self.num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {self.num_layers}")
         _check_nonneg("hop_s", self.hop_s)
+        if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens < 1:
+            raise ValueError(f"prefill_chunk_tokens must be >= 1 or None, got {self.prefill_chunk_tokens}")
 
     def prefill_s(self, tokens: int) -> float:
         """Args: tokens: prompt tokens. Returns: prefill seconds on a prefill worker."""
@@ -133,6 +140,23 @@ class CostModel:
     def local_prefill_s(self, tokens: int) -> float:
         """Args: tokens: prompt tokens. Returns: prefill seconds on a decode worker."""
         return self.local_prefill(tokens)
+
+    def chunks(self, tokens: int) -> list[int]:
+        """Args: tokens: prompt tokens. Returns: the sizes of the chunks (one per step) they prefill in."""
+        c = self.prefill_chunk_tokens or tokens
+        return [c] * ((tokens - 1) // c) + [tokens - c * ((tokens - 1) // c)]
+
+    def local_prefill_wall_s(self, tokens: int, running: int) -> float:
+        """Seconds until a prompt prefilled on a decode worker has its first token: its chunks' steps,
+        each the longer of the chunk's prefill and the decode step of the `running` sequences beside it."""
+        step = self.step_s(running) if running else 0.0
+        return sum(max(self.local_prefill_s(c), step) for c in self.chunks(tokens))
+
+    def local_stall_s(self, tokens: int, running: int) -> float:
+        """Seconds each of a decode worker's running streams loses while a prompt of `tokens` prefills
+        there: what the steps carrying its chunks take beyond a decode step."""
+        step = self.step_s(max(1, running))
+        return sum(max(0.0, self.local_prefill_s(c) - step) for c in self.chunks(tokens))
 
     def step_s(self, batch: int) -> float:
         """Seconds per decode step, piecewise linear over `decode_step`.
@@ -159,15 +183,16 @@ class CostModel:
         return self.transfer(tokens * self.kv_bytes_per_token)
 
     def exposed_transfer_s(self, tokens: int) -> float:
-        """Transfer seconds TTFT still pays when KV ships layer by layer while later layers compute.
+        """Transfer seconds TTFT still pays when KV ships layer by layer while the later layers of the
+        prompt's last chunk compute.
 
         Args:
             tokens: prompt tokens.
         Returns:
-            max(transfer / num_layers, transfer - prefill * (num_layers - 1) / num_layers).
+            max(transfer / num_layers, transfer - last chunk's prefill * (num_layers - 1) / num_layers).
         """
         t, layers = self.transfer_s(tokens), self.num_layers
-        return max(t / layers, t - self.prefill_s(tokens) * (layers - 1) / layers)
+        return max(t / layers, t - self.prefill_s(self.chunks(tokens)[-1]) * (layers - 1) / layers)
 
     def to_dict(self) -> dict:
         """Returns: a JSON-serialisable dict; `from_dict` reads it back."""
@@ -179,6 +204,7 @@ class CostModel:
             "kv_bytes_per_token": self.kv_bytes_per_token,
             "num_layers": self.num_layers,
             "hop_s": self.hop_s,
+            "prefill_chunk_tokens": self.prefill_chunk_tokens,
         }
 
     @classmethod
@@ -196,6 +222,7 @@ class CostModel:
             kv_bytes_per_token=int(_field(d, "kv_bytes_per_token")),
             num_layers=int(_field(d, "num_layers")),
             hop_s=float(_field(d, "hop_s")),
+            prefill_chunk_tokens=d.get("prefill_chunk_tokens"),  # absent: written before prompts were chunked
         )
 
 

@@ -1,8 +1,9 @@
 """Placement: per request, remote prefill (prefill worker P, then decode worker D) or local prefill on D.
 
 The ratio policy (default) estimates both paths from the measured `CostModel`. Remote pays P's queue,
-the prefill, the transfer not hidden behind later layers and the extra round trips; local pays D's
-queued local prefills and the prefill, and stalls D's running batch for that prefill. Each option costs
+the prefill, the transfer not hidden behind the last chunk's later layers and the extra round trips;
+local pays D's queued local prefills and the prefill in chunks, each in a step beside D's running batch
+(the longer of the chunk and the decode step), and D's batch loses what those steps take beyond a decode step. Each option costs
 TTFT / TTFT target + decode slowdown + 1 per missed SLO (a lost request of goodput); the cheapest wins,
 ties go remote. So the switch point follows measured prefill, transfer and decode-step costs; no
 hard-coded thresholds. Only healthy workers, and decode workers with KV room for prompt + max_tokens.
@@ -148,11 +149,11 @@ def _local(cost: CostModel, req: RequestFeatures, state: PoolState, d: int) -> _
     load = state.decode[d]
     step = cost.step_s(load.running + 1)
     queued = cost.local_prefill_s(load.queued_prefill_tokens) if load.queued_prefill_tokens else 0.0
-    own = cost.local_prefill_s(req.prompt_tokens)
-    ttft = queued + own + step / 2
-    # the prefill stalls D's batch (the r running + this request, standing for its co-arrivals),
+    ttft = queued + cost.local_prefill_wall_s(req.prompt_tokens, load.running) + step / 2
+    # what the chunks cost D's batch (the r running + this request, standing for its co-arrivals),
     # spread over this request's output
-    slowdown = 1.0 + (load.running + 1) * own / (req.expected_output_tokens * step)
+    slowdown = 1.0 + (load.running + 1) * cost.local_stall_s(req.prompt_tokens, load.running) / (
+        req.expected_output_tokens * step)
     return _Option("local", None, d, ttft, step * slowdown, slowdown)
 
 

@@ -51,6 +51,7 @@ class WorkerInfo:
     num_layers: int
     max_num_seqs: int
     max_model_len: int
+    prefill_chunk_tokens: int  # most prompt tokens of a sequence per step
     vocab_size: int
     dtype: str  # the dtype the engine runs (never "auto")
     dtype_reason: str  # why that dtype: flags, a measurement, or the user's choice

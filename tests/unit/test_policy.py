@@ -25,15 +25,15 @@ from router.policy import (
 KV_BYTES = 23040  # per token, all layers
 
 
-def measured_cost(bandwidth: float = 200e6, step_scale: float = 1.0) -> CostModel:
-    """Fit a cost model from 'measurements' the way start-up calibration would."""
+def measured_cost(bandwidth: float = 200e6, step_scale: float = 1.0, chunk: int | None = 256) -> CostModel:
+    """Fit a cost model from 'measurements' the way start-up calibration would (256-token chunks)."""
     tokens = [16, 128, 512, 2048]
     prefill = LinearFit.fit(tokens, [0.005 + 0.0025 * t for t in tokens])
     nbytes = [1e5, 1e6, 1e7, 5e7]
     transfer = LinearFit.fit(nbytes, [0.002 + b / bandwidth for b in nbytes])
     steps = ((1, 0.050 * step_scale), (8, 0.060 * step_scale), (32, 0.090 * step_scale))
     return CostModel(prefill=prefill, local_prefill=prefill, decode_step=steps, transfer=transfer,
-                     kv_bytes_per_token=KV_BYTES, num_layers=30, hop_s=0.01)
+                     kv_bytes_per_token=KV_BYTES, num_layers=30, hop_s=0.01, prefill_chunk_tokens=chunk)
 
 
 COST = measured_cost()
@@ -113,8 +113,36 @@ def test_ratio_estimates_follow_the_documented_formula() -> None:
                                           + COST.exposed_transfer_s(n) + COST.hop_s + step / 2)
     assert pl.est_tpot_s == pytest.approx(step)
     pl = make_policy("always_local", COST).place(req(n, out), state)
-    assert pl.est_ttft_s == pytest.approx(COST.local_prefill_s(64) + COST.local_prefill_s(n) + step / 2)
-    assert pl.est_tpot_s == pytest.approx(step * (1 + 6 * COST.local_prefill_s(n) / (out * step)))
+    sizes = [256, 256, 256, 232]  # each chunk's step also decodes the 5 running sequences
+    assert COST.chunks(n) == sizes
+    assert pl.est_ttft_s == pytest.approx(COST.local_prefill_s(64) + sum(COST.local_prefill_s(c) for c in sizes)
+                                          + step / 2)  # every chunk outlasts the decode step
+    stall = sum(COST.local_prefill_s(c) - COST.step_s(5) for c in sizes)
+    assert pl.est_tpot_s == pytest.approx(step * (1 + 6 * stall / (out * step)))
+
+
+def test_a_chunk_s_step_lasts_the_longer_of_its_prefill_and_the_decode_step_beside_it() -> None:
+    whole, chunked = measured_cost(chunk=None), measured_cost(chunk=8)
+    n, step = 1000, COST.step_s(4)
+    assert whole.chunks(n) == [1000] and chunked.chunks(n) == [8] * 125 and chunked.chunks(3) == [3]
+    assert chunked.chunks(17) == [8, 8, 1]
+    assert whole.local_stall_s(n, 4) == pytest.approx(whole.local_prefill_s(n) - step)
+    assert whole.local_prefill_wall_s(n, 4) == whole.local_prefill_s(n)
+    # 8-token chunks (25 ms) hide inside the 50 ms decode steps they ride: no stall, but slower to the first token
+    assert chunked.local_stall_s(n, 4) == 0.0
+    assert chunked.local_prefill_wall_s(n, 4) == pytest.approx(125 * step)
+    assert chunked.local_prefill_wall_s(n, 0) == pytest.approx(125 * chunked.local_prefill_s(8))
+    # layer-by-layer shipping hides the transfer behind the last chunk only
+    t = chunked.transfer_s(n)
+    assert chunked.exposed_transfer_s(n) == pytest.approx(max(t / 30, t - chunked.prefill_s(8) * 29 / 30))
+    assert chunked.exposed_transfer_s(n) > whole.exposed_transfer_s(n)
+
+
+def test_a_cost_model_written_before_chunking_reads_as_whole_prompts() -> None:
+    d = measured_cost().to_dict()
+    assert CostModel.from_dict(d) == measured_cost()
+    del d["prefill_chunk_tokens"]
+    assert CostModel.from_dict(d).prefill_chunk_tokens is None
 
 
 # --- load, room, health ---

@@ -18,7 +18,7 @@ from worker_core import protocol
 from worker_core.protocol import ErrorKind, LoadReport, PrefillResult, StreamItem, WorkerError, WorkerInfo
 
 INFO = WorkerInfo(worker_id="decode-0-abc123", num_blocks=64, block_size=16, kv_bytes_per_token=46080, num_layers=30,
-                  max_num_seqs=32, max_model_len=8192, vocab_size=49152, dtype="float32",
+                  max_num_seqs=32, max_model_len=8192, prefill_chunk_tokens=256, vocab_size=49152, dtype="float32",
                   dtype_reason="the CPU has no bf16 instructions", attention="avx2", compiled=True)
 
 

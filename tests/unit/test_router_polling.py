@@ -14,7 +14,8 @@ from tests.unit.test_policy import measured_cost
 from worker_core.protocol import LoadReport, WorkerInfo
 
 _INFO = WorkerInfo(worker_id="d0", num_blocks=64, block_size=16, kv_bytes_per_token=1024, num_layers=2,
-                   max_num_seqs=8, max_model_len=2048, vocab_size=512, dtype="float32", dtype_reason="set explicitly",
+                   max_num_seqs=8, max_model_len=2048, prefill_chunk_tokens=256, vocab_size=512, dtype="float32",
+                   dtype_reason="set explicitly",
                    attention="torch", compiled=False)
 
 
