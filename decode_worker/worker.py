@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 from engine import EngineConfig, SamplingParams
 from engine.command_loop import Stopped
-from engine.profiling import time_decode_step
+from engine.profiling import time_decode_step, time_mixed_step
 from kv_transfer import PeerInfo, TransferConfig, TransferState
 from worker_core import WorkerBase
 from worker_core.protocol import ErrorKind, LoadReport, StreamItem
@@ -124,6 +124,11 @@ class DecodeWorker(WorkerBase):
         """Seconds of one decode step at each batch size, sequences of about `context` tokens (call while idle)."""
         return self._owner.call(lambda: [time_decode_step(self.engine, b, context, steps, seed=i)
                                          for i, b in enumerate(batches)])
+
+    def profile_mixed(self, batch: int, context: int, chunk: int) -> tuple[float, int]:
+        """Seconds of one step that prefills a prompt chunk of at most `chunk` tokens beside a decode
+        batch, and the chunk's tokens (call while idle)."""
+        return self._owner.call(lambda: time_mixed_step(self.engine, batch, context, chunk))
 
     def _load_now(self) -> LoadReport:
         """Free KV blocks, total blocks, running and reserved sequences."""

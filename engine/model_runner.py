@@ -161,7 +161,8 @@ class ModelRunner:
             slots.append(self._slots(c.seq.block_table, c.start, c.end))
             blocks = mask = None
             if c.start > 0:
-                blocks = torch.tensor([c.seq.block_table], dtype=torch.long, device=self.device)
+                needed = -(-c.end // self.layout.block_size)  # the blocks up to the chunk's end
+                blocks = torch.tensor([c.seq.block_table[:needed]], dtype=torch.long, device=self.device)
                 mask = (torch.arange(c.end)[None, :] <= torch.arange(c.start, c.end)[:, None]).to(self.device)
             slices.append(PrefillSlice(n, n + c.end - c.start, c.start, blocks, mask))
             n += c.end - c.start

@@ -1,5 +1,6 @@
-"""Timing probes a router calibrates its cost model with: prefill time by prompt length and decode
-step time by batch size, measured on a worker's own engine before it serves."""
+"""Timing probes a router calibrates its cost model with: prefill time by prompt length, decode step
+time by batch size, and a step that prefills a chunk beside a decode batch, measured on a worker's own
+engine before it serves."""
 from __future__ import annotations
 
 import random
@@ -44,6 +45,38 @@ def time_decode_step(engine: LLMEngine, batch: int, context: int, steps: int = 4
             engine.step()
             times.append(time.perf_counter() - t0)
         return statistics.median(times)
+    finally:
+        for rid in ids:
+            engine.abort(rid)
+
+
+def time_mixed_step(engine: LLMEngine, batch: int, context: int, chunk: int, steps: int = 3,
+                    seed: int = 0) -> tuple[float, int]:
+    """Median seconds of one step that prefills a prompt of at most `chunk` tokens (one chunk, as
+    many as a step takes beside the batch) beside `batch` decoding sequences of about `context`
+    tokens. Returns (seconds, the chunk's tokens)."""
+    assert not engine.has_unfinished(), "profile an idle engine"
+    assert batch < engine.scheduler.max_num_seqs, "a sequence slot must stay free for the chunk"
+    sched = engine.scheduler
+    chunk = min(chunk, sched.prefill_chunk_tokens, sched.max_num_batched_tokens - batch)
+    assert chunk >= 1, "the step's token budget has no room for a chunk beside the batch"
+    rng = random.Random(seed)
+    params = SamplingParams(max_tokens=steps + 2, ignore_eos=True)
+    ids = [engine.add_request(_prompt(engine, context, rng), params, request_id=f"profile-mixed-{batch}-{i}-{seed}")
+           for i in range(batch)]
+    try:
+        while engine.scheduler.has_prefill_work():
+            engine.step()
+        times = []
+        for i in range(steps):
+            rid = engine.add_request(_prompt(engine, chunk, rng), SamplingParams(max_tokens=1, ignore_eos=True),
+                                     request_id=f"profile-chunk-{chunk}-{i}-{seed}")
+            ids.append(rid)
+            t0 = time.perf_counter()
+            outs = engine.step()
+            times.append(time.perf_counter() - t0)
+            assert any(o.request_id == rid for o in outs), "the chunk did not fit one step"
+        return statistics.median(times), chunk
     finally:
         for rid in ids:
             engine.abort(rid)

@@ -1,7 +1,8 @@
 """Measures the cost model on the actual workers at start-up, before serving.
 
 1. Prefill time by prompt length on a prefill worker, and on a decode worker (local prefill).
-2. Decode step time by batch size on a decode worker.
+2. Decode step time by batch size on a decode worker, and what a decode batch adds to a step that
+   prefills a chunk beside it.
 3. KV transfer time by size between a prefill and a decode worker, over the configured backend.
 4. The extra round trips of the remote path (actor call latency).
 Each probe runs on an idle worker and leaves every block free. The first call of each kind is
@@ -55,6 +56,18 @@ async def _transfer_fit(prefill: ray.actor.ActorHandle, decode: ray.actor.ActorH
     return LinearFit.fit(sizes[1:], times[1:])
 
 
+async def _decode_ride(worker: ray.actor.ActorHandle, prefill: LinearFit, steps: dict[int, float], context: int,
+                       chunk: int, max_num_seqs: int) -> float:
+    """What the largest measured decode batch that leaves a sequence slot free adds to a step that
+    prefills a chunk of up to `chunk` tokens beside it, as a fraction of its own decode step (in [0, 1];
+    1 where no slot is left: a worker of one sequence never mixes)."""
+    batch = max((b for b in steps if b < max_num_seqs), default=None)
+    if batch is None:
+        return 1.0
+    mixed, tokens = await worker.profile_mixed.remote(batch, context, chunk)
+    return min(1.0, max(0.0, (mixed - prefill(tokens)) / steps[batch]))
+
+
 async def _round_trip_s(worker: ray.actor.ActorHandle) -> float:
     rtts = []
     for _ in range(6):
@@ -81,6 +94,8 @@ async def calibrate(pools: Pools, info: WorkerInfo) -> CostModel:
     context = min(64, lengths[-1])
     step_times = await decode.profile_decode.remote([batches[0]] + batches, context)
     steps = tuple(zip(batches, step_times[1:]))
+    ride = await _decode_ride(decode, local, dict(steps), context, min(info.prefill_chunk_tokens, lengths[-1]),
+                              info.max_num_seqs)
     rtt = await _round_trip_s(decode)
     if pools.prefill:
         prefill = await _prefill_fit(pools.prefill[0], lengths)
@@ -89,6 +104,6 @@ async def calibrate(pools: Pools, info: WorkerInfo) -> CostModel:
         prefill, transfer = local, LinearFit(0.0, 0.0)
     cost = CostModel(prefill=prefill, local_prefill=local, decode_step=steps, transfer=transfer,
                      kv_bytes_per_token=info.kv_bytes_per_token, num_layers=info.num_layers, hop_s=3 * rtt,
-                     prefill_chunk_tokens=info.prefill_chunk_tokens)
+                     prefill_chunk_tokens=info.prefill_chunk_tokens, decode_ride=ride)
     log.info("calibrated in %.1f s: %s", time.perf_counter() - t0, cost.to_dict())
     return cost

@@ -96,9 +96,9 @@ class CostModel:
         num_layers: model layers (KV ships layer by layer).
         hop_s: extra round trips of the remote path (reserve + start), seconds.
         prefill_chunk_tokens: prompt tokens a worker computes per step (None: a whole prompt in one step).
-
-    A step that computes a prompt chunk next to decoding sequences reads the weights once for both: it
-    takes the longer of the chunk's prefill (compute-bound) and the decode step (memory-bound).
+        decode_ride: what decoding sequences add to a step that computes a prompt chunk beside them, as a
+            fraction of their decode step alone (measured: near 0 where decode is memory-bound and rides
+            on the chunk's pass; near 1 on a CPU where both are compute-bound; 1 when unknown).
     """
 
     prefill: LinearFit
@@ -109,6 +109,7 @@ class CostModel:
     num_layers: int
     hop_s: float
     prefill_chunk_tokens: int | None = None
+    decode_ride: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("prefill", "local_prefill", "transfer"):
@@ -132,6 +133,8 @@ class CostModel:
         _check_nonneg("hop_s", self.hop_s)
         if self.prefill_chunk_tokens is not None and self.prefill_chunk_tokens < 1:
             raise ValueError(f"prefill_chunk_tokens must be >= 1 or None, got {self.prefill_chunk_tokens}")
+        if not (math.isfinite(self.decode_ride) and 0 <= self.decode_ride <= 1):
+            raise ValueError(f"decode_ride must be in [0, 1], got {self.decode_ride!r}")
 
     def prefill_s(self, tokens: int) -> float:
         """Args: tokens: prompt tokens. Returns: prefill seconds on a prefill worker."""
@@ -148,15 +151,16 @@ class CostModel:
 
     def local_prefill_wall_s(self, tokens: int, running: int) -> float:
         """Seconds until a prompt prefilled on a decode worker has its first token: its chunks' steps,
-        each the longer of the chunk's prefill and the decode step of the `running` sequences beside it."""
-        step = self.step_s(running) if running else 0.0
-        return sum(max(self.local_prefill_s(c), step) for c in self.chunks(tokens))
+        each also decoding the `running` sequences beside it (`decode_ride` of their decode step)."""
+        ride = len(self.chunks(tokens)) * self.step_s(running) * self.decode_ride if running else 0.0
+        return self.local_prefill_s(tokens) + ride
 
     def local_stall_s(self, tokens: int, running: int) -> float:
         """Seconds each of a decode worker's running streams loses while a prompt of `tokens` prefills
-        there: what the steps carrying its chunks take beyond a decode step."""
+        there: what the steps carrying its chunks take beyond the decode steps they stand in for."""
         step = self.step_s(max(1, running))
-        return sum(max(0.0, self.local_prefill_s(c) - step) for c in self.chunks(tokens))
+        saved = len(self.chunks(tokens)) * step * (1 - self.decode_ride)
+        return max(0.0, self.local_prefill_s(tokens) - saved)
 
     def step_s(self, batch: int) -> float:
         """Seconds per decode step, piecewise linear over `decode_step`.
@@ -205,6 +209,7 @@ class CostModel:
             "num_layers": self.num_layers,
             "hop_s": self.hop_s,
             "prefill_chunk_tokens": self.prefill_chunk_tokens,
+            "decode_ride": self.decode_ride,
         }
 
     @classmethod
@@ -222,7 +227,9 @@ class CostModel:
             kv_bytes_per_token=int(_field(d, "kv_bytes_per_token")),
             num_layers=int(_field(d, "num_layers")),
             hop_s=float(_field(d, "hop_s")),
-            prefill_chunk_tokens=d.get("prefill_chunk_tokens"),  # absent: written before prompts were chunked
+            # absent from a model written before prompts were chunked: whole prompts, nothing shared
+            prefill_chunk_tokens=d.get("prefill_chunk_tokens"),
+            decode_ride=float(d.get("decode_ride", 1.0)),
         )
 
 

@@ -2,8 +2,8 @@
 
 The ratio policy (default) estimates both paths from the measured `CostModel`. Remote pays P's queue,
 the prefill, the transfer not hidden behind the last chunk's later layers and the extra round trips;
-local pays D's queued local prefills and the prefill in chunks, each in a step beside D's running batch
-(the longer of the chunk and the decode step), and D's batch loses what those steps take beyond a decode step. Each option costs
+local pays D's queued local prefills and the prefill in chunks, each in a step that also decodes D's running
+batch (what that adds is measured), and D's batch loses what those steps take beyond its own decode steps. Each option costs
 TTFT / TTFT target + decode slowdown + 1 per missed SLO (a lost request of goodput); the cheapest wins,
 ties go remote. So the switch point follows measured prefill, transfer and decode-step costs; no
 hard-coded thresholds. Only healthy workers, and decode workers with KV room for prompt + max_tokens.

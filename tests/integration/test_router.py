@@ -55,7 +55,8 @@ def test_calibrated_cost_model_is_plausible(cluster):
     cost = cluster[3]
     assert cost.prefill_s(512) > cost.prefill_s(16) > 0
     assert cost.step_s(1) > 0 and cost.transfer_s(512) > 0 and cost.hop_s > 0
-    assert cost.num_layers == 3
+    assert cost.num_layers == 3 and cost.prefill_chunk_tokens == 256
+    assert 0 <= cost.decode_ride <= 1
 
 
 @pytest.mark.parametrize("policy", ["always_remote", "always_local", "round_robin", "ratio"])

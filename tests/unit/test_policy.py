@@ -25,15 +25,18 @@ from router.policy import (
 KV_BYTES = 23040  # per token, all layers
 
 
-def measured_cost(bandwidth: float = 200e6, step_scale: float = 1.0, chunk: int | None = 256) -> CostModel:
-    """Fit a cost model from 'measurements' the way start-up calibration would (256-token chunks)."""
+def measured_cost(bandwidth: float = 200e6, step_scale: float = 1.0, chunk: int | None = 256,
+                  ride: float = 0.5) -> CostModel:
+    """Fit a cost model from 'measurements' the way start-up calibration would (256-token chunks; a
+    decode batch adds half its own step to a chunk's step, as on a 2-core CPU)."""
     tokens = [16, 128, 512, 2048]
     prefill = LinearFit.fit(tokens, [0.005 + 0.0025 * t for t in tokens])
     nbytes = [1e5, 1e6, 1e7, 5e7]
     transfer = LinearFit.fit(nbytes, [0.002 + b / bandwidth for b in nbytes])
     steps = ((1, 0.050 * step_scale), (8, 0.060 * step_scale), (32, 0.090 * step_scale))
     return CostModel(prefill=prefill, local_prefill=prefill, decode_step=steps, transfer=transfer,
-                     kv_bytes_per_token=KV_BYTES, num_layers=30, hop_s=0.01, prefill_chunk_tokens=chunk)
+                     kv_bytes_per_token=KV_BYTES, num_layers=30, hop_s=0.01, prefill_chunk_tokens=chunk,
+                     decode_ride=ride)
 
 
 COST = measured_cost()
@@ -69,11 +72,15 @@ def test_long_prompt_short_output_goes_remote(running: int) -> None:
     assert pl.est_tpot_s == pytest.approx(COST.step_s(running + 1))
 
 
-@pytest.mark.parametrize("running", [0, 1])
-def test_short_prompt_long_output_goes_local(running: int) -> None:
-    pl = RatioPolicy(COST, *TARGETS).place(req(20, 500), pools(decode=[dec(running)]))
-    assert (pl.path, pl.prefill, pl.decode, pl.reason) == ("local", None, 0, "cheapest_local")
-    assert pl.est_ttft_s < RatioPolicy(COST, *TARGETS).place(req(2000, 500), pools(decode=[dec(running)])).est_ttft_s
+@pytest.mark.parametrize("running,ride", [(0, 0.5), (1, 0.1), (1, 0.5)])
+def test_short_prompt_long_output_goes_local(running: int, ride: float) -> None:
+    """Unless the decode step its one chunk rides with costs more than the hop to a prefill worker."""
+    policy = RatioPolicy(measured_cost(ride=ride), *TARGETS)
+    pl = policy.place(req(20, 500), pools(decode=[dec(running)]))
+    hop = COST.hop_s + COST.exposed_transfer_s(20)
+    expected = "local" if running * ride * COST.step_s(running) < hop else "remote"
+    assert (pl.path, pl.decode, pl.reason) == (expected, 0, f"cheapest_{expected}")
+    assert pl.est_ttft_s < policy.place(req(2000, 500), pools(decode=[dec(running)])).est_ttft_s
 
 
 def test_busy_decode_batch_pushes_short_prompt_remote() -> None:
@@ -115,23 +122,25 @@ def test_ratio_estimates_follow_the_documented_formula() -> None:
     pl = make_policy("always_local", COST).place(req(n, out), state)
     sizes = [256, 256, 256, 232]  # each chunk's step also decodes the 5 running sequences
     assert COST.chunks(n) == sizes
-    assert pl.est_ttft_s == pytest.approx(COST.local_prefill_s(64) + sum(COST.local_prefill_s(c) for c in sizes)
-                                          + step / 2)  # every chunk outlasts the decode step
-    stall = sum(COST.local_prefill_s(c) - COST.step_s(5) for c in sizes)
+    assert pl.est_ttft_s == pytest.approx(COST.local_prefill_s(64) + COST.local_prefill_s(n)
+                                          + 4 * COST.step_s(5) * 0.5 + step / 2)
+    stall = COST.local_prefill_s(n) - 4 * COST.step_s(5) * 0.5
     assert pl.est_tpot_s == pytest.approx(step * (1 + 6 * stall / (out * step)))
 
 
-def test_a_chunk_s_step_lasts_the_longer_of_its_prefill_and_the_decode_step_beside_it() -> None:
-    whole, chunked = measured_cost(chunk=None), measured_cost(chunk=8)
+def test_chunks_cost_a_local_prefill_what_they_add_beyond_the_running_batch_s_own_steps() -> None:
+    whole, chunked = measured_cost(chunk=None, ride=1.0), measured_cost(chunk=8, ride=0.2)
     n, step = 1000, COST.step_s(4)
     assert whole.chunks(n) == [1000] and chunked.chunks(n) == [8] * 125 and chunked.chunks(3) == [3]
     assert chunked.chunks(17) == [8, 8, 1]
-    assert whole.local_stall_s(n, 4) == pytest.approx(whole.local_prefill_s(n) - step)
-    assert whole.local_prefill_wall_s(n, 4) == whole.local_prefill_s(n)
-    # 8-token chunks (25 ms) hide inside the 50 ms decode steps they ride: no stall, but slower to the first token
-    assert chunked.local_stall_s(n, 4) == 0.0
-    assert chunked.local_prefill_wall_s(n, 4) == pytest.approx(125 * step)
-    assert chunked.local_prefill_wall_s(n, 0) == pytest.approx(125 * chunked.local_prefill_s(8))
+    # nothing shared: the whole prefill stalls the batch, and the batch's step adds to the first token's wait
+    assert whole.local_stall_s(n, 4) == whole.local_prefill_s(n)
+    assert whole.local_prefill_wall_s(n, 4) == pytest.approx(whole.local_prefill_s(n) + step)
+    assert chunked.local_stall_s(n, 4) == pytest.approx(max(0.0, chunked.local_prefill_s(n) - 125 * step * 0.8))
+    assert chunked.local_stall_s(n, 4) < whole.local_stall_s(n, 4)
+    assert chunked.local_stall_s(8, 4) == 0.0  # a small chunk hides in the decode step it stands in for
+    assert chunked.local_prefill_wall_s(n, 4) == pytest.approx(chunked.local_prefill_s(n) + 125 * step * 0.2)
+    assert chunked.local_prefill_wall_s(n, 0) == chunked.local_prefill_s(n)
     # layer-by-layer shipping hides the transfer behind the last chunk only
     t = chunked.transfer_s(n)
     assert chunked.exposed_transfer_s(n) == pytest.approx(max(t / 30, t - chunked.prefill_s(8) * 29 / 30))
@@ -141,8 +150,9 @@ def test_a_chunk_s_step_lasts_the_longer_of_its_prefill_and_the_decode_step_besi
 def test_a_cost_model_written_before_chunking_reads_as_whole_prompts() -> None:
     d = measured_cost().to_dict()
     assert CostModel.from_dict(d) == measured_cost()
-    del d["prefill_chunk_tokens"]
-    assert CostModel.from_dict(d).prefill_chunk_tokens is None
+    del d["prefill_chunk_tokens"], d["decode_ride"]
+    old = CostModel.from_dict(d)
+    assert old.prefill_chunk_tokens is None and old.decode_ride == 1.0
 
 
 # --- load, room, health ---
