@@ -7,7 +7,9 @@ Request lifecycle on a decode worker:
    sequence joins the running batch (RUNNING). A failed transfer ends the request with an error.
    `submit_local` instead queues the whole request; this worker runs its prefill itself.
 3. The engine loop (its own thread) steps while there is work; each new token goes to the
-   request's stream; `stream` yields them to the caller as they come.
+   request's stream; `stream` yields them to the caller as they come. A request started with
+   `feed=True` (the router's) goes instead to the worker's one feed: `drain` hands over every such
+   request's items not yet acknowledged in one message, so a step's tokens cross in one batch.
 4. FINISHED (EOS, stop, max_tokens) or ABORTED (`abort`, failed transfer): blocks return to the pool.
 Only the engine loop thread touches the engine; actor methods hand it commands.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 from collections.abc import Iterator
 
@@ -23,7 +26,7 @@ from engine.command_loop import Stopped
 from engine.profiling import time_decode_step, time_mixed_step
 from kv_transfer import PeerInfo, TransferConfig, TransferState
 from worker_core import WorkerBase
-from worker_core.protocol import ErrorKind, LoadReport, StreamItem
+from worker_core.protocol import ErrorKind, FeedEntry, LoadReport, StreamItem
 
 log = logging.getLogger(__name__)
 
@@ -37,14 +40,20 @@ class DecodeWorker(WorkerBase):
         self._landing: dict[str, int | None] = {}  # reserved request -> first token (None: not yet)
         self._started: dict[str, float] = {}  # request id -> when its first token arrived
         self._reading: set[str] = set()  # requests whose stream a caller is reading
+        self._fed: set[str] = set()  # requests whose items go to the feed (engine thread only)
+        self._feed: list[FeedEntry] = []  # their items not acknowledged yet, in order
+        self._feed_seq = 0  # the last entry's number
+        self._feed_ready = threading.Condition()  # guards `_feed` and `_feed_seq`; notified on new entries
         self._start_loop()
 
     # -- actor API (any thread) --------------------------------------------------------------------
-    def reserve(self, request_id: str, prompt: list[int], sampling: SamplingParams, prefill_peer: PeerInfo) -> None:
-        """Reserve blocks and post the receive. Raises CapacityError when full."""
+    def reserve(self, request_id: str, prompt: list[int], sampling: SamplingParams, prefill_peer: PeerInfo,
+                feed: bool = False) -> None:
+        """Reserve blocks and post the receive. Raises CapacityError when full. `feed`: its items go to
+        `drain`, not to a stream of its own."""
         def do() -> None:
             blocks = self.engine.reserve(prompt, sampling, request_id)
-            self._streams[request_id] = queue.Queue()
+            self._open(request_id, feed)
             self.connector.recv(request_id, blocks, self.engine.layout.num_layers, prefill_peer)
             self._landing[request_id] = None  # watched from now: a transfer that never comes times out
         self._owner.call(do)
@@ -59,11 +68,22 @@ class DecodeWorker(WorkerBase):
             self._started[request_id] = time.perf_counter()
         self._owner.call(do)
 
-    def submit_local(self, request_id: str, prompt: list[int], sampling: SamplingParams) -> None:
+    def submit_local(self, request_id: str, prompt: list[int], sampling: SamplingParams, feed: bool = False) -> None:
+        """Queue the whole request (this worker prefills it). `feed`: as for `reserve`."""
         def do() -> None:
             self.engine.add_request(prompt, sampling, request_id=request_id)
-            self._streams[request_id] = queue.Queue()
+            self._open(request_id, feed)
         self._owner.call(do)
+
+    def drain(self, acked: int, wait_s: float = 1.0) -> list[FeedEntry]:
+        """The fed requests' items numbered after `acked`, in the order they came, in one message;
+        waits up to `wait_s` for one. Entries up to `acked` (the caller has them) are dropped. A call
+        whose answer never reaches its caller loses nothing: the next call acknowledges less."""
+        with self._feed_ready:
+            self._feed = [e for e in self._feed if e.seq > acked]
+            if not self._feed:
+                self._feed_ready.wait(wait_s)
+            return [e for e in self._feed if e.seq > acked]
 
     def stream(self, request_id: str) -> Iterator[StreamItem]:
         """Yield the request's `StreamItem`s as its tokens are produced; the last one is finished."""
@@ -201,13 +221,28 @@ class DecodeWorker(WorkerBase):
         self._streams.pop(request_id, None)
         self._reading.discard(request_id)
 
+    def _open(self, request_id: str, feed: bool) -> None:
+        """Where a new request's items go: the feed, or a stream of its own."""
+        if feed:
+            self._fed.add(request_id)
+        else:
+            self._streams[request_id] = queue.Queue()
+
     def _emit(self, request_id: str, item: StreamItem) -> None:
+        fed = request_id in self._fed
         q = self._streams.get(request_id)
-        if q is None:
+        if not fed and q is None:
             return
         if item.finished:
+            self._fed.discard(request_id)
             self._publish_load()  # its blocks are back in the pool before its caller hears that it ended
-        q.put(item)
+        if not fed:
+            q.put(item)
+            return
+        with self._feed_ready:
+            self._feed_seq += 1
+            self._feed.append(FeedEntry(self._feed_seq, request_id, item))
+            self._feed_ready.notify_all()
 
     def _fail(self, request_id: str, kind: ErrorKind, message: str) -> None:
         self._emit(request_id, StreamItem.failed(kind, message))

@@ -131,7 +131,7 @@ def _start_pools(cfg: ServeConfig):
     with tqdm(total=cfg.num_prefill + cfg.num_decode, desc="starting workers", unit="worker",
               file=sys.stderr) as bar:
         pools = create_pools(cfg.num_prefill, cfg.num_decode, cfg.engine, cfg.transfer, cfg.cpus_per_worker,
-                             streaming=not ray.util.client.ray.is_connected(), on_started=bar.update)
+                             on_started=bar.update)
     infos = ray.get([w.info.remote() for w in pools.prefill + pools.decode])
     return pools, infos[:cfg.num_prefill], infos[cfg.num_prefill:]
 

@@ -2,7 +2,7 @@
 
 Latencies are histograms in seconds; requests are counted by path and outcome, errors by kind,
 placement decisions by policy, path and reason; per-worker gauges are refreshed from the workers'
-load reports.
+load reports. The router process's own CPU time and memory are `pdserve_router_process_*`.
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    ProcessCollector,
     disable_created_metrics,
     generate_latest,
 )
@@ -22,6 +23,7 @@ disable_created_metrics()  # no `_created` series: scrapers derive resets themse
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0,
             20.0, 40.0, 80.0)
+_COUNT = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _TOKEN = (0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -74,6 +76,9 @@ class Metrics:
                              ["worker"], registry=r)
         self.prefill_queued = Gauge("pdserve_prefill_queued_tokens", "Prompt tokens waiting, per prefill worker",
                                     ["worker"], registry=r)
+        self.feed_items = Histogram("pdserve_decode_feed_items", "Items (tokens) one decode-worker feed message "
+                                    "carried: an engine step's, for all of its requests", buckets=_COUNT, registry=r)
+        ProcessCollector(namespace="pdserve_router", registry=r)  # the router's own CPU seconds, memory
 
     def observe_worker(self, pool: str, worker: str, load: LoadReport) -> None:
         """Refresh one worker's gauges from its `load()` report."""

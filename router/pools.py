@@ -33,7 +33,6 @@ class Pools:
     decode: list[ray.actor.ActorHandle] = field(default_factory=list)
     prefill_peers: list[PeerInfo] = field(default_factory=list)
     decode_peers: list[PeerInfo] = field(default_factory=list)
-    streaming: bool = True  # False on Ray Client drivers (ray://), which cannot take streamed results
     engine_config: EngineConfig = field(default_factory=EngineConfig)  # what the workers run (dtype settled)
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
@@ -90,13 +89,13 @@ def replace_worker(pools: Pools, pool: str, index: int, engine_config: EngineCon
 
 
 def create_pools(num_prefill: int, num_decode: int, engine_config: EngineConfig,
-                 transfer_config: TransferConfig, num_cpus: float = 1, streaming: bool = True,
+                 transfer_config: TransferConfig, num_cpus: float = 1,
                  on_started: Callable[[], None] | None = None) -> Pools:
     """Start `num_prefill` prefill and `num_decode` decode actors on the connected Ray cluster, one at
     a time (`on_started()` after each). The first (a prefill worker where there are any) settles what
     `dtype="auto"` leaves open: the rest, and replacements started with `pools.engine_config`, run
     the dtype it chose, so that KV moves between any two of them."""
-    pools = Pools(streaming=streaming, engine_config=engine_config)
+    pools = Pools(engine_config=engine_config)
     for pool in ["prefill"] * num_prefill + ["decode"] * num_decode:
         actor = add_worker(pools, pool, pools.engine_config, transfer_config, num_cpus)
         if pools.engine_config.dtype == AUTO:

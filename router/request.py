@@ -4,8 +4,9 @@ Request lifecycle at the router (after `Router.submit` admitted and placed it):
 1. remote path: decode worker D reserves the prompt's blocks and posts the KV receive; prefill
    worker P prefills (batched with other prompts), ships KV layer by layer, returns the first
    token; D starts the sequence once every layer landed. Local path: D runs the whole request.
-2. D streams tokens (with their text, stop strings already applied); each becomes a `Chunk`,
-   timed for TTFT, inter-token latency and the phase split.
+2. D's tokens (with their text, stop strings already applied) come through D's feed (`router.feed`:
+   one message per engine step for all of D's requests); each becomes a `Chunk`, timed for TTFT,
+   inter-token latency and the phase split.
 3. Failures before the first token (P died, KV transfer failed or timed out, D refused): both
    sides abort and the request is placed again (another P, or local prefill), bounded attempts.
    D died mid-stream: the prompt plus the tokens already sent are replayed on another decode
@@ -29,6 +30,7 @@ from engine.errors import CapacityError
 from engine.sampling_params import SamplingParams
 from router.book import Booking
 from router.config import RouterConfig
+from router.feed import Feeds
 from router.metrics import Metrics
 from router.pools import Pools
 from router.types import Chunk, DeadlineExceeded, PhaseTimings, RequestFailed, Usage
@@ -66,19 +68,19 @@ class RouterStream:
     """Runs one request on the workers in a task of its own and hands out its chunks.
 
     Args:
-        request_id: the router's id; pools: the live workers; booking: where it runs (placed and booked);
-        prompt: token ids; sampling: its params; arrival: perf_counter() at arrival; metrics: where
-        timings go; planner: the router (re-placement after failures, booking release);
-        deadline: time.monotonic() by which it must end, or None.
+        request_id: the router's id; pools: the live workers; feeds: their token feeds; booking: where
+        it runs (placed and booked); prompt: token ids; sampling: its params; arrival: perf_counter() at
+        arrival; metrics: where timings go; planner: the router (re-placement after failures, booking
+        release); deadline: time.monotonic() by which it must end, or None.
     """
 
-    def __init__(self, request_id: str, pools: Pools, booking: Booking, prompt: list[int],
+    def __init__(self, request_id: str, pools: Pools, feeds: Feeds, booking: Booking, prompt: list[int],
                  sampling: SamplingParams, arrival: float, metrics: Metrics, planner: Planner,
                  deadline: float | None = None) -> None:
         self.request_id = request_id
         self._worker_rid = request_id  # the id workers know this attempt by: a fresh one per placement
         self.prompt_tokens = len(prompt)
-        self._pools, self._booking, self._prompt, self._sampling = pools, booking, prompt, sampling
+        self._pools, self._feeds, self._booking, self._prompt, self._sampling = pools, feeds, booking, prompt, sampling
         self._arrival, self._metrics, self._planner = arrival, metrics, planner
         self._queue: asyncio.Queue = asyncio.Queue()
         self._sent: list[int] = []  # tokens handed to the client so far
@@ -152,8 +154,13 @@ class RouterStream:
                 dispatched = time.perf_counter()
                 if self._first_at is None:
                     self.timings.queue_s = dispatched - self._arrival
-                await self._start(b, prompt, sampling)
-                return await self._relay(b, dispatched)
+                feed = self._feeds.get(b.decode.worker_id, self._pools.decode[b.placement.decode])
+                items = feed.subscribe(self._worker_rid)
+                try:
+                    await self._start(b, prompt, sampling)
+                    return await self._relay(b, dispatched, items)
+                finally:
+                    feed.unsubscribe(self._worker_rid)
             except _WorkerFailure as e:
                 await asyncio.shield(self._abort(b))
                 if e.dead:
@@ -196,10 +203,10 @@ class RouterStream:
         rid, p_idx, d_idx = self._worker_rid, b.placement.prefill, b.placement.decode
         d = self._pools.decode[d_idx]
         if b.placement.path == "local":
-            await _call("decode", d.submit_local.remote(rid, prompt, sampling), ErrorKind.PREFILL_FAILED)
+            await _call("decode", d.submit_local.remote(rid, prompt, sampling, feed=True), ErrorKind.PREFILL_FAILED)
             return
         p = self._pools.prefill[p_idx]
-        await _call("decode", d.reserve.remote(rid, prompt, sampling, self._pools.prefill_peers[p_idx]),
+        await _call("decode", d.reserve.remote(rid, prompt, sampling, self._pools.prefill_peers[p_idx], feed=True),
                     ErrorKind.INTERNAL)
         first: PrefillResult = await _call(
             "prefill", p.prefill.remote(rid, prompt, sampling, self._pools.decode_peers[d_idx]), ErrorKind.PREFILL_FAILED)
@@ -214,32 +221,20 @@ class RouterStream:
         except Exception as e:  # its reservation expired: the transfer never completed
             raise _WorkerFailure("prefill", e, dead=False, kind=ErrorKind.TRANSFER_FAILED) from None
 
-    async def _items(self, d: ray.actor.ActorHandle) -> AsyncIterator[StreamItem]:
-        """The decode worker's stream items: streamed, or pulled where streaming is not available."""
-        if self._pools.streaming:
-            async for ref in d.stream.options(num_returns="streaming").remote(self._worker_rid):
-                yield await ref
-            return
-        while True:
-            items = await d.next_items.remote(self._worker_rid, 1.0)
-            for item in items:
-                yield item
-            if items and items[-1].finished:
-                return
-
-    async def _relay(self, b: Booking, dispatched: float) -> str:
-        d = self._pools.decode[b.placement.decode]
+    async def _relay(self, b: Booking, dispatched: float, items: asyncio.Queue[StreamItem | BaseException]) -> str:
+        """Hand on the items of the decode worker's feed until the last one. Returns its finish reason."""
         got_any = False
-        try:
-            async for item in self._items(d):
-                if item.error is not None:
-                    self._on_error(item.error, got_any)
-                got_any = True
-                if self._on_item(item, b, dispatched):
-                    return item.finish_reason
-        except ray.exceptions.RayActorError as e:
-            raise _WorkerFailure("decode", e, dead=True, kind=ErrorKind.INTERNAL) from None
-        raise _WorkerFailure("decode", "its stream ended early", dead=False, kind=ErrorKind.INTERNAL)
+        while True:
+            item = await items.get()
+            if isinstance(item, Stopped):  # the decode worker shut down
+                raise _WorkerFailure("decode", item, dead=True, kind=ErrorKind.WORKER_STOPPING)
+            if isinstance(item, BaseException):  # its feed failed: the worker died or was killed
+                raise _WorkerFailure("decode", item, dead=True, kind=ErrorKind.INTERNAL)
+            if item.error is not None:
+                self._on_error(item.error, got_any)
+            got_any = True
+            if self._on_item(item, b, dispatched):
+                return item.finish_reason
 
     def _on_error(self, error: WorkerError, got_any: bool) -> None:
         """A stream's error item: raises what the router does about it, by its kind."""

@@ -24,6 +24,7 @@ from router.admission import Admission, ModelLimits
 from router.book import PoolBook
 from router.config import RouterConfig
 from router.cost_model import CostModel
+from router.feed import Feeds
 from router.health import HealthMonitor
 from router.metrics import Metrics
 from router.placer import Placer
@@ -65,6 +66,7 @@ class Router:
         self.admission = Admission(tokenizer, self.model_name, limits, config.default_max_tokens, estimator)
         self.placer = Placer(prefill_infos, decode_infos, limits, config, cost, self.metrics, estimator)
         self.health = HealthMonitor(pools, self.placer, config, self.metrics, respawn)
+        self.feeds = Feeds(observe=self.metrics.feed_items.observe)
         self._created = int(time.time())
 
     @property
@@ -82,8 +84,8 @@ class Router:
             self.metrics.errors.labels(next(label for cls, label in _REFUSALS if isinstance(e, cls))).inc()
             raise
         rid = f"{request.request_id or 'req'}-{uuid.uuid4().hex[:12]}"
-        return RouterStream(rid, self.pools, booking, admitted.prompt, admitted.sampling, arrival, self.metrics,
-                            self.placer, admitted.deadline)
+        return RouterStream(rid, self.pools, self.feeds, booking, admitted.prompt, admitted.sampling, arrival,
+                            self.metrics, self.placer, admitted.deadline)
 
     def models(self) -> list[ModelCard]:
         return [ModelCard(self.model_name, self._created, "pdserve", self.max_model_len, self.runtime)]
@@ -111,7 +113,9 @@ class Router:
         self.health.start()
 
     async def stop_polling(self) -> None:
+        """Stop the health polling and the token feeds."""
         await self.health.stop()
+        await self.feeds.close()
 
     async def poll_once(self) -> None:
         await self.health.poll_once()

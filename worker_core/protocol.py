@@ -77,6 +77,16 @@ class LoadReport:
 
 
 @dataclass(frozen=True)
+class FeedEntry:
+    """One item of a decode worker's feed (`DecodeWorker.drain`): its number in the feed (from 1,
+    increasing), the request it belongs to, and the item."""
+
+    seq: int
+    request_id: str
+    item: StreamItem
+
+
+@dataclass(frozen=True)
 class PrefillResult:
     """A prefill worker's answer: the first token, seconds from call to first token, and the
     connector's handoff for the decode worker's `start_remote` (None where it needs none)."""

@@ -107,6 +107,10 @@ def test_metrics_scrape_has_ttft_samples(client, server):
         assert name in families, name
     decisions = [s for s in families["pdserve_placement_decisions"].samples if s.name.endswith("_total")]
     assert decisions and all(s.labels["reason"] for s in decisions)
+    feed = [s.value for s in families["pdserve_decode_feed_items"].samples if s.name.endswith("_sum")]
+    assert feed and feed[0] >= 4  # the 4 tokens came through the decode worker's feed
+    cpu = families["pdserve_router_process_cpu_seconds"].samples
+    assert cpu and cpu[0].value > 0  # the router's own CPU time
 
 
 def post(server, path: str, body: bytes | dict) -> tuple[int, dict]:

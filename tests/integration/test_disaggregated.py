@@ -61,6 +61,35 @@ def test_concurrent_mixed_requests_across_workers_and_a_late_decode_worker(clust
     assert_all_free(pools)
 
 
+def test_the_feed_carries_every_fed_request_and_keeps_what_was_not_acknowledged(cluster):
+    """`drain`: fed requests' items (local and remote) in one message per call, numbered; a call's
+    answer that never reached its reader is given again until acknowledged."""
+    ref, pools, _, _ = cluster
+    decode, prefill = pools.decode[0], pools.prefill[0]
+    prompts = [random_prompt(30, 7), random_prompt(70, 8)]
+    sp = SamplingParams(max_tokens=6)
+    ray.get(decode.submit_local.remote("fed-local", prompts[0], sp, feed=True))
+    ray.get(decode.reserve.remote("fed-remote", prompts[1], sp, pools.prefill_peers[0], feed=True))
+    first = ray.get(prefill.prefill.remote("fed-remote", prompts[1], sp, pools.decode_peers[0]))
+    ray.get(decode.start_remote.remote("fed-remote", first.first_token, first.handoff))
+    got: dict[str, list[int]] = {"fed-local": [], "fed-remote": []}
+    acked, done = 0, set()
+    while len(done) < 2:
+        batch = ray.get(decode.drain.remote(acked, 5.0))
+        assert batch, "no item within 5 s"
+        assert [e.seq for e in batch] == list(range(acked + 1, acked + 1 + len(batch)))
+        replay = ray.get(decode.drain.remote(acked, 0.0))  # this answer is 'lost': nothing was acknowledged
+        assert [e.seq for e in replay[:len(batch)]] == [e.seq for e in batch]
+        for e in batch:
+            got[e.request_id] += e.item.token_ids
+            if e.item.finished:
+                done.add(e.request_id)
+        acked = batch[-1].seq
+    assert got == {"fed-local": greedy_reference(ref, prompts[0], 6), "fed-remote": greedy_reference(ref, prompts[1], 6)}
+    assert ray.get(decode.drain.remote(acked, 0.0)) == []
+    assert_all_free(pools)
+
+
 def test_object_store_backend_matches_generate(cluster):
     ref, _, cfg, _ = cluster
     pools = create_pools(1, 1, cfg, TransferConfig(backend="object_store"), num_cpus=0)
