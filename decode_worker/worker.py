@@ -221,6 +221,14 @@ class DecodeWorker(WorkerBase):
         self._streams.pop(request_id, None)
         self._reading.discard(request_id)
 
+    def _after(self) -> None:
+        """After every command and round: the load, then the feed's waiting `drain` wakes with the whole
+        round's items (one message per engine step, not one per item)."""
+        super()._after()
+        with self._feed_ready:
+            if self._feed:
+                self._feed_ready.notify_all()
+
     def _open(self, request_id: str, feed: bool) -> None:
         """Where a new request's items go: the feed, or a stream of its own."""
         if feed:
@@ -239,10 +247,9 @@ class DecodeWorker(WorkerBase):
         if not fed:
             q.put(item)
             return
-        with self._feed_ready:
+        with self._feed_ready:  # `drain` is woken once the round's items are all in (`_after`)
             self._feed_seq += 1
             self._feed.append(FeedEntry(self._feed_seq, request_id, item))
-            self._feed_ready.notify_all()
 
     def _fail(self, request_id: str, kind: ErrorKind, message: str) -> None:
         self._emit(request_id, StreamItem.failed(kind, message))

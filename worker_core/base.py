@@ -32,7 +32,7 @@ class WorkerBase:
     def _start_loop(self) -> None:
         """Start the engine loop; call last in the subclass's `__init__` (it starts running at once)."""
         self._publish_load()
-        self._owner = OwnerThread(self._work, name=f"engine-{self.worker_id}", after=self._publish_load)
+        self._owner = OwnerThread(self._work, name=f"engine-{self.worker_id}", after=self._after)
 
     def _work(self) -> bool:
         """One round of the engine loop; returns whether work remains."""
@@ -43,8 +43,13 @@ class WorkerBase:
         raise NotImplementedError
 
     def _publish_load(self) -> None:
-        """Engine thread, after every command and every round: the report `load()` hands out."""
+        """Engine thread: the report `load()` hands out."""
         self._load: LoadReport | None = self._load_now()  # one reference swap: never half-built
+
+    def _after(self) -> None:
+        """Engine thread, after every command and every round: publish the load and what else the role
+        hands out once per round."""
+        self._publish_load()
 
     # -- actor API shared by both roles (any thread) -------------------------------------------------
     def pid(self) -> int:
