@@ -29,16 +29,27 @@ def time_prefill(engine: LLMEngine, num_tokens: int, seed: int = 0) -> float:
     return seconds
 
 
+def _decoding(engine: LLMEngine, batch: int, context: int, steps: int, rng: random.Random, name: str) -> list[str]:
+    """Start `batch` sequences of `context` random tokens, good for `steps` more decode steps, and run
+    their prefills. Returns their ids (the caller aborts them)."""
+    assert not engine.has_unfinished(), "profile an idle engine"
+    params = SamplingParams(max_tokens=steps + 2, ignore_eos=True)
+    ids = [engine.add_request(_prompt(engine, context, rng), params, request_id=f"profile-{name}-{batch}-{i}")
+           for i in range(batch)]
+    while engine.scheduler.has_prefill_work():
+        engine.step()
+    return ids
+
+
+def _abort(engine: LLMEngine, ids: list[str]) -> None:
+    for rid in ids:
+        engine.abort(rid)
+
+
 def time_decode_step(engine: LLMEngine, batch: int, context: int, steps: int = 4, seed: int = 0) -> float:
     """Median seconds of one decode step of `batch` sequences holding about `context` tokens each."""
-    assert not engine.has_unfinished(), "profile an idle engine"
-    rng = random.Random(seed)
-    params = SamplingParams(max_tokens=steps + 2, ignore_eos=True)
-    ids = [engine.add_request(_prompt(engine, context, rng), params, request_id=f"profile-decode-{batch}-{i}-{seed}")
-           for i in range(batch)]
+    ids = _decoding(engine, batch, context, steps, random.Random(seed), f"decode-{seed}")
     try:
-        while engine.scheduler.has_prefill_work():
-            engine.step()  # prefills
         times = []
         for _ in range(steps):
             t0 = time.perf_counter()
@@ -46,8 +57,7 @@ def time_decode_step(engine: LLMEngine, batch: int, context: int, steps: int = 4
             times.append(time.perf_counter() - t0)
         return statistics.median(times)
     finally:
-        for rid in ids:
-            engine.abort(rid)
+        _abort(engine, ids)
 
 
 def time_mixed_step(engine: LLMEngine, batch: int, context: int, chunk: int, steps: int = 3,
@@ -55,18 +65,13 @@ def time_mixed_step(engine: LLMEngine, batch: int, context: int, chunk: int, ste
     """Median seconds of one step that prefills a prompt of at most `chunk` tokens (one chunk, as
     many as a step takes beside the batch) beside `batch` decoding sequences of about `context`
     tokens. Returns (seconds, the chunk's tokens)."""
-    assert not engine.has_unfinished(), "profile an idle engine"
-    assert batch < engine.scheduler.max_num_seqs, "a sequence slot must stay free for the chunk"
     sched = engine.scheduler
+    assert batch < sched.max_num_seqs, "a sequence slot must stay free for the chunk"
     chunk = min(chunk, sched.prefill_chunk_tokens, sched.max_num_batched_tokens - batch)
     assert chunk >= 1, "the step's token budget has no room for a chunk beside the batch"
     rng = random.Random(seed)
-    params = SamplingParams(max_tokens=steps + 2, ignore_eos=True)
-    ids = [engine.add_request(_prompt(engine, context, rng), params, request_id=f"profile-mixed-{batch}-{i}-{seed}")
-           for i in range(batch)]
+    ids = _decoding(engine, batch, context, steps, rng, f"mixed-{seed}")
     try:
-        while engine.scheduler.has_prefill_work():
-            engine.step()
         times = []
         for i in range(steps):
             rid = engine.add_request(_prompt(engine, chunk, rng), SamplingParams(max_tokens=1, ignore_eos=True),
@@ -78,5 +83,4 @@ def time_mixed_step(engine: LLMEngine, batch: int, context: int, chunk: int, ste
             assert any(o.request_id == rid for o in outs), "the chunk did not fit one step"
         return statistics.median(times), chunk
     finally:
-        for rid in ids:
-            engine.abort(rid)
+        _abort(engine, ids)

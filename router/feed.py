@@ -68,7 +68,7 @@ class DecodeFeed:
         while self._subs:
             try:
                 entries = await self.worker.drain.remote(self._acked, self.wait_s)
-            except Exception as e:  # the worker is gone: each request moves or fails by its own rules
+            except ray.exceptions.RayError as e:  # the worker is gone: each request moves or fails by its own rules
                 self.failed = e
                 log.warning("decode worker feed ended: %r", e)
                 for q in self._subs.values():

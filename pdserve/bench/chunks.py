@@ -107,11 +107,11 @@ def run_chunks(args: argparse.Namespace) -> int:
 
 def render(res: dict[str, Any]) -> str:
     m = res["machine"]
-    lines = [f"{m['machine_class']} ({m['cpu']}), {res['dtype']}, {THREADS} threads, decode step "
-             f"{'compiled' if res['compile'] else 'eager'}; {res['batch']} sequences of {res['context']} tokens "
-             f"decoding when a {res['prompt_len']}-token prompt arrives. Command: `{m['command']}`", "",
-             "| chunk (tokens) | decode step before (s) | worst gap (s) | mean gap (s) | decode tok/s meanwhile "
-             "| long prompt TTFT (s) | prefill alone (tok/s) |", "|---|---|---|---|---|---|---|"]
+    lines = [(f"{m['machine_class']} ({m['cpu']}), {res['dtype']}, {THREADS} threads, decode step "
+              f"{'compiled' if res['compile'] else 'eager'}; {res['batch']} sequences of {res['context']} tokens "
+              f"decoding when a {res['prompt_len']}-token prompt arrives. Command: `{m['command']}`"), "",
+             ("| chunk (tokens) | decode step before (s) | worst gap (s) | mean gap (s) | decode tok/s meanwhile "
+              "| long prompt TTFT (s) | prefill alone (tok/s) |"), "|---|---|---|---|---|---|---|"]
     for label, r in res["runs"].items():
         lines.append(f"| {label} | {r['decode_step_s']:.3f} | {r['worst_gap_s']:.2f} | {r['mean_gap_s']:.2f} | "
                      f"{r['decode_tok_s']:.1f} | {r['ttft_s']:.2f} | {r['prefill_tok_s']:.0f} |")

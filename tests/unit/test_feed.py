@@ -1,8 +1,10 @@
-"""Unit tests for router.feed and the decode worker's drain contract, with a worker stand-in that keeps
-entries the way `DecodeWorker.drain` does (pure asyncio, no Ray)."""
+"""Unit tests for router.feed, with a worker stand-in that keeps entries the way `DecodeWorker.drain`
+does (pure asyncio, no Ray cluster; the real drain is tested in tests/integration/test_disaggregated.py)."""
 from __future__ import annotations
 
 import asyncio
+
+import ray
 
 from router.feed import DecodeFeed, Feeds
 from worker_core.protocol import ErrorKind, FeedEntry, StreamItem
@@ -95,7 +97,7 @@ def test_a_failed_drain_reaches_every_subscriber_and_later_ones() -> None:
         w = FakeWorker()
         feed = DecodeFeed(w, wait_s=0.05)
         a, b = feed.subscribe("a"), feed.subscribe("b")
-        dead = RuntimeError("the actor died")
+        dead = ray.exceptions.RayActorError()  # the actor died
         w.drain.error = dead
         w.drain.changed.set()
         assert await take(a, 1) == [dead] and await take(b, 1) == [dead]
