@@ -3,6 +3,7 @@
 `CostModel`: prefill, decode step, KV transfer and extra round trips, calibrated at start-up (each pool
 times a few prompts, decode batches and transfers) and fitted here; nothing guessed; JSON round trip.
 `OutputLengthEstimator`: tightens max_tokens from the lengths of recent finished requests.
+`Correction`: online actual / predicted factors for TTFT (per path) and TPOT, from served requests.
 """
 from __future__ import annotations
 
@@ -276,3 +277,40 @@ class OutputLengthEstimator:
         if self.length_share is not None and self.length_share > 0.5:
             return max_tokens
         return min(max_tokens, max(1, round(self.stop_ema * 1.5)))
+
+
+class Correction:
+    """What the cost model gets wrong, learnt while serving: a factor per (quantity, path), quantity
+    "ttft" or "tpot", path "remote" or "local", that the policy multiplies its estimates by.
+
+    Each finished request's actual value over the corrected estimate it was placed with moves the
+    factor by `rate` of that ratio's logarithm: a steady bias is learnt in a few dozen requests and
+    drift is followed; a factor stays within [1 / limit, limit].
+
+    Args:
+        rate: share of each observation's log-ratio taken (0 < rate <= 1).
+        limit: the largest correction either way (> 1).
+    """
+
+    QUANTITIES = ("ttft", "tpot")
+    PATHS = ("remote", "local")
+
+    def __init__(self, rate: float = 0.1, limit: float = 10.0) -> None:
+        if not 0 < rate <= 1:
+            raise ValueError(f"rate must be in (0, 1], got {rate!r}")
+        if not limit > 1:
+            raise ValueError(f"limit must be > 1, got {limit!r}")
+        self.rate, self.limit = rate, limit
+        self.factors = {(q, p): 1.0 for q in self.QUANTITIES for p in self.PATHS}
+
+    def factor(self, quantity: str, path: str) -> float:
+        return self.factors[(quantity, path)]
+
+    def observe(self, quantity: str, path: str, actual: float, predicted: float) -> float | None:
+        """Learn from one request. Returns actual / predicted, or None when either is not > 0."""
+        if not (actual > 0 and predicted > 0 and math.isfinite(actual) and math.isfinite(predicted)):
+            return None
+        ratio = actual / predicted
+        f = self.factors[(quantity, path)] * ratio ** self.rate
+        self.factors[(quantity, path)] = min(self.limit, max(1 / self.limit, f))
+        return ratio

@@ -23,6 +23,7 @@ disable_created_metrics()  # no `_created` series: scrapers derive resets themse
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0,
             20.0, 40.0, 80.0)
+_RATIO = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)
 _COUNT = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 _TOKEN = (0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 
@@ -76,6 +77,12 @@ class Metrics:
                              ["worker"], registry=r)
         self.prefill_queued = Gauge("pdserve_prefill_queued_tokens", "Prompt tokens waiting, per prefill worker",
                                     ["worker"], registry=r)
+        self.cost_error = Histogram("pdserve_cost_model_error_ratio", "Actual / predicted per served request, "
+                                    "by quantity (ttft: from placement to first token; tpot) and path",
+                                    ["quantity", "path"], buckets=_RATIO, registry=r)
+        self.cost_correction = Gauge("pdserve_cost_model_correction", "The factor the policy multiplies the cost "
+                                     "model's estimates by, learnt online, by quantity and path", ["quantity", "path"],
+                                     registry=r)
         self.feed_items = Histogram("pdserve_decode_feed_items", "Items (tokens) one decode-worker feed message "
                                     "carried: an engine step's, for all of its requests", buckets=_COUNT, registry=r)
         ProcessCollector(namespace="pdserve_router", registry=r)  # the router's own CPU seconds, memory

@@ -23,6 +23,7 @@ from router.book import Booking, DecodeSlot, PoolBook, PrefillSlot
 from router.config import RouterConfig
 from router.cost_model import CostModel
 from router.metrics import Metrics
+from router.cost_model import Correction
 from router.policy import NoCapacity, OutputLengthEstimator, Placement, Policy, PoolState, RequestFeatures, make_policy
 from router.wait_queue import WaitQueue
 from worker_core.protocol import WorkerInfo
@@ -45,8 +46,9 @@ class Placer:
                  config: RouterConfig, cost: CostModel, metrics: Metrics, estimator: OutputLengthEstimator) -> None:
         self.config, self._limits, self._metrics, self._estimator = config, limits, metrics, estimator
         self.book = PoolBook([PrefillSlot(i.worker_id) for i in prefill], [_decode_slot(i) for i in decode])
-        self.policy = make_policy(config.policy, cost, config.ttft_target_s, config.tpot_target_s)
-        self._local_policy = make_policy("always_local", cost)
+        self.correction = Correction()  # what serving shows the cost model to miss; every policy applies it
+        self.policy = make_policy(config.policy, cost, config.ttft_target_s, config.tpot_target_s, self.correction)
+        self._local_policy = make_policy("always_local", cost, correction=self.correction)
         self.queue = WaitQueue(config.max_queued, config.queue_timeout_s, metrics)
 
     # -- placing ---------------------------------------------------------------------------------
@@ -107,6 +109,19 @@ class Placer:
         if outcome in ("stop", "length"):
             self._estimator.observe(min(output_tokens, booking.max_tokens), booking.max_tokens, outcome)
         asyncio.get_running_loop().create_task(self.queue.notify())
+
+    def observed(self, booking: Booking, ttft_s: float, tpot_s: float | None) -> None:
+        """A request placed once and served to its end: its TTFT from placement and its TPOT (None
+        with one output token) against what its placement estimated; the correction learns from
+        them and the prediction error is a metric."""
+        pl, m = booking.placement, self._metrics
+        for quantity, actual, predicted in (("ttft", ttft_s, pl.est_ttft_s), ("tpot", tpot_s, pl.est_tpot_s)):
+            if actual is None:
+                continue
+            ratio = self.correction.observe(quantity, pl.path, actual, predicted)
+            if ratio is not None:
+                m.cost_error.labels(quantity, pl.path).observe(ratio)
+                m.cost_correction.labels(quantity, pl.path).set(self.correction.factor(quantity, pl.path))
 
     def worker_failed(self, booking: Booking, pool: str) -> None:
         """A worker of the booking failed its part: no new requests go to it until it answers again."""

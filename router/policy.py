@@ -6,15 +6,16 @@ local pays D's queued local prefills and the prefill in chunks, each in a step t
 batch (what that adds is measured), and D's batch loses what those steps take beyond its own decode steps. Each option costs
 TTFT / TTFT target + decode slowdown + 1 per missed SLO (a lost request of goodput); the cheapest wins,
 ties go remote. So the switch point follows measured prefill, transfer and decode-step costs; no
-hard-coded thresholds. Only healthy workers, and decode workers with KV room for prompt + max_tokens.
+hard-coded thresholds. With a `Correction`, every estimate is multiplied by what serving has shown
+the cost model to miss (actual / predicted, per path), before it is priced. Only healthy workers, and decode workers with KV room for prompt + max_tokens.
 """
 from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from router.cost_model import CostModel, OutputLengthEstimator
+from router.cost_model import Correction, CostModel, OutputLengthEstimator
 
 __all__ = ["POLICIES", "AlwaysLocalPolicy", "AlwaysRemotePolicy", "CostModel", "DecodeLoad", "NoCapacity",
            "OutputLengthEstimator", "Placement", "Policy", "PoolState", "PrefillLoad", "RatioPolicy",
@@ -180,10 +181,19 @@ def _least_decode(state: PoolState, decode: list[int]) -> int:
                                       -state.decode[i].free_blocks, i))
 
 
+def _corrected(opt: _Option, correction: Correction | None) -> _Option:
+    if correction is None:
+        return opt
+    return replace(opt, ttft_s=opt.ttft_s * correction.factor("ttft", opt.path),
+                   tpot_s=opt.tpot_s * correction.factor("tpot", opt.path))
+
+
 class Policy(ABC):
-    """Chooses where a request's prefill and decode run."""
+    """Chooses where a request's prefill and decode run. `correction`: online factors its estimates
+    are multiplied by (None: the cost model as calibrated)."""
 
     name: str
+    correction: Correction | None = None
 
     @abstractmethod
     def place(self, request: RequestFeatures, state: PoolState) -> Placement:
@@ -200,6 +210,7 @@ class _FixedPolicy(Policy):
     def _placement(self, request: RequestFeatures, state: PoolState, path: str, p: int | None, d: int,
                    reason: str) -> Placement:
         opt = _remote(self.cost, request, state, p, d) if p is not None else _local(self.cost, request, state, d)
+        opt = _corrected(opt, self.correction)
         assert opt.path == path
         return Placement(path, p, d, reason, opt.ttft_s, opt.tpot_s, opt.describe())
 
@@ -277,11 +288,12 @@ class RatioPolicy(Policy):
 
     def place(self, request: RequestFeatures, state: PoolState) -> Placement:
         prefill, decode = _candidates(request, state)
-        options = [self._priced(_local(self.cost, request, state, d)) for d in decode]
+        options = [_local(self.cost, request, state, d) for d in decode]
         if prefill:
             # remote cost only grows with P's queue, so the least-queued P is best for every D
             p = _least_prefill(state, prefill)
-            options += [self._priced(_remote(self.cost, request, state, p, d)) for d in decode]
+            options += [_remote(self.cost, request, state, p, d) for d in decode]
+        options = [self._priced(_corrected(o, self.correction)) for o in options]
 
         def key(o: _Option) -> tuple:  # cheapest; ties: remote, then more free KV blocks, then lower index
             return o.cost, o.path != "remote", -state.decode[o.decode].free_blocks, o.decode
@@ -294,15 +306,19 @@ class RatioPolicy(Policy):
 
 
 def make_policy(name: str, cost: CostModel, ttft_target_s: float | None = None,
-                tpot_target_s: float | None = None) -> Policy:
+                tpot_target_s: float | None = None, correction: Correction | None = None) -> Policy:
     """Args: name: one of POLICIES. cost: the measured cost model. ttft_target_s / tpot_target_s: SLOs
-    (the ratio policy needs them; `RouterConfig` holds their defaults).
+    (the ratio policy needs them; `RouterConfig` holds their defaults). correction: online factors
+    (see `Policy`).
     Returns: the policy. Raises: ValueError for an unknown name (listing the allowed ones), or ratio without targets."""
+    fixed = {"always_remote": AlwaysRemotePolicy, "always_local": AlwaysLocalPolicy, "round_robin": RoundRobinPolicy}
     if name == "ratio":
         if ttft_target_s is None or tpot_target_s is None:
             raise ValueError("the ratio policy needs its TTFT and TPOT targets")
-        return RatioPolicy(cost, ttft_target_s, tpot_target_s)
-    fixed = {"always_remote": AlwaysRemotePolicy, "always_local": AlwaysLocalPolicy, "round_robin": RoundRobinPolicy}
-    if name not in fixed:
+        policy: Policy = RatioPolicy(cost, ttft_target_s, tpot_target_s)
+    elif name in fixed:
+        policy = fixed[name](cost)
+    else:
         raise ValueError(f"unknown placement policy {name!r}; allowed: {', '.join(POLICIES)}")
-    return fixed[name](cost)
+    policy.correction = correction
+    return policy

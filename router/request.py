@@ -54,6 +54,8 @@ class Planner(Protocol):
 
     def worker_failed(self, booking: Booking, pool: str) -> None: ...
 
+    def observed(self, booking: Booking, ttft_s: float, tpot_s: float | None) -> None: ...
+
 
 class _WorkerFailure(Exception):
     """A worker died or could not do its part: `pool` says which side, `dead` whether it is gone, and
@@ -88,6 +90,7 @@ class RouterStream:
         self._first_at: float | None = None
         self._last_at: float | None = None
         self.timings = self._new_timings(booking)
+        self._placed = booking  # its first placement (a later booking means it was placed again)
         self.migrations = 0
         self._deadline = deadline
         self._task = asyncio.get_running_loop().create_task(self._run())
@@ -270,6 +273,9 @@ class RouterStream:
         t.e2e_s = now - self._arrival
         t.decode_s = (self._last_at - self._first_at) if self._first_at is not None else 0.0
         self._observe(len(self._sent), path)
+        if b is self._placed and self._first_at is not None:  # placed once: its estimates were the ones served
+            n = len(self._sent)
+            self._planner.observed(b, t.ttft_s - t.queue_s, t.decode_s / (n - 1) if n > 1 else None)
         self._queue.put_nowait(Chunk(item.text, list(item.token_ids), item.finish_reason,
                                      Usage(self.prompt_tokens, len(self._sent), self._cached), t))
         return True

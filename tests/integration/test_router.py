@@ -82,6 +82,9 @@ def test_every_policy_matches_generate(cluster, policy):
         assert paths == expected[policy]
     text = router.metrics_text()[0].decode()
     assert 'pdserve_placement_decisions_total{path="' in text and f'policy="{policy}"' in text
+    for path in paths:  # every served request taught the online correction what the cost model missed
+        assert f'pdserve_cost_model_error_ratio_count{{path="{path}",quantity="ttft"}} ' in text
+        assert router.placer.correction.factor("ttft", path) != 1.0
     assert all(d.running == 0 and d.reserved_blocks == 0 for d in router.book.decode)
     assert all(p.queued_tokens == 0 for p in router.book.prefill)
     assert_all_free(pools)

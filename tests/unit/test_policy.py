@@ -6,7 +6,7 @@ import json
 import pytest
 
 from router.config import RouterConfig
-from router.cost_model import CostModel, LinearFit, OutputLengthEstimator
+from router.cost_model import Correction, CostModel, LinearFit, OutputLengthEstimator
 from router.policy import (
     POLICIES,
     AlwaysLocalPolicy,
@@ -349,3 +349,35 @@ def test_output_length_estimator_tracks_recent_lengths() -> None:
         OutputLengthEstimator(alpha=0)
     with pytest.raises(ValueError, match="min_samples"):
         OutputLengthEstimator(min_samples=0)
+
+
+# --- online correction ---
+
+def test_correction_learns_a_steady_bias_and_stays_bounded() -> None:
+    c = Correction(rate=0.2, limit=4.0)
+    for _ in range(60):  # the true TTFT of the remote path is 3x the calibrated estimate
+        predicted = 1.0 * c.factor("ttft", "remote")
+        assert c.observe("ttft", "remote", 3.0, predicted) == pytest.approx(3.0 / predicted)
+    assert c.factor("ttft", "remote") == pytest.approx(3.0, rel=0.02)
+    assert c.factor("ttft", "local") == c.factor("tpot", "remote") == 1.0  # the others are untouched
+    for _ in range(200):
+        c.observe("tpot", "local", 100.0, c.factor("tpot", "local"))
+    assert c.factor("tpot", "local") == 4.0  # bounded
+    assert c.observe("ttft", "local", 0.0, 1.0) is None and c.observe("ttft", "local", 1.0, 0.0) is None
+
+
+def test_a_corrected_estimate_moves_the_decision() -> None:
+    """Serving shows the local path's first tokens to come 3x later than calibrated: a request on the
+    switch point goes remote once the policy has learnt it."""
+    policy = make_policy("ratio", COST, *TARGETS, correction=Correction())
+    n = switch_point(policy, 200)
+    assert n is not None and n > 1
+    before = policy.place(req(n - 1, 200), pools())
+    assert before.path == "local"
+    for _ in range(100):
+        policy.correction.observe("ttft", "local", 3 * before.est_ttft_s, before.est_ttft_s * policy.correction.factor(
+            "ttft", "local"))
+    after = policy.place(req(n - 1, 200), pools())
+    assert after.path == "remote"
+    fixed = make_policy("always_local", COST, correction=policy.correction).place(req(n - 1, 200), pools())
+    assert fixed.est_ttft_s == pytest.approx(3 * before.est_ttft_s, rel=0.05)  # every policy reports corrected estimates
