@@ -39,6 +39,8 @@ class ServeConfig:
         address: Ray cluster to join (None: start a local one; "auto": the one this machine belongs to).
         num_prefill / num_decode: workers per pool (num_prefill may be 0: local prefill only).
         cpus_per_worker: Ray CPUs each actor claims.
+        lend_threads: a prefill worker with nothing to prefill lends its threads to the decode worker on
+            its node (`router.elastic`).
         host: interface both servers bind (loopback by default; 0.0.0.0 exposes them).
         http_port / grpc_port: their ports (0 picks a free one).
         ssl_certfile / ssl_keyfile: TLS for both servers (both or neither); protect_metrics: /metrics
@@ -54,6 +56,8 @@ class ServeConfig:
     num_prefill: int = field(default=1, metadata={"flag": "--prefill", "help": "prefill workers (0: local prefill only)"})
     num_decode: int = field(default=1, metadata={"flag": "--decode", "help": "decode workers (>= 1)"})
     cpus_per_worker: float = field(default=1.0, metadata={"help": "Ray CPUs each worker claims"})
+    lend_threads: bool = field(default=True, metadata={
+        "help": "an idle prefill worker lends its threads to the decode worker on its node until a prompt comes"})
     host: str = field(default="127.0.0.1", metadata={"help": "interface to bind (0.0.0.0 exposes the server)"})
     http_port: int = field(default=8000, metadata={"help": "OpenAI-compatible HTTP port (0: any free)",
                                                    "aliases": ("--port",)})
@@ -161,7 +165,14 @@ async def serve(cfg: ServeConfig, ready: asyncio.Event | None = None, stop: asyn
         def respawn(pool: str, index: int) -> WorkerInfo:
             return replace_worker(pools, pool, index, pools.engine_config, cfg.transfer, cfg.cpus_per_worker)
 
-        router = Router(pools, p_infos, d_infos, tokenizer, model_dir, cfg.router, cost, respawn=respawn)
+        lender = None
+        if cfg.lend_threads and pools.prefill and cfg.engine.num_threads:
+            from router.elastic import ThreadLender
+
+            lender = await asyncio.get_running_loop().run_in_executor(
+                None, ThreadLender.on_same_nodes, pools, cfg.engine.num_threads)
+        router = Router(pools, p_infos, d_infos, tokenizer, model_dir, cfg.router, cost, respawn=respawn,
+                        lender=lender)
         await router.poll_once()
         router.start_polling()
         http, http_port = await start_http_server(router, cfg.host, cfg.http_port, api_keys=cfg.api_keys, tls=cfg.tls,

@@ -16,17 +16,20 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from engine.errors import InvalidRequestError
 from router.admission import ModelLimits
 from router.book import Booking, DecodeSlot, PoolBook, PrefillSlot
 from router.config import RouterConfig
-from router.cost_model import CostModel
+from router.cost_model import Correction, CostModel
 from router.metrics import Metrics
-from router.cost_model import Correction
 from router.policy import NoCapacity, OutputLengthEstimator, Placement, Policy, PoolState, RequestFeatures, make_policy
 from router.wait_queue import WaitQueue
 from worker_core.protocol import WorkerInfo
+
+if TYPE_CHECKING:
+    from router.elastic import ThreadLender
 
 log = logging.getLogger(__name__)
 
@@ -39,17 +42,21 @@ class Placer:
     """Implements `router.request.Planner`.
 
     Args: prefill / decode: the workers' `WorkerInfo`, index-aligned with the pools; limits; config;
-    cost: the calibrated cost model; metrics; estimator: real output lengths (fed on release).
+    cost: the calibrated cost model; metrics; estimator: real output lengths (fed on release);
+    lender: compute lent between roles on a node (`router.elastic`), told when a prompt is booked on
+    a prefill worker; None: no lending.
     """
 
     def __init__(self, prefill: list[WorkerInfo], decode: list[WorkerInfo], limits: ModelLimits,
-                 config: RouterConfig, cost: CostModel, metrics: Metrics, estimator: OutputLengthEstimator) -> None:
+                 config: RouterConfig, cost: CostModel, metrics: Metrics, estimator: OutputLengthEstimator,
+                 lender: ThreadLender | None = None) -> None:
         self.config, self._limits, self._metrics, self._estimator = config, limits, metrics, estimator
         self.book = PoolBook([PrefillSlot(i.worker_id) for i in prefill], [_decode_slot(i) for i in decode])
         self.correction = Correction()  # what serving shows the cost model to miss; every policy applies it
         self.policy = make_policy(config.policy, cost, config.ttft_target_s, config.tpot_target_s, self.correction)
         self._local_policy = make_policy("always_local", cost, correction=self.correction)
         self.queue = WaitQueue(config.max_queued, config.queue_timeout_s, metrics)
+        self.lender = lender
 
     # -- placing ---------------------------------------------------------------------------------
     async def place(self, features: RequestFeatures, deadline: float | None) -> Booking:
@@ -91,6 +98,8 @@ class Placer:
                          tuple(replace(d, healthy=d.healthy and d.worker_id not in avoid) for d in state.decode))
 
     def _admit(self, placement: Placement, prompt_tokens: int, max_tokens: int) -> Booking:
+        if placement.prefill is not None and self.lender is not None:
+            self.lender.reclaim(placement.prefill)  # its threads come back before its prompt arrives
         booking = self.book.admit(placement, prompt_tokens, max_tokens)
         self._metrics.in_flight.inc()
         return booking

@@ -10,7 +10,10 @@ state, then calls `_start_loop()`, and implements `_work()` (one round of the lo
 """
 from __future__ import annotations
 
+import dataclasses
 import os
+
+import torch
 
 from engine import EngineConfig, LLMEngine
 from engine.command_loop import OwnerThread, Stopped
@@ -44,7 +47,8 @@ class WorkerBase:
 
     def _publish_load(self) -> None:
         """Engine thread: the report `load()` hands out."""
-        self._load: LoadReport | None = self._load_now()  # one reference swap: never half-built
+        # one reference swap: never half-built
+        self._load: LoadReport | None = dataclasses.replace(self._load_now(), threads=torch.get_num_threads())
 
     def _after(self) -> None:
         """Engine thread, after every command and every round: publish the load and what else the role
@@ -79,6 +83,13 @@ class WorkerBase:
         """Static facts the router plans with (KV geometry, limits, vocabulary size) and what runs them
         (dtype, attention kernel, compiled). Never waits behind the engine thread."""
         return self._info
+
+    def set_threads(self, threads: int) -> None:
+        """Compute with `threads` torch threads from the next engine step on (compute lent by a worker on
+        the same node, or given back)."""
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        self._owner.call(lambda: torch.set_num_threads(threads))
 
     def profile_prefill(self, lengths: list[int]) -> list[float]:
         """Seconds of a prefill of each prompt length, on this worker's engine (call while idle)."""

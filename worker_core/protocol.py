@@ -65,8 +65,9 @@ class WorkerInfo:
 
 @dataclass(frozen=True)
 class LoadReport:
-    """A worker's load right now. Both roles: free and total KV blocks. Decode: sequences running
-    (or waiting to run) and receiving KV. Prefill: prompt tokens queued and transfers still sending."""
+    """A worker's load right now. Both roles: free and total KV blocks, and the threads its engine
+    computes with. Decode: sequences running (or waiting to run) and receiving KV. Prefill: prompt
+    tokens queued and transfers still sending."""
 
     free_blocks: int
     num_blocks: int
@@ -74,6 +75,7 @@ class LoadReport:
     receiving: int = 0
     queued_tokens: int = 0
     sending: int = 0
+    threads: int = 0
 
 
 @dataclass(frozen=True)

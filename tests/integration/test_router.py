@@ -215,3 +215,44 @@ def test_request_timeout_aborts_it_everywhere(cluster):
     assert 0 < len(got) < 2000
     assert 'outcome="deadline"' in router.metrics_text()[0].decode()
     assert_all_free(cluster[1])
+
+
+def test_an_idle_prefill_worker_lends_its_threads_and_gets_them_back_with_a_prompt(cluster):
+    """Workers on one node: with nothing to prefill, the decode worker computes with both workers'
+    threads; a prompt booked on the prefill worker takes them back; output stays exact."""
+    from router.elastic import ThreadLender
+
+    ref, pools, infos, cost, path = cluster
+    decode = pools.decode[0]
+
+    async def threads_become(n: int) -> None:
+        for _ in range(100):
+            if (await decode.load.remote()).threads == n:
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"the decode worker never computed with {n} threads")
+
+    async def main():
+        lender = ThreadLender.on_same_nodes(pools, threads=1)
+        assert lender.pairs == [(0, 0)]
+        router = Router(pools, infos[:1], infos[1:], None, path, RouterConfig(policy="always_remote"), cost,
+                        lender=lender)
+        await threads_become(1)
+        for _ in range(ThreadLender.IDLE_POLLS):
+            await router.poll_once()
+        await threads_become(2)
+        prompt = random_prompt(60, 77)
+        tokens, _ = await collect(router, prompt, 10)  # booked on the prefill worker: the loan ends
+        await threads_become(1)
+        assert tokens == greedy_reference(ref, prompt, 10)
+        for _ in range(ThreadLender.IDLE_POLLS):
+            await router.poll_once()
+        await threads_become(2)  # idle again: lent again, and decode stays exact with both threads
+        local = Router(pools, infos[:1], infos[1:], None, path, RouterConfig(policy="always_local"), cost)
+        tokens, _ = await collect(local, prompt, 10)
+        assert tokens == greedy_reference(ref, prompt, 10)
+        await decode.set_threads.remote(1)
+        await router.stop_polling()
+        await local.stop_polling()
+    asyncio.run(main())
+    assert_all_free(pools)

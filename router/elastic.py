@@ -1,0 +1,108 @@
+"""Compute lent between roles: a prefill worker's threads go to the decode worker on its node while
+it has nothing to prefill, and come back the moment a prompt is sent to it.
+
+Lifecycle:
+1. At start the router pairs each prefill worker with a decode worker on the same Ray node (one
+   each; workers on nodes of their own stay unpaired).
+2. After every load poll, `rebalance` lends a pair's threads (the decode worker runs with both
+   workers' threads) once the router's book has shown the prefill worker with no prompt tokens
+   queued for two polls in a row.
+3. `reclaim` (the placer, as it books a prompt on a prefill worker) gives them back at once: the
+   decode worker returns to its own threads at its next step, and the prefill worker computes with
+   its own (for at most that one step both share the cores).
+4. A replaced worker starts with its own threads: `reset` forgets the pair's loan.
+Threads change between engine steps only (a worker command), never inside one. Only the event loop
+touches a lender. No engine, no torch.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import ray
+
+if TYPE_CHECKING:
+    from router.pools import Pools
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Pair:
+    prefill: int  # index into the pools
+    decode: int
+    idle_polls: int = 0  # consecutive polls with nothing queued on the prefill worker
+    lent: bool = False
+
+
+class ThreadLender:
+    """Args: pools: the live workers; pairs: (prefill index, decode index) of workers sharing a node;
+    threads: each worker's own thread count."""
+
+    IDLE_POLLS = 2  # polls of an idle prefill worker before its threads are lent
+
+    def __init__(self, pools: Pools, pairs: list[tuple[int, int]], threads: int) -> None:
+        self._pools, self._threads = pools, threads
+        self._pairs = [_Pair(p, d) for p, d in pairs]
+        self.loans = 0  # times threads were lent, for tests and logs
+
+    @classmethod
+    def on_same_nodes(cls, pools: Pools, threads: int) -> ThreadLender:
+        """Pair the workers by the Ray node they run on (blocking: asks each worker its node)."""
+        nodes = ray.get([w.node_id.remote() for w in pools.prefill + pools.decode])
+        prefill_nodes, decode_nodes = nodes[:len(pools.prefill)], nodes[len(pools.prefill):]
+        free = list(range(len(decode_nodes)))
+        pairs = []
+        for p, node in enumerate(prefill_nodes):
+            d = next((d for d in free if decode_nodes[d] == node), None)
+            if d is not None:
+                free.remove(d)
+                pairs.append((p, d))
+        return cls(pools, pairs, threads)
+
+    @property
+    def pairs(self) -> list[tuple[int, int]]:
+        return [(x.prefill, x.decode) for x in self._pairs]
+
+    def lent_to(self, decode: int) -> bool:
+        """Whether decode worker `decode` runs with a prefill worker's threads now."""
+        return any(x.lent and x.decode == decode for x in self._pairs)
+
+    def rebalance(self, queued_tokens: list[int]) -> None:
+        """After a poll, with the book's prompt tokens queued on each prefill worker: lend where idle."""
+        for x in self._pairs:
+            x.idle_polls = x.idle_polls + 1 if queued_tokens[x.prefill] == 0 else 0
+            if x.idle_polls >= self.IDLE_POLLS and not x.lent:
+                x.lent = True
+                self.loans += 1
+                self._set(x.decode, 2 * self._threads)
+
+    def reclaim(self, prefill: int) -> None:
+        """A prompt is being sent to prefill worker `prefill`: its threads come back now."""
+        for x in self._pairs:
+            if x.prefill == prefill:
+                x.idle_polls = 0
+                if x.lent:
+                    x.lent = False
+                    self._set(x.decode, self._threads)
+
+    def reset(self, pool: str, index: int) -> None:
+        """Worker `index` of `pool` was replaced: it (or its partner) starts over from its own threads."""
+        for x in self._pairs:
+            if (pool == "prefill" and x.prefill == index) or (pool == "decode" and x.decode == index):
+                if x.lent and pool == "prefill":  # the decode partner still has the loan: take it back
+                    self._set(x.decode, self._threads)
+                x.lent, x.idle_polls = False, 0
+
+    def _set(self, decode: int, threads: int) -> None:
+        ref = self._pools.decode[decode].set_threads.remote(threads)  # applied between its steps
+        asyncio.get_running_loop().create_task(_quietly(ref, decode, threads))
+
+
+async def _quietly(ref: ray.ObjectRef, decode: int, threads: int) -> None:
+    try:
+        await ref
+    except ray.exceptions.RayError as e:  # a dead worker: its replacement starts with its own threads
+        log.debug("decode worker %d did not take %d threads: %r", decode, threads, e)
