@@ -130,6 +130,19 @@ class ModelRunner:
                 return
         self._step_ready = True
 
+    def prepare_threads(self, threads: int) -> None:
+        """Compile the decode step for `threads` torch threads too (a compiled step is specialised to the
+        thread count it was compiled with), so that switching to it later costs no compilation mid-serving."""
+        if self._step is None:
+            return
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        self._step_ready = False  # with full guard checks: a graph of its own for this thread count
+        try:
+            self._warm_compiled()
+        finally:
+            torch.set_num_threads(before)
+
     def _slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
         bs = self.layout.block_size
         pos = torch.arange(start, end)

@@ -3,7 +3,8 @@ it has nothing to prefill, and come back the moment a prompt is sent to it.
 
 Lifecycle:
 1. At start the router pairs each prefill worker with a decode worker on the same Ray node (one
-   each; workers on nodes of their own stay unpaired).
+   each; workers on nodes of their own stay unpaired); each paired decode worker compiles its decode
+   step for the lent thread count then (a compiled step is specialised to its thread count).
 2. After every load poll, `rebalance` lends a pair's threads (the decode worker runs with both
    workers' threads) once the router's book has shown the prefill worker with no prompt tokens
    queued for two polls in a row.
@@ -50,7 +51,8 @@ class ThreadLender:
 
     @classmethod
     def on_same_nodes(cls, pools: Pools, threads: int) -> ThreadLender:
-        """Pair the workers by the Ray node they run on (blocking: asks each worker its node)."""
+        """Pair the workers by the Ray node they run on, and have each paired decode worker compile its
+        decode step for the lent thread count now rather than at its first loan (blocking)."""
         nodes = ray.get([w.node_id.remote() for w in pools.prefill + pools.decode])
         prefill_nodes, decode_nodes = nodes[:len(pools.prefill)], nodes[len(pools.prefill):]
         free = list(range(len(decode_nodes)))
@@ -60,6 +62,7 @@ class ThreadLender:
             if d is not None:
                 free.remove(d)
                 pairs.append((p, d))
+        ray.get([pools.decode[d].prepare_threads.remote(2 * threads) for _, d in pairs])
         return cls(pools, pairs, threads)
 
     @property

@@ -91,6 +91,11 @@ class WorkerBase:
             raise ValueError(f"threads must be >= 1, got {threads}")
         self._owner.call(lambda: torch.set_num_threads(threads))
 
+    def prepare_threads(self, threads: int) -> None:
+        """Get ready to compute with `threads` threads (`set_threads`) without a pause then: the compiled
+        decode step is compiled for that thread count now (seconds; call before serving)."""
+        self._owner.call(lambda: self.engine.runner.prepare_threads(threads))
+
     def profile_prefill(self, lengths: list[int]) -> list[float]:
         """Seconds of a prefill of each prompt length, on this worker's engine (call while idle)."""
         return self._owner.call(lambda: [time_prefill(self.engine, n, seed=i) for i, n in enumerate(lengths)])
