@@ -56,7 +56,7 @@ class ServeConfig:
     num_prefill: int = field(default=1, metadata={"flag": "--prefill", "help": "prefill workers (0: local prefill only)"})
     num_decode: int = field(default=1, metadata={"flag": "--decode", "help": "decode workers (>= 1)"})
     cpus_per_worker: float = field(default=1.0, metadata={"help": "Ray CPUs each worker claims"})
-    lend_threads: bool = field(default=True, metadata={
+    lend_threads: bool = field(default=False, metadata={
         "help": "an idle prefill worker lends its threads to the decode worker on its node until a prompt comes"})
     host: str = field(default="127.0.0.1", metadata={"help": "interface to bind (0.0.0.0 exposes the server)"})
     http_port: int = field(default=8000, metadata={"help": "OpenAI-compatible HTTP port (0: any free)",
