@@ -2,12 +2,13 @@
 
 The ratio policy (default) estimates both paths from the measured `CostModel`. Remote pays P's queue,
 the prefill, the transfer not hidden behind the last chunk's later layers and the extra round trips;
-local pays D's queued local prefills and the prefill in chunks, each in a step that also decodes D's running
-batch (what that adds is measured), and D's batch loses what those steps take beyond its own decode steps. Each option costs
-TTFT / TTFT target + decode slowdown + 1 per missed SLO (a lost request of goodput); the cheapest wins,
+local pays D's queued local prefills and the prefill in chunks, each in a step that also decodes D's
+running batch (what that adds is measured), and D's batch loses what those steps take beyond its own
+decode steps. Each option costs TTFT / TTFT target + decode slowdown + 1 per missed SLO (a lost request of goodput); the cheapest wins,
 ties go remote. So the switch point follows measured prefill, transfer and decode-step costs; no
 hard-coded thresholds. With a `Correction`, every estimate is multiplied by what serving has shown
-the cost model to miss (actual / predicted, per path), before it is priced. Only healthy workers, and decode workers with KV room for prompt + max_tokens.
+the cost model to miss (actual / predicted, per path), before it is priced. Only healthy workers, and
+decode workers with KV room for prompt + max_tokens.
 """
 from __future__ import annotations
 

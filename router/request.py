@@ -206,11 +206,12 @@ class RouterStream:
         rid, p_idx, d_idx = self._worker_rid, b.placement.prefill, b.placement.decode
         d = self._pools.decode[d_idx]
         if b.placement.path == "local":
-            await _call("decode", d.submit_local.remote(rid, prompt, sampling, feed=True), ErrorKind.PREFILL_FAILED)
+            await _call("decode", d.submit_local.remote(rid, prompt, sampling, feed=True),
+                        ErrorKind.PREFILL_FAILED)
             return
         p = self._pools.prefill[p_idx]
-        await _call("decode", d.reserve.remote(rid, prompt, sampling, self._pools.prefill_peers[p_idx], feed=True),
-                    ErrorKind.INTERNAL)
+        await _call("decode", d.reserve.remote(rid, prompt, sampling, self._pools.prefill_peers[p_idx],
+                                               feed=True), ErrorKind.INTERNAL)
         first: PrefillResult = await _call(
             "prefill", p.prefill.remote(rid, prompt, sampling, self._pools.decode_peers[d_idx]), ErrorKind.PREFILL_FAILED)
         self._planner.prefilled(b)

@@ -39,7 +39,7 @@ def _engine(args: argparse.Namespace, chunk: int) -> Any:
     return LLMEngine(cfg)
 
 
-def _arrival(eng: Any, args: argparse.Namespace, chunk: int) -> dict[str, float]:
+def _arrival(eng: Any, args: argparse.Namespace) -> dict[str, float]:
     """The long prompt arrives while `args.batch` sequences decode."""
     from engine import SamplingParams
 
@@ -91,7 +91,7 @@ def run_chunks(args: argparse.Namespace) -> int:
         eng = _engine(args, chunk)
         res["dtype"] = eng.config.dtype
         label = str(chunk) if chunk else "whole"
-        run = _arrival(eng, args, chunk) | _alone(eng, args)
+        run = _arrival(eng, args) | _alone(eng, args)
         res["runs"][label] = run
         log(f"chunk {label}: worst gap {run['worst_gap_s']:.2f} s, mean gap {run['mean_gap_s']:.2f} s, "
             f"long prompt TTFT {run['ttft_s']:.2f} s, alone {run['prefill_tok_s']:.0f} tok/s")

@@ -85,7 +85,8 @@ def test_the_feed_carries_every_fed_request_and_keeps_what_was_not_acknowledged(
             if e.item.finished:
                 done.add(e.request_id)
         acked = batch[-1].seq
-    assert got == {"fed-local": greedy_reference(ref, prompts[0], 6), "fed-remote": greedy_reference(ref, prompts[1], 6)}
+    assert got == {"fed-local": greedy_reference(ref, prompts[0], 6),
+                   "fed-remote": greedy_reference(ref, prompts[1], 6)}
     assert ray.get(decode.drain.remote(acked, 0.0)) == []
     assert_all_free(pools)
 

@@ -380,4 +380,5 @@ def test_a_corrected_estimate_moves_the_decision() -> None:
     after = policy.place(req(n - 1, 200), pools())
     assert after.path == "remote"
     fixed = make_policy("always_local", COST, correction=policy.correction).place(req(n - 1, 200), pools())
-    assert fixed.est_ttft_s == pytest.approx(3 * before.est_ttft_s, rel=0.05)  # every policy reports corrected estimates
+    # every policy reports corrected estimates
+    assert fixed.est_ttft_s == pytest.approx(3 * before.est_ttft_s, rel=0.05)
