@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Iterator
 
-from engine import EngineConfig, SamplingParams
+from engine import EngineConfig, RequestOutput, SamplingParams
 from engine.command_loop import Stopped
 from engine.profiling import time_decode_step, time_mixed_step
 from kv_transfer import PeerInfo, TransferConfig, TransferState
@@ -123,18 +123,8 @@ class DecodeWorker(WorkerBase):
         return items
 
     def abort(self, request_id: str) -> bool:
-        def do() -> bool:
-            self._landing.pop(request_id, None)
-            self._started.pop(request_id, None)
-            found = self.engine.abort(request_id)
-            if found:
-                self.connector.abort(request_id)
-                self.connector.forget(request_id)
-                self._fail(request_id, ErrorKind.ABORTED, "aborted")
-            if request_id not in self._reading:
-                self._streams.pop(request_id, None)  # nobody will read it
-            return found
-        return self._owner.call(do)
+        """Drop the request wherever it is here; its blocks return to the pool. Returns whether it was found."""
+        return self._owner.call(lambda: self._abort(request_id))
 
     def transfer_state(self, request_id: str) -> TransferState:
         """The receive side's `TransferState` of a request (calibration probes)."""
@@ -169,9 +159,25 @@ class DecodeWorker(WorkerBase):
             self._fail_unfinished(ErrorKind.INTERNAL, f"the decode worker's engine failed ({type(e).__name__})")
             return False
         for out in outs:
-            self._emit(out.request_id, StreamItem(tuple(out.new_token_ids), out.new_text, out.finish_reason,
-                                                  cached_tokens=out.num_cached_tokens))
+            self._on_output(out)
         return True
+
+    def _on_output(self, out: RequestOutput) -> None:
+        """A step's output for one request: its stream's next item."""
+        self._emit(out.request_id, StreamItem(tuple(out.new_token_ids), out.new_text, out.finish_reason,
+                                              cached_tokens=out.num_cached_tokens))
+
+    def _abort(self, request_id: str) -> bool:
+        self._landing.pop(request_id, None)
+        self._started.pop(request_id, None)
+        found = self.engine.abort(request_id)
+        if found:
+            self.connector.abort(request_id)
+            self.connector.forget(request_id)
+            self._fail(request_id, ErrorKind.ABORTED, "aborted")
+        if request_id not in self._reading:
+            self._streams.pop(request_id, None)  # nobody will read it
+        return found
 
     def _fail_unfinished(self, kind: ErrorKind, why: str) -> None:
         """End every request that is waiting or running (not those still receiving KV) with an error."""

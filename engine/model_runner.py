@@ -85,8 +85,14 @@ class ModelRunner:
         self._layer_hook = hook
         if not self._hooked:
             for i, layer in enumerate(self.decoder.layers):
-                layer.register_forward_hook(lambda *_, i=i: self._prefilling and self._layer_hook(i))
+                layer.register_forward_hook(self._after_layer(i))
             self._hooked = True
+
+    def _after_layer(self, i: int) -> Callable[..., None]:
+        def after(*_: object) -> None:  # returns None: a forward hook's value would replace the layer's output
+            if self._prefilling:
+                self._layer_hook(i)
+        return after
 
     def _compile_decode(self) -> Callable[..., torch.Tensor]:
         """The whole decode step as one compiled graph: embedding, rotary tables, every decoder layer,

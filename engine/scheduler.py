@@ -152,6 +152,11 @@ class Scheduler:
         """Whether prompts wait or are part-way through their prefill."""
         return bool(self.waiting) or any(not self._decoding(s) for s in self.running)
 
+    def prompt_tokens_left(self) -> int:
+        """Prompt tokens still to compute: of waiting prompts and of those part-way through their prefill."""
+        return sum(s.num_uncomputed for s in self.waiting) + sum(s.num_uncomputed for s in self.running
+                                                                 if not self._decoding(s))
+
     def _chunk(self, seq: Sequence, budget: int) -> Chunk:
         start = seq.num_computed_tokens
         end = start + min(seq.num_uncomputed, self.prefill_chunk_tokens, budget)

@@ -81,6 +81,8 @@ class ServeConfig:
                 raise ValueError(f"{name}: must be in [0, 65535] (0 = any free port), got {getattr(self, name)}")
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
             raise ValueError("ssl_certfile / ssl_keyfile: give both (a certificate and its key) or neither")
+        if self.lend_threads and self.router.flip_roles:
+            raise ValueError("lend_threads / flip_roles: two ways to use an idle prefill worker; choose one")
 
     @property
     def tls(self) -> TlsFiles | None:

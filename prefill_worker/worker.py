@@ -7,7 +7,10 @@ Request lifecycle on a prefill worker:
    so layer i travels while layer i + 1 computes.
 3. The first token is sampled and returned to the caller (HELD: blocks kept while sending).
 4. When the connector reports the transfer DONE or FAILED, the blocks return to the pool.
-Only the engine loop thread touches the engine; actor methods hand it commands.
+A prefill worker is a decode worker too (the class extends `DecodeWorker`): while its router has
+flipped it to serve decode (`router.elastic.RoleFlipper`), it also runs whole requests
+(`submit_local`), their tokens on its feed, in the same engine steps as its prompts' chunks. It
+never receives KV. Only the engine loop thread touches the engine; actor methods hand it commands.
 """
 from __future__ import annotations
 
@@ -16,28 +19,27 @@ import os
 import time
 from concurrent.futures import Future
 
-from engine import EngineConfig, SamplingParams
+from decode_worker import DecodeWorker
+from engine import EngineConfig, RequestOutput, SamplingParams
 from engine.sequence import Sequence
 from kv_transfer import PeerInfo, TransferConfig, TransferState
-from worker_core import WorkerBase
-from worker_core.protocol import LoadReport, PrefillResult
+from worker_core.protocol import ErrorKind, LoadReport, PrefillResult
 
 log = logging.getLogger(__name__)
 STALL_S = 8.0  # fault "stall": longer than the router's health-check timeout
 
 
-class PrefillWorker(WorkerBase):
+class PrefillWorker(DecodeWorker):
     """Args: engine_config, transfer_config, worker_id (unique; names the worker in transfers)."""
 
     def __init__(self, engine_config: EngineConfig, transfer_config: TransferConfig, worker_id: str) -> None:
-        super().__init__(engine_config, transfer_config, worker_id)
-        self.engine.set_prefill_layer_hook(self._ship_layer)
         self._peers: dict[str, PeerInfo] = {}  # request id -> its decode worker
         self._first: dict[str, Future] = {}  # request id -> first token, for the caller
         self._sending: set[str] = set()
         self._fault: str | None = None  # fault injection (tests): applies to the next request prefilled
         self._dropped: set[str] = set()  # requests whose KV was never sent (fault "drop")
-        self._start_loop()
+        super().__init__(engine_config, transfer_config, worker_id)  # the engine loop runs from here on
+        self._owner.call(lambda: self.engine.set_prefill_layer_hook(self._ship_layer))
 
     # -- actor API (any thread) --------------------------------------------------------------------
     def inject_fault(self, kind: str | None) -> None:
@@ -85,21 +87,11 @@ class PrefillWorker(WorkerBase):
         token, handoff = first.result()
         return PrefillResult(token, time.perf_counter() - t0, handoff)
 
-    def abort(self, request_id: str) -> bool:
-        def do() -> bool:
-            found = self.engine.abort(request_id)
-            if found:
-                self.connector.abort(request_id)
-                self.connector.forget(request_id)
-                self._forget(request_id, error=RuntimeError(f"{request_id} aborted"))
-            return found
-        return self._owner.call(do)
-
     def _load_now(self) -> LoadReport:
         bm, sched = self.engine.block_manager, self.engine.scheduler
-        queued = sum(s.num_uncomputed for s in (*sched.waiting, *sched.running))  # prompt tokens still to compute
-        return LoadReport(bm.num_free_blocks, bm.num_blocks, queued_tokens=queued,
-                          sending=len(self._sending))
+        local = sum(1 for s in (*sched.waiting, *sched.running) if not s.prefill_only)
+        return LoadReport(bm.num_free_blocks, bm.num_blocks, running=local,
+                          queued_tokens=sched.prompt_tokens_left(), sending=len(self._sending))
 
     # -- engine loop thread ------------------------------------------------------------------------
     def _ship_layer(self, layer: int, seqs: list[Sequence]) -> None:
@@ -132,31 +124,43 @@ class PrefillWorker(WorkerBase):
         return True
 
     def _work(self) -> bool:
-        """One round: a prefill step of every queued prompt, then free what has been sent. Returns
-        whether more prompts wait."""
-        if self.engine.has_unfinished():
-            try:
-                outs = self.engine.step()
-            except Exception as e:  # a step that cannot run fails its requests, not the worker
-                log.exception("engine step failed on %s", self.worker_id)
-                for seq in list(self.engine.scheduler.waiting) + list(self.engine.scheduler.running):
-                    self.engine.abort(seq.request_id)
-                    self.connector.abort(seq.request_id)  # layers already queued are not sent
-                    self._forget(seq.request_id, error=RuntimeError(f"prefill failed ({type(e).__name__})"))
-                return False
-            for out in outs:
-                fut = self._first.pop(out.request_id, None)
-                if fut is not None:
-                    fut.set_result((out.new_token_ids[0], self.connector.handoff(out.request_id)))
-                if out.request_id in self._dropped:  # fault "drop": nothing in flight to wait for
-                    self._dropped.discard(out.request_id)
-                    self._fault = None
-                    self.engine.release(out.request_id)
-                    self._forget(out.request_id)
-                else:
-                    self._sending.add(out.request_id)
+        """One round: an engine step (prompt chunks, and the decode batch of requests it runs whole),
+        then free what has been sent. Returns whether work remains."""
+        busy = super()._work()
         self._release_sent()
-        return self.engine.has_unfinished()
+        return busy
+
+    def _on_output(self, out: RequestOutput) -> None:
+        """A prompt prefilled for a decode worker: its caller gets the first token and the connector's
+        handoff; its blocks are held until the KV is sent. Any other request: a token of its stream."""
+        fut = self._first.pop(out.request_id, None)
+        if fut is None and out.request_id not in self._peers:
+            super()._on_output(out)
+            return
+        if fut is not None:
+            fut.set_result((out.new_token_ids[0], self.connector.handoff(out.request_id)))
+        if out.request_id in self._dropped:  # fault "drop": nothing in flight to wait for
+            self._dropped.discard(out.request_id)
+            self._fault = None
+            self.engine.release(out.request_id)
+            self._forget(out.request_id)
+        else:
+            self._sending.add(out.request_id)
+
+    def _abort(self, request_id: str) -> bool:
+        found = super()._abort(request_id)
+        if found:
+            self._forget(request_id, error=RuntimeError(f"{request_id} aborted"))
+        return found
+
+    def _fail_unfinished(self, kind: ErrorKind, why: str) -> None:
+        """A step that cannot run: prompts being prefilled fail to their callers (who place them again),
+        the requests run here whole end with an error."""
+        for rid in list(self._first):
+            self.engine.abort(rid)
+            self.connector.abort(rid)  # layers already queued are not sent
+            self._forget(rid, error=RuntimeError(f"prefill failed ({why})"))
+        super()._fail_unfinished(kind, why)
 
     def _release_sent(self) -> None:
         for rid in list(self._sending):
@@ -169,11 +173,13 @@ class PrefillWorker(WorkerBase):
                 self._forget(rid)
 
     def _stopping(self) -> None:
-        """Shutdown: prompts not yet prefilled fail (their callers place them elsewhere)."""
+        """Shutdown: prompts not yet prefilled fail (their callers place them elsewhere), then the
+        requests run here whole end as on a decode worker (WORKER_STOPPING: they move)."""
         for rid in list(self._first):
             self.engine.abort(rid)
             self.connector.abort(rid)
             self._forget(rid, error=RuntimeError(f"prefill worker {self.worker_id} is shutting down"))
+        super()._stopping()
 
     def _forget(self, request_id: str, error: BaseException | None = None) -> None:
         self._sending.discard(request_id)

@@ -4,6 +4,11 @@ The router reserves, per decode worker, the KV blocks a request may need at wors
 max_tokens), so a decode worker is never promised more than it holds: memory pressure makes
 requests wait at the router instead of stalling or preempting decode batches. A `Booking` points
 at the slot objects it charged, so a replaced worker's fresh slot is never charged for old work.
+
+Each prefill worker also has a flex slot: a decode slot for the requests it runs whole while its
+role is flipped to decode (`router.elastic.RoleFlipper`). The policy sees the flex slots after the
+decode workers' (decode index `len(decode) + i` is prefill worker i), local path only, and only
+while accepting; `Pools.decoder` resolves the same indices to actors.
 """
 from __future__ import annotations
 
@@ -29,6 +34,8 @@ class DecodeSlot:
     reserved_blocks: int = 0  # worst-case KV blocks of those requests
     queued_prefill_tokens: int = 0  # local prefills not yet done
     healthy: bool = True
+    flex: bool = False  # a prefill worker's: local path only (it never receives KV)
+    accepting: bool = True  # takes new requests (a flex slot: while its prefill worker is flipped)
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
@@ -49,23 +56,35 @@ class Booking:
 
 
 class PoolBook:
-    """Per-worker load as the router sees it. Args: prefill and decode slots, index-aligned with the pools."""
+    """Per-worker load as the router sees it. Args: prefill and decode slots, index-aligned with the pools;
+    flex: one flex slot per prefill worker (index-aligned with `prefill`), or none."""
 
-    def __init__(self, prefill: list[PrefillSlot], decode: list[DecodeSlot]) -> None:
+    def __init__(self, prefill: list[PrefillSlot], decode: list[DecodeSlot],
+                 flex: list[DecodeSlot] | None = None) -> None:
         self.prefill = prefill
         self.decode = decode
+        self.flex = flex or []
+        assert not self.flex or len(self.flex) == len(prefill), "one flex slot per prefill worker"
+
+    def decode_slot(self, index: int) -> DecodeSlot:
+        """The slot at a policy's decode index: decode workers first, then flex slots."""
+        return self.decode[index] if index < len(self.decode) else self.flex[index - len(self.decode)]
 
     def state(self) -> PoolState:
-        """The policy's view; a decode worker at its sequence limit shows no free blocks."""
+        """The policy's view; a decode worker at its sequence limit shows no free blocks, a flex slot that
+        does not accept (or whose prefill worker is unhealthy) shows unhealthy."""
+        flex_ok = [f.accepting and p.healthy for f, p in zip(self.flex, self.prefill)]
         return PoolState(
-            prefill=tuple(PrefillLoad(p.worker_id, p.queued_tokens, p.healthy) for p in self.prefill),
+            prefill=tuple(PrefillLoad(p.worker_id, p.queued_tokens, p.healthy,
+                                      self.flex[i].running if self.flex else 0) for i, p in enumerate(self.prefill)),
             decode=tuple(DecodeLoad(d.worker_id, d.running,
                                     0 if d.running >= d.max_num_seqs else max(0, d.num_blocks - d.reserved_blocks),
-                                    d.block_size, d.queued_prefill_tokens, d.healthy) for d in self.decode))
+                                    d.block_size, d.queued_prefill_tokens, d.healthy and ok, local_only=d.flex)
+                         for d, ok in [*((d, True) for d in self.decode), *zip(self.flex, flex_ok)]))
 
     def admit(self, placement: Placement, prompt_tokens: int, max_tokens: int) -> Booking:
         """Book a placed request on its workers."""
-        d = self.decode[placement.decode]
+        d = self.decode_slot(placement.decode)
         p = self.prefill[placement.prefill] if placement.path == "remote" else None
         booking = Booking(placement, p, d, prompt_tokens, max_tokens, d.blocks_for(prompt_tokens + max_tokens))
         d.running += 1

@@ -32,6 +32,8 @@ class RouterConfig:
             the decode worker), "fail" (the client gets the error).
         max_attempts: most placements of one request before it fails (first one included).
         max_migrations: most times one request moves to another decode worker after one died mid-stream.
+        flip_roles: a prefill worker with nothing to prefill serves decode too (whole requests, local
+            prefill) until a prompt is sent to it (`router.elastic.RoleFlipper`).
     """
 
     policy: str = field(default="ratio", metadata={"choices": POLICIES, "help": "placement policy"})
@@ -56,6 +58,9 @@ class RouterConfig:
     max_attempts: int = field(default=3, metadata={"help": "most placements of one request before it fails"})
     max_migrations: int = field(default=2, metadata={
         "help": "most moves of one request to another decode worker after one died mid-stream"})
+    flip_roles: bool = field(default=False, metadata={
+        "help": "a prefill worker with nothing to prefill also serves decode (whole requests) until a prompt "
+        "is sent to it"})
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

@@ -1,7 +1,8 @@
-"""Compute lent between roles: a prefill worker's threads go to the decode worker on its node while
-it has nothing to prefill, and come back the moment a prompt is sent to it.
+"""Compute moved between roles, two ways: a prefill worker with nothing to prefill either lends its
+threads to the decode worker on its node (`ThreadLender`), or serves decode itself (`RoleFlipper`);
+either way it is back to prefill the moment a prompt is sent to it.
 
-Lifecycle:
+`ThreadLender` lifecycle:
 1. At start the router pairs each prefill worker with a decode worker on the same Ray node (one
    each; workers on nodes of their own stay unpaired); each paired decode worker compiles its decode
    step for the lent thread count then (a compiled step is specialised to its thread count).
@@ -12,22 +13,51 @@ Lifecycle:
    decode worker returns to its own threads at its next step, and the prefill worker computes with
    its own (for at most that one step both share the cores).
 4. A replaced worker starts with its own threads: `reset` forgets the pair's loan.
-Threads change between engine steps only (a worker command), never inside one. Only the event loop
-touches a lender. No engine, no torch.
+Threads change between engine steps only (a worker command), never inside one.
+
+`RoleFlipper` lifecycle (a prefill worker is a decode worker too, see `prefill_worker`):
+1. After every load poll, `rebalance` flips a prefill worker to decode once the book has shown it
+   with no prompt tokens queued for two polls in a row: its flex slot accepts requests, which the
+   policy may place on it like on any decode worker, local path only.
+2. `reclaim` (the placer, as it books a prompt on it) flips it back: its flex slot takes no new
+   requests; those it runs keep decoding there, in the same steps as its prompts' chunks (the policy
+   prices that ride), until they end. Nothing moves and nothing is dropped.
+3. A replaced prefill worker starts as a prefill worker (`reset`).
+A flip is a change in the router's book only: instant, no worker call, no process started. On GPU
+pools it is the same mechanism (a device changes role), which threads cannot be.
+
+Both implement `Elastic`. Only the event loop touches them. No engine, no torch.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import ray
 
 if TYPE_CHECKING:
+    from router.book import PoolBook
     from router.pools import Pools
 
 log = logging.getLogger(__name__)
+
+
+IDLE_POLLS = 2  # polls of a prefill worker with nothing queued before its compute goes to decode
+
+
+class Elastic(Protocol):
+    """What the router tells a mechanism that moves compute between roles."""
+
+    def rebalance(self, queued_tokens: list[int]) -> None:
+        """After a load poll, with the book's prompt tokens queued on each prefill worker."""
+
+    def reclaim(self, prefill: int) -> None:
+        """A prompt is being booked on prefill worker `prefill`: it is a prefill worker again, now."""
+
+    def reset(self, pool: str, index: int) -> None:
+        """Worker `index` of `pool` was replaced: it starts in its own role."""
 
 
 @dataclass
@@ -41,8 +71,6 @@ class _Pair:
 class ThreadLender:
     """Args: pools: the live workers; pairs: (prefill index, decode index) of workers sharing a node;
     threads: each worker's own thread count."""
-
-    IDLE_POLLS = 2  # polls of an idle prefill worker before its threads are lent
 
     def __init__(self, pools: Pools, pairs: list[tuple[int, int]], threads: int) -> None:
         self._pools, self._threads = pools, threads
@@ -77,7 +105,7 @@ class ThreadLender:
         """After a poll, with the book's prompt tokens queued on each prefill worker: lend where idle."""
         for x in self._pairs:
             x.idle_polls = x.idle_polls + 1 if queued_tokens[x.prefill] == 0 else 0
-            if x.idle_polls >= self.IDLE_POLLS and not x.lent:
+            if x.idle_polls >= IDLE_POLLS and not x.lent:
                 x.lent = True
                 self.loans += 1
                 self._set(x.decode, 2 * self._threads)
@@ -109,3 +137,34 @@ async def _quietly(ref: ray.ObjectRef, decode: int, threads: int) -> None:
         await ref
     except ray.exceptions.RayError as e:  # a dead worker: its replacement starts with its own threads
         log.debug("decode worker %d did not take %d threads: %r", decode, threads, e)
+
+
+class RoleFlipper:
+    """Flips idle prefill workers to serve decode through their flex slots in `book` (`router.book`)."""
+
+    def __init__(self, book: PoolBook) -> None:
+        assert len(book.flex) == len(book.prefill), "role flips need a flex slot per prefill worker"
+        self._book = book
+        self._idle = [0] * len(book.prefill)  # consecutive polls with nothing queued, per prefill worker
+        self.flips = 0  # times a prefill worker was flipped to decode, for tests and logs
+
+    def flipped(self, prefill: int) -> bool:
+        """Whether prefill worker `prefill` takes decode requests now."""
+        return self._book.flex[prefill].accepting
+
+    def rebalance(self, queued_tokens: list[int]) -> None:
+        for i, queued in enumerate(queued_tokens):
+            self._idle[i] = self._idle[i] + 1 if queued == 0 else 0
+            slot = self._book.flex[i]
+            if self._idle[i] >= IDLE_POLLS and not slot.accepting:
+                slot.accepting = True
+                self.flips += 1
+                log.debug("prefill worker %s flipped to decode", slot.worker_id)
+
+    def reclaim(self, prefill: int) -> None:
+        self._idle[prefill] = 0
+        self._book.flex[prefill].accepting = False
+
+    def reset(self, pool: str, index: int) -> None:
+        if pool == "prefill":
+            self._idle[index] = 0  # its fresh flex slot does not accept yet

@@ -52,13 +52,13 @@ class HealthMonitor:
             await asyncio.gather(self._poller, return_exceptions=True)
 
     async def poll_once(self) -> None:
-        """Ask every worker for its load at once (a silent one holds up no other); then lend the threads
-        of prefill workers with nothing to do (`router.elastic`)."""
+        """Ask every worker for its load at once (a silent one holds up no other); then idle prefill workers'
+        compute goes to decode (`router.elastic`)."""
         await asyncio.gather(*(self._poll(pool, i, actor)
                                for pool, actors in (("prefill", self._pools.prefill), ("decode", self._pools.decode))
                                for i, actor in enumerate(actors) if (pool, i) not in self.respawning))
-        if self._placer.lender is not None:
-            self._placer.lender.rebalance([s.queued_tokens for s in self._placer.slots("prefill")])
+        if self._placer.elastic is not None:
+            self._placer.elastic.rebalance([s.queued_tokens for s in self._placer.slots("prefill")])
 
     async def _poll(self, pool: str, index: int, actor: ray.actor.ActorHandle) -> None:
         slot = self._placer.slots(pool)[index]
@@ -104,8 +104,8 @@ class HealthMonitor:
             for peer in self._pools.decode if pool == "prefill" else self._pools.prefill:
                 peer.drop_peer.remote(old)  # their pairs with the dead worker go away; fire and forget
             await self._placer.replace_worker(pool, index, info)
-            if self._placer.lender is not None:
-                self._placer.lender.reset(pool, index)
+            if self._placer.elastic is not None:
+                self._placer.elastic.reset(pool, index)
             log.info("%s worker %d replaced by %s", pool, index, info.worker_id)
             self._metrics.worker_replacements.labels(pool).inc()
         except Exception:

@@ -9,27 +9,25 @@ Request lifecycle here:
    waiters try again. `replan` places a running request again after a failure, away from the
    workers that failed it.
 Health results (`set_healthy`) and replaced workers (`replace_worker`) land here too. This is the
-only code that changes the book; it runs on the router's event loop.
+only code that changes the book, with the `RoleFlipper` it owns (which opens and closes flex
+slots); both run on the router's event loop.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from engine.errors import InvalidRequestError
 from router.admission import ModelLimits
 from router.book import Booking, DecodeSlot, PoolBook, PrefillSlot
 from router.config import RouterConfig
 from router.cost_model import Correction, CostModel
+from router.elastic import Elastic, RoleFlipper
 from router.metrics import Metrics
 from router.policy import NoCapacity, OutputLengthEstimator, Placement, Policy, PoolState, RequestFeatures, make_policy
 from router.wait_queue import WaitQueue
 from worker_core.protocol import WorkerInfo
-
-if TYPE_CHECKING:
-    from router.elastic import ThreadLender
 
 log = logging.getLogger(__name__)
 
@@ -38,25 +36,36 @@ def _decode_slot(info: WorkerInfo) -> DecodeSlot:
     return DecodeSlot(info.worker_id, info.num_blocks, info.block_size, info.max_num_seqs)
 
 
+def _flex_slot(info: WorkerInfo) -> DecodeSlot:
+    """A prefill worker's flex slot: half its KV pool (the other half stays for the prompts it
+    prefills), closed until the worker is flipped to decode."""
+    return DecodeSlot(info.worker_id, info.num_blocks // 2, info.block_size, info.max_num_seqs, flex=True,
+                      accepting=False)
+
+
 class Placer:
     """Implements `router.request.Planner`.
 
     Args: prefill / decode: the workers' `WorkerInfo`, index-aligned with the pools; limits; config;
     cost: the calibrated cost model; metrics; estimator: real output lengths (fed on release);
-    lender: compute lent between roles on a node (`router.elastic`), told when a prompt is booked on
-    a prefill worker; None: no lending.
+    lender: threads lent between roles on a node (`router.elastic.ThreadLender`), told when a prompt
+    is booked on a prefill worker; None: no lending. With `config.flip_roles` the placer flips roles
+    itself (`router.elastic.RoleFlipper`; not together with a lender).
     """
 
     def __init__(self, prefill: list[WorkerInfo], decode: list[WorkerInfo], limits: ModelLimits,
                  config: RouterConfig, cost: CostModel, metrics: Metrics, estimator: OutputLengthEstimator,
-                 lender: ThreadLender | None = None) -> None:
+                 lender: Elastic | None = None) -> None:
+        if lender is not None and config.flip_roles:
+            raise ValueError("flip_roles and lent threads are two ways to use an idle prefill worker; choose one")
         self.config, self._limits, self._metrics, self._estimator = config, limits, metrics, estimator
-        self.book = PoolBook([PrefillSlot(i.worker_id) for i in prefill], [_decode_slot(i) for i in decode])
+        self.book = PoolBook([PrefillSlot(i.worker_id) for i in prefill], [_decode_slot(i) for i in decode],
+                             [_flex_slot(i) for i in prefill] if config.flip_roles else None)
         self.correction = Correction()  # what serving shows the cost model to miss; every policy applies it
         self.policy = make_policy(config.policy, cost, config.ttft_target_s, config.tpot_target_s, self.correction)
         self._local_policy = make_policy("always_local", cost, correction=self.correction)
         self.queue = WaitQueue(config.max_queued, config.queue_timeout_s, metrics)
-        self.lender = lender
+        self.elastic: Elastic | None = RoleFlipper(self.book) if config.flip_roles else lender
 
     # -- placing ---------------------------------------------------------------------------------
     async def place(self, features: RequestFeatures, deadline: float | None) -> Booking:
@@ -98,8 +107,8 @@ class Placer:
                          tuple(replace(d, healthy=d.healthy and d.worker_id not in avoid) for d in state.decode))
 
     def _admit(self, placement: Placement, prompt_tokens: int, max_tokens: int) -> Booking:
-        if placement.prefill is not None and self.lender is not None:
-            self.lender.reclaim(placement.prefill)  # its threads come back before its prompt arrives
+        if placement.prefill is not None and self.elastic is not None:
+            self.elastic.reclaim(placement.prefill)  # back to prefill (its threads, its role) before its prompt comes
         booking = self.book.admit(placement, prompt_tokens, max_tokens)
         self._metrics.in_flight.inc()
         return booking
@@ -147,12 +156,16 @@ class Placer:
 
     def set_healthy(self, pool: str, index: int, healthy: bool) -> None:
         self.slots(pool)[index].healthy = healthy
+        if pool == "prefill" and self.book.flex:
+            self.book.flex[index].healthy = healthy  # one worker: its flex slot is as healthy as it is
 
     async def replace_worker(self, pool: str, index: int, info: WorkerInfo) -> None:
         """Worker `index` of `pool` was replaced by the one `info` describes: a fresh slot (bookings
         of the old worker keep charging the old slot), and the waiters try again."""
         if pool == "prefill":
             self.book.prefill[index] = PrefillSlot(info.worker_id)
+            if self.book.flex:
+                self.book.flex[index] = _flex_slot(info)
         else:
             self.book.decode[index] = _decode_slot(info)
         await self.queue.notify()

@@ -47,21 +47,25 @@ class RequestFeatures:
 
 @dataclass(frozen=True)
 class PrefillLoad:
-    """Args: worker_id: the worker. queued_tokens: prompt tokens waiting on it (>= 0). healthy: usable."""
+    """Args: worker_id: the worker. queued_tokens: prompt tokens waiting on it (>= 0). healthy: usable.
+    decoding: requests it runs whole (flipped to decode), whose decode rows ride in its prefill steps."""
 
     worker_id: str
     queued_tokens: int
     healthy: bool = True
+    decoding: int = 0
 
     def __post_init__(self) -> None:
-        if self.queued_tokens < 0:
-            raise ValueError(f"queued_tokens must be >= 0, got {self.queued_tokens}")
+        for name in ("queued_tokens", "decoding"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
 class DecodeLoad:
     """Args: worker_id: the worker. running: sequences decoding or admitted on it. free_blocks: free KV blocks.
-    block_size: tokens per block. queued_prefill_tokens: local prefill tokens waiting on it. healthy: usable."""
+    block_size: tokens per block. queued_prefill_tokens: local prefill tokens waiting on it. healthy: usable.
+    local_only: a prefill worker flipped to decode: it runs whole requests and never receives KV."""
 
     worker_id: str
     running: int
@@ -69,6 +73,7 @@ class DecodeLoad:
     block_size: int
     queued_prefill_tokens: int = 0
     healthy: bool = True
+    local_only: bool = False
 
     def __post_init__(self) -> None:
         for name in ("running", "free_blocks", "queued_prefill_tokens"):
@@ -141,8 +146,10 @@ class _Option:
 
 def _remote(cost: CostModel, req: RequestFeatures, state: PoolState, p: int, d: int) -> _Option:
     step = cost.step_s(state.decode[d].running + 1)
-    n = req.prompt_tokens
-    ttft = (state.prefill[p].queued_tokens * cost.prefill.per_unit_s + cost.prefill_s(n)
+    n, load = req.prompt_tokens, state.prefill[p]
+    # a prefill worker flipped to decode computes the prompt in chunks beside its own decode batch
+    prefill = cost.local_prefill_wall_s(n, load.decoding) if load.decoding else cost.prefill_s(n)
+    ttft = (load.queued_tokens * cost.prefill.per_unit_s + prefill
             + cost.exposed_transfer_s(n) + cost.hop_s + step / 2)
     return _Option("remote", p, d, ttft, step, 1.0)
 
@@ -171,6 +178,11 @@ def _candidates(request: RequestFeatures, state: PoolState) -> tuple[list[int], 
                          f"block sizes {sorted(blocks)}, free blocks "
                          f"{[state.decode[i].free_blocks for i in healthy]})")
     return prefill, decode
+
+
+def _receivers(state: PoolState, decode: list[int]) -> list[int]:
+    """The decode indices that can take a remote prefill's KV (flex slots cannot)."""
+    return [d for d in decode if not state.decode[d].local_only]
 
 
 def _least_prefill(state: PoolState, prefill: list[int]) -> int:
@@ -223,10 +235,11 @@ class AlwaysRemotePolicy(_FixedPolicy):
 
     def place(self, request: RequestFeatures, state: PoolState) -> Placement:
         prefill, decode = _candidates(request, state)
-        d = _least_decode(state, decode)
-        if not prefill:
-            return self._placement(request, state, "local", None, d, "no_prefill_worker")
-        return self._placement(request, state, "remote", _least_prefill(state, prefill), d, "always_remote")
+        receivers = _receivers(state, decode)
+        if not prefill or not receivers:
+            return self._placement(request, state, "local", None, _least_decode(state, decode), "no_prefill_worker")
+        return self._placement(request, state, "remote", _least_prefill(state, prefill),
+                               _least_decode(state, receivers), "always_remote")
 
 
 class AlwaysLocalPolicy(_FixedPolicy):
@@ -253,7 +266,7 @@ class RoundRobinPolicy(_FixedPolicy):
         d = decode[self._next_d % len(decode)]
         self._next_d += 1
         remote, self._turn = self._turn % 2 == 0, self._turn + 1
-        if not prefill:
+        if not prefill or state.decode[d].local_only:
             return self._placement(request, state, "local", None, d, "no_prefill_worker")
         if not remote:
             return self._placement(request, state, "local", None, d, "round_robin")
@@ -293,7 +306,7 @@ class RatioPolicy(Policy):
         if prefill:
             # remote cost only grows with P's queue, so the least-queued P is best for every D
             p = _least_prefill(state, prefill)
-            options += [_remote(self.cost, request, state, p, d) for d in decode]
+            options += [_remote(self.cost, request, state, p, d) for d in _receivers(state, decode)]
         options = [self._priced(_corrected(o, self.correction)) for o in options]
 
         def key(o: _Option) -> tuple:  # cheapest; ties: remote, then more free KV blocks, then lower index

@@ -35,6 +35,11 @@ class Pools:
     decode_peers: list[PeerInfo] = field(default_factory=list)
     engine_config: EngineConfig = field(default_factory=EngineConfig)  # what the workers run (dtype settled)
 
+    def decoder(self, index: int) -> ray.actor.ActorHandle:
+        """The actor at a placement's decode index: decode workers first, then prefill workers (their
+        flex slots, `router.book`)."""
+        return self.decode[index] if index < len(self.decode) else self.prefill[index - len(self.decode)]
+
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Stop every worker: a graceful stop for up to `timeout_s`, then the actors are killed."""
         refs = [w.shutdown.remote() for w in self.prefill + self.decode]

@@ -157,7 +157,7 @@ class RouterStream:
                 dispatched = time.perf_counter()
                 if self._first_at is None:
                     self.timings.queue_s = dispatched - self._arrival
-                feed = self._feeds.get(b.decode.worker_id, self._pools.decode[b.placement.decode])
+                feed = self._feeds.get(b.decode.worker_id, self._pools.decoder(b.placement.decode))
                 items = feed.subscribe(self._worker_rid)
                 try:
                     await self._start(b, prompt, sampling)
@@ -204,7 +204,7 @@ class RouterStream:
 
     async def _start(self, b: Booking, prompt: list[int], sampling: SamplingParams) -> None:
         rid, p_idx, d_idx = self._worker_rid, b.placement.prefill, b.placement.decode
-        d = self._pools.decode[d_idx]
+        d = self._pools.decoder(d_idx)
         if b.placement.path == "local":
             await _call("decode", d.submit_local.remote(rid, prompt, sampling, feed=True),
                         ErrorKind.PREFILL_FAILED)
@@ -297,7 +297,7 @@ class RouterStream:
     async def _abort(self, b: Booking) -> None:
         """Tell both workers to drop the request (idempotent on their side; dead ones are skipped)."""
         rid = self._worker_rid
-        calls = [self._pools.decode[b.placement.decode].abort.remote(rid)]
+        calls = [self._pools.decoder(b.placement.decode).abort.remote(rid)]
         if b.placement.path == "remote":
             calls.append(self._pools.prefill[b.placement.prefill].abort.remote(rid))
         for ref in calls:

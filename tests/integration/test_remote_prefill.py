@@ -26,6 +26,8 @@ def pair(tiny_pair, request):
 
     def ship(layer: int, seqs: list) -> None:  # runs after each layer of a step with prompt chunks
         for seq in seqs:  # the prompts this step completes
+            if not seq.prefill_only:  # a request this engine runs whole: nothing to ship
+                continue
             layers_seen.append((seq.request_id, layer))
             tx.send(seq.request_id, layer, seq.block_table, rx.local_info())
 
@@ -87,3 +89,39 @@ def test_reserve_refuses_when_full_and_abort_frees(pair):
     prefill.step()  # part-way through its prompt
     assert prefill.abort("q") and not prefill.has_unfinished()
     assert prefill.block_manager.num_free_blocks == prefill.block_manager.num_blocks
+
+
+def test_a_prefill_engine_decodes_its_own_requests_while_it_ships_prompts(pair):
+    """A prefill worker flipped to decode: requests it runs whole decode in the same steps as the
+    prompt chunks it ships (the layer hook fires on prefill steps only, and never alters a layer's
+    output). Both kinds equal `generate`; every block returns."""
+    ref, prefill, decode, tx, rx, layers_seen = pair
+    own = [random_prompt(n, seed=500 + n) for n in (7, 33)]
+    shipped = [random_prompt(n, seed=600 + n) for n in (21, 90)]
+    for i, p in enumerate(own):
+        prefill.add_request(p, SamplingParams(max_tokens=24), request_id=f"own{i}")
+    got = {f"own{i}": [] for i in range(len(own))}
+    for _ in range(3):  # they are decoding before the prompts come
+        for out in prefill.step():
+            got[out.request_id] += out.new_token_ids
+    sampling, layers = SamplingParams(max_tokens=12), prefill.layout.num_layers
+    for i, prompt in enumerate(shipped):
+        rx.recv(f"r{i}", decode.reserve(prompt, sampling, f"r{i}"), layers, tx.local_info())
+        prefill.add_request(prompt, sampling, request_id=f"r{i}", prefill_only=True)
+    remote: dict[str, list[int]] = {}
+    while prefill.has_unfinished():  # mixed steps: own decode rows beside the prompts' chunks
+        for out in prefill.step():
+            if out.request_id in got:
+                got[out.request_id] += out.new_token_ids
+                continue
+            assert rx.poll(out.request_id) == TransferState.DONE
+            prefill.release(out.request_id)
+            remote[out.request_id] = list(decode.activate(out.request_id, out.new_token_ids[0]).new_token_ids)
+    while decode.has_unfinished():
+        for out in decode.step():
+            remote[out.request_id] += out.new_token_ids
+    assert [got[f"own{i}"] for i in range(len(own))] == [greedy_reference(ref, p, 24) for p in own]
+    assert [remote[f"r{i}"] for i in range(len(shipped))] == [greedy_reference(ref, p, 12) for p in shipped]
+    assert {rid for rid, _ in layers_seen} == {"r0", "r1"}  # only the shipped prompts' layers went out
+    for engine in (prefill, decode):
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

@@ -220,7 +220,7 @@ def test_request_timeout_aborts_it_everywhere(cluster):
 def test_an_idle_prefill_worker_lends_its_threads_and_gets_them_back_with_a_prompt(cluster):
     """Workers on one node: with nothing to prefill, the decode worker computes with both workers'
     threads; a prompt booked on the prefill worker takes them back; output stays exact."""
-    from router.elastic import ThreadLender
+    from router.elastic import IDLE_POLLS, ThreadLender
 
     ref, pools, infos, cost, path = cluster
     decode = pools.decode[0]
@@ -238,14 +238,14 @@ def test_an_idle_prefill_worker_lends_its_threads_and_gets_them_back_with_a_prom
         router = Router(pools, infos[:1], infos[1:], None, path, RouterConfig(policy="always_remote"), cost,
                         lender=lender)
         await threads_become(1)
-        for _ in range(ThreadLender.IDLE_POLLS):
+        for _ in range(IDLE_POLLS):
             await router.poll_once()
         await threads_become(2)
         prompt = random_prompt(60, 77)
         tokens, _ = await collect(router, prompt, 10)  # booked on the prefill worker: the loan ends
         await threads_become(1)
         assert tokens == greedy_reference(ref, prompt, 10)
-        for _ in range(ThreadLender.IDLE_POLLS):
+        for _ in range(IDLE_POLLS):
             await router.poll_once()
         await threads_become(2)  # idle again: lent again, and decode stays exact with both threads
         local = Router(pools, infos[:1], infos[1:], None, path, RouterConfig(policy="always_local"), cost)
@@ -254,5 +254,45 @@ def test_an_idle_prefill_worker_lends_its_threads_and_gets_them_back_with_a_prom
         await decode.set_threads.remote(1)
         await router.stop_polling()
         await local.stop_polling()
+    asyncio.run(main())
+    assert_all_free(pools)
+
+
+def test_an_idle_prefill_worker_flips_to_decode_and_back_while_its_requests_run(cluster):
+    """Decode-heavy: with nothing to prefill, the prefill worker takes requests of its own (local
+    prefill, decode). The mix shifts to prompts: the first one booked on it flips it back, and it
+    prefills beside the batch it still decodes. Every request equals `generate`; no block leaks."""
+    from router.elastic import IDLE_POLLS
+    from router.policy import make_policy
+
+    ref, pools, infos, cost, _ = cluster
+    p_id = infos[0].worker_id
+
+    async def main():
+        router = make_router(cluster, policy="always_local", flip_roles=True)
+        flipper = router.placer.elastic
+        short = [random_prompt(12 + i, 300 + i) for i in range(4)]
+        tokens, last = await collect(router, short[0], 8)  # not flipped yet: the decode worker takes it
+        assert last.timings.decode_worker == infos[1].worker_id and tokens == greedy_reference(ref, short[0], 8)
+        for _ in range(IDLE_POLLS):
+            await router.poll_once()
+        assert flipper.flipped(0)
+        decode_heavy = [asyncio.ensure_future(collect(router, p, 120)) for p in short]
+        await asyncio.sleep(0.3)  # they are placed and decoding
+        router.placer.policy = make_policy("always_remote", cost)  # the mix shifts: prompts go remote
+        long = [random_prompt(150 + 20 * i, 400 + i) for i in range(2)]
+        prompt_heavy = await asyncio.gather(*(collect(router, p, 6) for p in long))
+        assert not flipper.flipped(0)  # a prompt was booked on it: back to prefill
+        heavy = await asyncio.gather(*decode_heavy)
+        assert p_id in {last.timings.decode_worker for _, last in heavy}  # some ran on the flipped worker
+        for prompt, (tokens, last) in zip(short, heavy):
+            assert tokens == greedy_reference(ref, prompt, 120), last.timings
+        for prompt, (tokens, last) in zip(long, prompt_heavy):
+            assert last.timings.path == "remote" and last.timings.prefill_worker == p_id
+            assert tokens == greedy_reference(ref, prompt, 6)
+        for _ in range(IDLE_POLLS):
+            await router.poll_once()
+        assert flipper.flipped(0) and flipper.flips == 2  # idle again
+        await router.stop_polling()
     asyncio.run(main())
     assert_all_free(pools)

@@ -1,11 +1,14 @@
 """Unit tests for router.elastic: when threads are lent and given back (pure asyncio; the workers'
-`set_threads` calls are recorded, no Ray cluster)."""
+`set_threads` calls are recorded, no Ray cluster), and when a prefill worker flips to decode and back
+(the book alone)."""
 from __future__ import annotations
 
 import asyncio
 from types import SimpleNamespace
 
-from router.elastic import ThreadLender
+from router.book import DecodeSlot, PoolBook, PrefillSlot
+from router.elastic import RoleFlipper, ThreadLender
+from router.policy import Placement
 
 
 class FakeWorker:
@@ -79,3 +82,47 @@ def test_only_paired_workers_lend_and_a_replacement_starts_over() -> None:
         await settle()
         assert calls == [(0, 2), (0, 1), (0, 2)] and not lend.lent_to(0)
     asyncio.run(main())
+
+
+# --- RoleFlipper: a prefill worker serves decode through its flex slot while it has nothing to prefill ---
+
+def flex_book(prefill: int = 1) -> PoolBook:
+    return PoolBook([PrefillSlot(f"p{i}") for i in range(prefill)], [DecodeSlot("d", 100, 16, 8)],
+                    [DecodeSlot(f"p{i}", 50, 16, 8, flex=True, accepting=False) for i in range(prefill)])
+
+
+def test_an_idle_prefill_worker_flips_to_decode_and_back_with_a_prompt() -> None:
+    book = flex_book()
+    flip = RoleFlipper(book)
+    assert [d.healthy for d in book.state().decode] == [True, False]  # closed until flipped
+    flip.rebalance([0])
+    assert not flip.flipped(0)  # one idle poll is not enough
+    flip.rebalance([0])
+    assert flip.flipped(0) and flip.flips == 1
+    state = book.state()
+    assert [(d.worker_id, d.healthy, d.local_only) for d in state.decode] == [("d", True, False), ("p0", True, True)]
+    booking = book.admit(Placement("local", None, 1, "test", 0.1, 0.1), 100, 50)  # a request placed on it
+    assert booking.decode is book.flex[0] and book.state().prefill[0].decoding == 1
+    flip.reclaim(0)  # a prompt is booked on it
+    assert not flip.flipped(0) and not book.state().decode[1].healthy
+    assert book.state().prefill[0].decoding == 1  # what it runs keeps running there
+    book.finished(booking)
+    assert book.state().prefill[0].decoding == 0
+    flip.rebalance([0])
+    assert not flip.flipped(0)  # idle again: counted from zero
+
+
+def test_a_busy_prefill_worker_does_not_flip_and_a_replacement_starts_as_prefill() -> None:
+    book = flex_book(2)
+    flip = RoleFlipper(book)
+    for queued in ([0, 300], [120, 0], [0, 200]):
+        flip.rebalance(queued)
+    assert not flip.flipped(0) and not flip.flipped(1)
+    flip.rebalance([0, 0])
+    assert flip.flipped(0) and not flip.flipped(1)
+    book.flex[0] = DecodeSlot("p0b", 50, 16, 8, flex=True, accepting=False)  # the placer's fresh slot
+    flip.reset("prefill", 0)
+    flip.rebalance([0, 0])
+    assert flip.flipped(1) and not flip.flipped(0)  # the new worker counts its idle polls from zero
+    book.prefill[1].healthy = False  # an unhealthy prefill worker's flex slot is closed too
+    assert not book.state().decode[2].healthy

@@ -382,3 +382,32 @@ def test_a_corrected_estimate_moves_the_decision() -> None:
     fixed = make_policy("always_local", COST, correction=policy.correction).place(req(n - 1, 200), pools())
     # every policy reports corrected estimates
     assert fixed.est_ttft_s == pytest.approx(3 * before.est_ttft_s, rel=0.05)
+
+
+# --- a prefill worker flipped to decode (a flex slot: local path only) ---
+
+@pytest.mark.parametrize("name", POLICIES)
+def test_a_flipped_prefill_worker_is_never_sent_kv(name: str) -> None:
+    """Its flex slot is the least loaded decode worker, yet nothing is placed on it remotely."""
+    state = pools([PrefillLoad("p", 0)], [dec(30, wid="d"), dec(0, wid="p", local_only=True)])
+    policy = make_policy(name, COST, *TARGETS)
+    for r in (req(2000, 20), req(20, 500), req(300, 100), req(1500, 16)):
+        pl = policy.place(r, state)
+        assert pl.path == "local" or pl.decode == 0, (name, pl)
+
+
+def test_a_flipped_prefill_worker_takes_decode_heavy_requests() -> None:
+    """Short prompts with long outputs go local on the idle flex slot rather than into a busy batch."""
+    state = pools([PrefillLoad("p", 0)], [dec(30, wid="d"), dec(0, wid="p", local_only=True)])
+    pl = RatioPolicy(COST, *TARGETS).place(req(20, 500), state)
+    assert (pl.path, pl.decode) == ("local", 1)
+
+
+def test_a_prefill_worker_that_decodes_prices_its_prompts_in_chunks_beside_its_batch() -> None:
+    policy = RatioPolicy(COST, *TARGETS)
+    idle = policy.place(req(2000, 20), pools([PrefillLoad("p", 0)], [dec(0)]))
+    riding = policy.place(req(2000, 20), pools([PrefillLoad("p", 0, decoding=16)], [dec(0)]))
+    assert idle.path == "remote"
+    assert riding.est_ttft_s > idle.est_ttft_s  # its 16 decode rows ride in each chunk's step
+    assert riding.path == "local" or riding.est_ttft_s - idle.est_ttft_s == pytest.approx(
+        COST.local_prefill_wall_s(2000, 16) - COST.prefill_s(2000), rel=1e-6)
