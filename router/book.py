@@ -72,15 +72,20 @@ class PoolBook:
 
     def state(self) -> PoolState:
         """The policy's view; a decode worker at its sequence limit shows no free blocks, a flex slot that
-        does not accept (or whose prefill worker is unhealthy) shows unhealthy."""
-        flex_ok = [f.accepting and p.healthy for f, p in zip(self.flex, self.prefill)]
-        return PoolState(
-            prefill=tuple(PrefillLoad(p.worker_id, p.queued_tokens, p.healthy,
-                                      self.flex[i].running if self.flex else 0) for i, p in enumerate(self.prefill)),
-            decode=tuple(DecodeLoad(d.worker_id, d.running,
-                                    0 if d.running >= d.max_num_seqs else max(0, d.num_blocks - d.reserved_blocks),
-                                    d.block_size, d.queued_prefill_tokens, d.healthy and ok, local_only=d.flex)
-                         for d, ok in [*((d, True) for d in self.decode), *zip(self.flex, flex_ok)]))
+        does not accept (or whose prefill worker is unhealthy) shows unhealthy, and a prefill worker and
+        its flex slot show the prompt tokens of both as their queue."""
+        flex = self.flex or [None] * len(self.prefill)
+        # a flipped prefill worker is one engine: its prompts and its whole requests' prompts share one queue
+        shared = [f.queued_prefill_tokens if f else 0 for f in flex]
+        prefill = tuple(PrefillLoad(p.worker_id, p.queued_tokens + q, p.healthy, f.running if f else 0)
+                        for p, f, q in zip(self.prefill, flex, shared))
+        decode = [(d, d.queued_prefill_tokens, d.healthy) for d in self.decode]
+        decode += [(f, f.queued_prefill_tokens + p.queued_tokens, f.healthy and f.accepting and p.healthy)
+                   for f, p in zip(self.flex, self.prefill)]
+        return PoolState(prefill, tuple(
+            DecodeLoad(d.worker_id, d.running,
+                       0 if d.running >= d.max_num_seqs else max(0, d.num_blocks - d.reserved_blocks),
+                       d.block_size, queued, healthy, local_only=d.flex) for d, queued, healthy in decode))
 
     def admit(self, placement: Placement, prompt_tokens: int, max_tokens: int) -> Booking:
         """Book a placed request on its workers."""

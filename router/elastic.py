@@ -19,9 +19,11 @@ Threads change between engine steps only (a worker command), never inside one.
 1. After every load poll, `rebalance` flips a prefill worker to decode once the book has shown it
    with no prompt tokens queued for two polls in a row: its flex slot accepts requests, which the
    policy may place on it like on any decode worker, local path only.
-2. `reclaim` (the placer, as it books a prompt on it) flips it back: its flex slot takes no new
-   requests; those it runs keep decoding there, in the same steps as its prompts' chunks (the policy
-   prices that ride), until they end. Nothing moves and nothing is dropped.
+2. `reclaim` (the placer, as it books a prompt on it) flips it back once more than one chunk of
+   prompt tokens waits on it: its flex slot takes no new requests; those it runs keep decoding
+   there, in the same steps as its prompts' chunks, until they end. Nothing moves and nothing is
+   dropped. A lone short prompt leaves it flipped: it prefills in one step beside its batch (the
+   policy prices that ride and the stall it puts on the batch).
 3. A replaced prefill worker starts as a prefill worker (`reset`).
 A flip is a change in the router's book only: instant, no worker call, no process started. On GPU
 pools it is the same mechanism (a device changes role), which threads cannot be.
@@ -53,11 +55,16 @@ class Elastic(Protocol):
     def rebalance(self, queued_tokens: list[int]) -> None:
         """After a load poll, with the book's prompt tokens queued on each prefill worker."""
 
-    def reclaim(self, prefill: int) -> None:
-        """A prompt is being booked on prefill worker `prefill`: it is a prefill worker again, now."""
+    def reclaim(self, prefill: int, queued_tokens: int) -> None:
+        """A prompt was booked on prefill worker `prefill`, which now has `queued_tokens` prompt tokens
+        to compute: its compute comes back to prefill where the mechanism says so."""
 
     def reset(self, pool: str, index: int) -> None:
         """Worker `index` of `pool` was replaced: it starts in its own role."""
+
+    @property
+    def moved(self) -> int:
+        """Prefill workers whose compute serves decode now."""
 
 
 @dataclass
@@ -97,6 +104,10 @@ class ThreadLender:
     def pairs(self) -> list[tuple[int, int]]:
         return [(x.prefill, x.decode) for x in self._pairs]
 
+    @property
+    def moved(self) -> int:
+        return sum(x.lent for x in self._pairs)
+
     def lent_to(self, decode: int) -> bool:
         """Whether decode worker `decode` runs with a prefill worker's threads now."""
         return any(x.lent and x.decode == decode for x in self._pairs)
@@ -110,8 +121,8 @@ class ThreadLender:
                 self.loans += 1
                 self._set(x.decode, 2 * self._threads)
 
-    def reclaim(self, prefill: int) -> None:
-        """A prompt is being sent to prefill worker `prefill`: its threads come back now."""
+    def reclaim(self, prefill: int, queued_tokens: int = 0) -> None:
+        """A prompt is being sent to prefill worker `prefill`: its threads come back now, whatever its queue."""
         for x in self._pairs:
             if x.prefill == prefill:
                 x.idle_polls = 0
@@ -140,13 +151,18 @@ async def _quietly(ref: ray.ObjectRef, decode: int, threads: int) -> None:
 
 
 class RoleFlipper:
-    """Flips idle prefill workers to serve decode through their flex slots in `book` (`router.book`)."""
+    """Flips idle prefill workers to serve decode through their flex slots in `book` (`router.book`).
+    chunk_tokens: the workers' prefill chunk; more prompt tokens than that queued flip a worker back."""
 
-    def __init__(self, book: PoolBook) -> None:
+    def __init__(self, book: PoolBook, chunk_tokens: int) -> None:
         assert len(book.flex) == len(book.prefill), "role flips need a flex slot per prefill worker"
-        self._book = book
+        self._book, self._chunk_tokens = book, chunk_tokens
         self._idle = [0] * len(book.prefill)  # consecutive polls with nothing queued, per prefill worker
         self.flips = 0  # times a prefill worker was flipped to decode, for tests and logs
+
+    @property
+    def moved(self) -> int:
+        return sum(slot.accepting for slot in self._book.flex)
 
     def flipped(self, prefill: int) -> bool:
         """Whether prefill worker `prefill` takes decode requests now."""
@@ -161,9 +177,13 @@ class RoleFlipper:
                 self.flips += 1
                 log.debug("prefill worker %s flipped to decode", slot.worker_id)
 
-    def reclaim(self, prefill: int) -> None:
+    def reclaim(self, prefill: int, queued_tokens: int = 0) -> None:
+        """Flips it back once more than one chunk of prompt tokens waits on it: a short prompt now and
+        then it prefills in one step beside its batch (the policy priced that), prompts queueing up
+        need the whole worker."""
         self._idle[prefill] = 0
-        self._book.flex[prefill].accepting = False
+        if queued_tokens > self._chunk_tokens:
+            self._book.flex[prefill].accepting = False
 
     def reset(self, pool: str, index: int) -> None:
         if pool == "prefill":

@@ -59,6 +59,7 @@ class HealthMonitor:
                                for i, actor in enumerate(actors) if (pool, i) not in self.respawning))
         if self._placer.elastic is not None:
             self._placer.elastic.rebalance([s.queued_tokens for s in self._placer.slots("prefill")])
+            self._metrics.elastic.set(self._placer.elastic.moved)
 
     async def _poll(self, pool: str, index: int, actor: ray.actor.ActorHandle) -> None:
         slot = self._placer.slots(pool)[index]

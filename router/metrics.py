@@ -85,6 +85,8 @@ class Metrics:
                                      registry=r)
         self.feed_items = Histogram("pdserve_decode_feed_items", "Items (tokens) one decode-worker feed message "
                                     "carried: an engine step's, for all of its requests", buckets=_COUNT, registry=r)
+        self.elastic = Gauge("pdserve_elastic_prefill_workers", "Prefill workers whose compute serves decode now "
+                             "(threads lent or role flipped)", registry=r)
         ProcessCollector(namespace="pdserve_router", registry=r)  # the router's own CPU seconds, memory
 
     def observe_worker(self, pool: str, worker: str, load: LoadReport) -> None:
@@ -95,6 +97,8 @@ class Metrics:
             self.running.labels(worker).set(load.running + load.receiving)
         else:
             self.prefill_queued.labels(worker).set(load.queued_tokens)
+            if load.running:  # flipped to decode: the requests it runs whole
+                self.running.labels(worker).set(load.running)
 
     def exposition(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -65,7 +65,8 @@ class Placer:
         self.policy = make_policy(config.policy, cost, config.ttft_target_s, config.tpot_target_s, self.correction)
         self._local_policy = make_policy("always_local", cost, correction=self.correction)
         self.queue = WaitQueue(config.max_queued, config.queue_timeout_s, metrics)
-        self.elastic: Elastic | None = RoleFlipper(self.book) if config.flip_roles else lender
+        chunk = min((i.prefill_chunk_tokens for i in prefill), default=0)
+        self.elastic: Elastic | None = RoleFlipper(self.book, chunk) if config.flip_roles else lender
 
     # -- placing ---------------------------------------------------------------------------------
     async def place(self, features: RequestFeatures, deadline: float | None) -> Booking:
@@ -107,9 +108,9 @@ class Placer:
                          tuple(replace(d, healthy=d.healthy and d.worker_id not in avoid) for d in state.decode))
 
     def _admit(self, placement: Placement, prompt_tokens: int, max_tokens: int) -> Booking:
-        if placement.prefill is not None and self.elastic is not None:
-            self.elastic.reclaim(placement.prefill)  # back to prefill (its threads, its role) before its prompt comes
         booking = self.book.admit(placement, prompt_tokens, max_tokens)
+        if booking.prefill is not None and self.elastic is not None:  # its compute back before the prompt comes
+            self.elastic.reclaim(placement.prefill, booking.prefill.queued_tokens)
         self._metrics.in_flight.inc()
         return booking
 

@@ -1,11 +1,13 @@
 """Placement: per request, remote prefill (prefill worker P, then decode worker D) or local prefill on D.
 
 The ratio policy (default) estimates both paths from the measured `CostModel`. Remote pays P's queue,
-the prefill, the transfer not hidden behind the last chunk's later layers and the extra round trips;
+the prefill (in chunks beside P's own batch, whose stall counts as a slowdown, when P is flipped to
+decode), the transfer not hidden behind the last chunk's later layers and the extra round trips;
 local pays D's queued local prefills and the prefill in chunks, each in a step that also decodes D's
 running batch (what that adds is measured), and D's batch loses what those steps take beyond its own
-decode steps. Each option costs TTFT / TTFT target + decode slowdown + 1 per missed SLO (a lost request of goodput); the cheapest wins,
-ties go remote. So the switch point follows measured prefill, transfer and decode-step costs; no
+decode steps. Each option costs TTFT / TTFT target + decode slowdown + crowding (what one more
+sequence in D's batch costs those already there) + 1 per missed SLO (a lost request of goodput);
+the cheapest wins, ties go remote. So the switch point follows measured prefill, transfer and decode-step costs; no
 hard-coded thresholds. With a `Correction`, every estimate is multiplied by what serving has shown
 the cost model to miss (actual / predicted, per path), before it is priced. Only healthy workers, and
 decode workers with KV room for prompt + max_tokens.
@@ -137,21 +139,34 @@ class _Option:
     ttft_s: float
     tpot_s: float
     slowdown: float
+    crowding: float = 0.0  # what joining D's batch costs the sequences already there (see `_crowding`)
     cost: float = 0.0
 
     def describe(self) -> str:
         return (f"{self.path} ttft={self.ttft_s:.4f}s tpot={self.tpot_s:.4f}s slowdown={self.slowdown:.4f} "
-                f"cost={self.cost:.4f}")
+                f"crowding={self.crowding:.4f} cost={self.cost:.4f}")
+
+
+def _crowding(cost: CostModel, running: int) -> float:
+    """What one more sequence in a decode batch of `running` costs the sequences already there: each
+    step grows by step(r + 1) - step(r) for all r of them, as long as the newcomer runs; in units of
+    the newcomer's own decode time. It steers decode-heavy load to the emptier batch."""
+    if running == 0:
+        return 0.0
+    grown = cost.step_s(running + 1)
+    return running * (grown - cost.step_s(running)) / grown
 
 
 def _remote(cost: CostModel, req: RequestFeatures, state: PoolState, p: int, d: int) -> _Option:
     step = cost.step_s(state.decode[d].running + 1)
     n, load = req.prompt_tokens, state.prefill[p]
-    # a prefill worker flipped to decode computes the prompt in chunks beside its own decode batch
-    prefill = cost.local_prefill_wall_s(n, load.decoding) if load.decoding else cost.prefill_s(n)
+    prefill, slowdown = cost.prefill_s(n), 1.0
+    if load.decoding:  # flipped to decode: the prompt's chunks run beside P's own batch, which they hold up
+        prefill = cost.local_prefill_wall_s(n, load.decoding)
+        slowdown += load.decoding * cost.local_stall_s(n, load.decoding) / (req.expected_output_tokens * step)
     ttft = (load.queued_tokens * cost.prefill.per_unit_s + prefill
             + cost.exposed_transfer_s(n) + cost.hop_s + step / 2)
-    return _Option("remote", p, d, ttft, step, 1.0)
+    return _Option("remote", p, d, ttft, step, slowdown, _crowding(cost, state.decode[d].running))
 
 
 def _local(cost: CostModel, req: RequestFeatures, state: PoolState, d: int) -> _Option:
@@ -163,7 +178,7 @@ def _local(cost: CostModel, req: RequestFeatures, state: PoolState, d: int) -> _
     # spread over this request's output
     slowdown = 1.0 + (load.running + 1) * cost.local_stall_s(req.prompt_tokens, load.running) / (
         req.expected_output_tokens * step)
-    return _Option("local", None, d, ttft, step * slowdown, slowdown)
+    return _Option("local", None, d, ttft, step * slowdown, slowdown, _crowding(cost, load.running))
 
 
 def _candidates(request: RequestFeatures, state: PoolState) -> tuple[list[int], list[int]]:
@@ -296,9 +311,9 @@ class RatioPolicy(Policy):
         self.tpot_target_s = tpot_target_s
 
     def _priced(self, opt: _Option) -> _Option:
-        cost = (opt.ttft_s / self.ttft_target_s + (opt.slowdown - 1.0)
+        cost = (opt.ttft_s / self.ttft_target_s + (opt.slowdown - 1.0) + opt.crowding
                 + (opt.ttft_s > self.ttft_target_s) + (opt.tpot_s > self.tpot_target_s))
-        return _Option(opt.path, opt.prefill, opt.decode, opt.ttft_s, opt.tpot_s, opt.slowdown, float(cost))
+        return replace(opt, cost=float(cost))
 
     def place(self, request: RequestFeatures, state: PoolState) -> Placement:
         prefill, decode = _candidates(request, state)

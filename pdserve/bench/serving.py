@@ -3,7 +3,8 @@
 One run on this machine, same model directory, same dtype: for each server
 1. start it (pdserve with the `ratio` policy and with `always_remote` on 1 prefill + 1 decode
    worker; pdserve colocated: `always_local` on 2 decode workers, the same two cores without
-   disaggregation; vLLM's CPU build from its own venv, `bench/setup_vllm.sh`);
+   disaggregation; `flip` and `lend`: `ratio` with an idle prefill worker flipped to decode or
+   lending its threads (`PDSERVE_LAYOUTS`); vLLM's CPU build from its own venv, `bench/setup_vllm.sh`);
 2. drive it with the load generator (`loadtest/`): open-loop Poisson sweeps of the decode-heavy,
    prompt-heavy and mixed workloads, and a closed loop of the decode-heavy one for saturated
    throughput;
@@ -70,6 +71,13 @@ def _wait_http(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
     raise RuntimeError(f"server not ready after {timeout_s:.0f} s")
 
 
+# pdserve's layouts by server name: policy, prefill workers, decode workers, and how an idle prefill
+# worker's compute goes to decode (flags; none: it stays idle)
+PDSERVE_LAYOUTS = {"ratio": ("ratio", 1, 1), "always_remote": ("always_remote", 1, 1),
+                   "colocated": ("always_local", 0, 2), "flip": ("ratio", 1, 1, "--flip-roles"),
+                   "lend": ("ratio", 1, 1, "--lend-threads")}
+
+
 def _server_cmd(kind: str, model_dir: str, port: int, args: argparse.Namespace) -> tuple[list[str], dict]:
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
     if kind == "vllm":
@@ -77,9 +85,8 @@ def _server_cmd(kind: str, model_dir: str, port: int, args: argparse.Namespace) 
         return [f"{args.vllm_venv}/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
                 "--dtype", args.dtype, "--port", str(port), "--served-model-name", "model",
                 "--max-model-len", "4096"], env
-    policy, prefill, decode = {"ratio": ("ratio", 1, 1), "always_remote": ("always_remote", 1, 1),
-                               "colocated": ("always_local", 0, 2)}[kind]
-    return [sys.executable, "-m", "pdserve", "serve", "--model", model_dir, "--dtype", args.dtype,
+    policy, prefill, decode, *elastic = PDSERVE_LAYOUTS[kind]
+    return [sys.executable, "-m", "pdserve", "serve", "--model", model_dir, "--dtype", args.dtype, *elastic,
             "--policy", policy, "--prefill", str(prefill), "--decode", str(decode), "--http-port", str(port),
             "--grpc-port", "0", "--served-model-name", "model", "--kv-memory-gib", str(args.kv_memory_gib),
             "--ttft-target", str(args.ttft_target), "--tpot-target", str(args.tpot_target),

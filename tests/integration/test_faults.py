@@ -151,6 +151,40 @@ def test_a_decode_worker_lost_mid_stream_hands_its_streams_on_without_losing_a_t
     assert_all_free(pools)
 
 
+def test_a_flipped_prefill_worker_killed_mid_stream_hands_its_streams_on(cluster):
+    """A prefill worker flipped to decode dies while it runs requests whole: they move to a decode
+    worker and continue where they stopped (exact), and its replacement starts as a prefill worker."""
+    ref, pools = cluster[0], cluster[1]
+    prompts = [random_prompt(15 + 4 * i, seed=700 + i) for i in range(6)]
+    n = 300
+
+    async def main():
+        router = make_router(cluster, policy="always_local", flip_roles=True)
+        flipper = router.placer.elastic
+        for _ in range(2):
+            await router.poll_once()
+        assert flipper.flipped(0) and flipper.flipped(1)
+        progress: dict = {}
+        tasks = [asyncio.create_task(run_one(router, p, n, progress, i)) for i, p in enumerate(prompts)]
+        flex_ids = {s.worker_id for s in router.book.flex}
+        while not any(v[0] >= 20 and v[1].decode.worker_id in flex_ids for v in progress.values()):
+            await asyncio.sleep(0.01)
+        victim = next(v[1] for v in progress.values() if v[0] >= 20 and v[1].decode.worker_id in flex_ids)
+        index = [s.worker_id for s in router.book.prefill].index(victim.decode.worker_id)
+        kill(pools.prefill[index])
+        router.start_polling()
+        results = await asyncio.wait_for(asyncio.gather(*tasks), 180)
+        await settle(router)
+        assert router.book.flex[index].worker_id != victim.decode.worker_id  # a fresh flex slot
+        await router.stop_polling()
+        return router, results
+
+    router, results = asyncio.run(main())
+    assert_all_match(ref, prompts, results, n)
+    assert 'pdserve_request_recoveries_total{action="migrate"}' in router.metrics_text()[0].decode()
+    assert_all_free(pools)
+
+
 def test_a_worker_busy_in_a_long_step_answers_its_health_checks(cluster):
     """The prefill worker's engine thread is held for longer than a health check may take (as by a
     very long prefill): its load is still answered, so it is never marked unhealthy, and the request

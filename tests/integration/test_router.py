@@ -277,10 +277,11 @@ def test_an_idle_prefill_worker_flips_to_decode_and_back_while_its_requests_run(
         for _ in range(IDLE_POLLS):
             await router.poll_once()
         assert flipper.flipped(0)
+        assert "pdserve_elastic_prefill_workers 1.0" in router.metrics_text()[0].decode()
         decode_heavy = [asyncio.ensure_future(collect(router, p, 120)) for p in short]
         await asyncio.sleep(0.3)  # they are placed and decoding
         router.placer.policy = make_policy("always_remote", cost)  # the mix shifts: prompts go remote
-        long = [random_prompt(150 + 20 * i, 400 + i) for i in range(2)]
+        long = [random_prompt(280 + 20 * i, 400 + i) for i in range(2)]  # each more than a chunk (256)
         prompt_heavy = await asyncio.gather(*(collect(router, p, 6) for p in long))
         assert not flipper.flipped(0)  # a prompt was booked on it: back to prefill
         heavy = await asyncio.gather(*decode_heavy)

@@ -37,7 +37,7 @@ def test_threads_are_lent_after_two_idle_polls_and_come_back_with_a_prompt() -> 
         assert calls == [] and not lend.lent_to(0)  # one idle poll is not enough
         lend.rebalance([0])
         await settle()
-        assert calls == [(0, 4)] and lend.lent_to(0) and lend.loans == 1
+        assert calls == [(0, 4)] and lend.lent_to(0) and lend.loans == 1 and lend.moved == 1
         lend.rebalance([0])
         await settle()
         assert calls == [(0, 4)]  # lent once, not again every poll
@@ -93,18 +93,20 @@ def flex_book(prefill: int = 1) -> PoolBook:
 
 def test_an_idle_prefill_worker_flips_to_decode_and_back_with_a_prompt() -> None:
     book = flex_book()
-    flip = RoleFlipper(book)
+    flip = RoleFlipper(book, chunk_tokens=256)
     assert [d.healthy for d in book.state().decode] == [True, False]  # closed until flipped
     flip.rebalance([0])
     assert not flip.flipped(0)  # one idle poll is not enough
     flip.rebalance([0])
-    assert flip.flipped(0) and flip.flips == 1
+    assert flip.flipped(0) and flip.flips == 1 and flip.moved == 1
     state = book.state()
     assert [(d.worker_id, d.healthy, d.local_only) for d in state.decode] == [("d", True, False), ("p0", True, True)]
     booking = book.admit(Placement("local", None, 1, "test", 0.1, 0.1), 100, 50)  # a request placed on it
     assert booking.decode is book.flex[0] and book.state().prefill[0].decoding == 1
-    flip.reclaim(0)  # a prompt is booked on it
-    assert not flip.flipped(0) and not book.state().decode[1].healthy
+    flip.reclaim(0, 200)  # a short prompt is booked on it: it prefills that beside its batch
+    assert flip.flipped(0)
+    flip.reclaim(0, 300)  # more than a chunk waits on it: it is a prefill worker again
+    assert not flip.flipped(0) and not book.state().decode[1].healthy and flip.moved == 0
     assert book.state().prefill[0].decoding == 1  # what it runs keeps running there
     book.finished(booking)
     assert book.state().prefill[0].decoding == 0
@@ -114,7 +116,7 @@ def test_an_idle_prefill_worker_flips_to_decode_and_back_with_a_prompt() -> None
 
 def test_a_busy_prefill_worker_does_not_flip_and_a_replacement_starts_as_prefill() -> None:
     book = flex_book(2)
-    flip = RoleFlipper(book)
+    flip = RoleFlipper(book, chunk_tokens=256)
     for queued in ([0, 300], [120, 0], [0, 200]):
         flip.rebalance(queued)
     assert not flip.flipped(0) and not flip.flipped(1)

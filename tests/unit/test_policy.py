@@ -404,10 +404,24 @@ def test_a_flipped_prefill_worker_takes_decode_heavy_requests() -> None:
 
 
 def test_a_prefill_worker_that_decodes_prices_its_prompts_in_chunks_beside_its_batch() -> None:
-    policy = RatioPolicy(COST, *TARGETS)
-    idle = policy.place(req(2000, 20), pools([PrefillLoad("p", 0)], [dec(0)]))
-    riding = policy.place(req(2000, 20), pools([PrefillLoad("p", 0, decoding=16)], [dec(0)]))
-    assert idle.path == "remote"
-    assert riding.est_ttft_s > idle.est_ttft_s  # its 16 decode rows ride in each chunk's step
-    assert riding.path == "local" or riding.est_ttft_s - idle.est_ttft_s == pytest.approx(
+    remote = make_policy("always_remote", COST)
+    idle = remote.place(req(2000, 20), pools([PrefillLoad("p", 0)], [dec(0)]))
+    riding = remote.place(req(2000, 20), pools([PrefillLoad("p", 0, decoding=16)], [dec(0)]))
+    assert riding.est_ttft_s - idle.est_ttft_s == pytest.approx(  # its 16 decode rows ride in each chunk's step
         COST.local_prefill_wall_s(2000, 16) - COST.prefill_s(2000), rel=1e-6)
+    ratio = RatioPolicy(COST, *TARGETS)
+    assert ratio.place(req(2000, 20), pools([PrefillLoad("p", 0)], [dec(0)])).path == "remote"
+    # the same prompt would stall P's 16 streams for its whole prefill: the idle decode worker takes it
+    assert ratio.place(req(2000, 20), pools([PrefillLoad("p", 0, decoding=16)], [dec(0)])).path == "local"
+
+
+def test_crowding_steers_decode_heavy_requests_to_the_emptier_batch() -> None:
+    """Local prefill only: worker a decodes 12 streams, b none but has 200 prompt tokens queued. b's
+    first token comes later, yet a 13th stream on a would slow all 12 for its whole output: b wins."""
+    policy = RatioPolicy(COST, *TARGETS)
+    state = pools([], [dec(12, wid="a"), dec(0, wid="b", queued_prefill_tokens=200)])
+    pl = policy.place(req(30, 200), state)
+    assert pl.decode == 1 and pl.est_ttft_s > policy.place(req(30, 200), pools([], [dec(12)])).est_ttft_s
+    # a longer backlog on b outweighs it: then a's batch takes it
+    assert policy.place(req(30, 200), pools([], [dec(12, wid="a"), dec(0, wid="b", queued_prefill_tokens=300)])
+                        ).decode == 0
