@@ -8,7 +8,8 @@ at the slot objects it charged, so a replaced worker's fresh slot is never charg
 Each prefill worker also has a flex slot: a decode slot for the requests it runs whole while its
 role is flipped to decode (`router.elastic.RoleFlipper`). The policy sees the flex slots after the
 decode workers' (decode index `len(decode) + i` is prefill worker i), local path only, and only
-while accepting; `Pools.decoder` resolves the same indices to actors.
+while accepting (the worker is then no prefill candidate); `Pools.decoder` resolves the same
+indices to actors.
 """
 from __future__ import annotations
 
@@ -70,18 +71,19 @@ class PoolBook:
         """The slot at a policy's decode index: decode workers first, then flex slots."""
         return self.decode[index] if index < len(self.decode) else self.flex[index - len(self.decode)]
 
-    def state(self) -> PoolState:
-        """The policy's view; a decode worker at its sequence limit shows no free blocks, a flex slot that
-        does not accept (or whose prefill worker is unhealthy) shows unhealthy, and a prefill worker and
-        its flex slot show the prompt tokens of both as their queue."""
+    def state(self, unflipped: bool = False) -> PoolState:
+        """The policy's view; a decode worker at its sequence limit shows no free blocks. A prefill worker
+        flipped to decode shows as a decode worker (its flex slot) and not as a prefill worker;
+        `unflipped`: the view where every prefill worker is one again (flex slots closed). A prefill
+        worker and its flex slot, one engine, show the prompt tokens of both as their queue."""
         flex = self.flex or [None] * len(self.prefill)
-        # a flipped prefill worker is one engine: its prompts and its whole requests' prompts share one queue
+        flipped = [bool(f and f.accepting) and not unflipped for f in flex]
         shared = [f.queued_prefill_tokens if f else 0 for f in flex]
-        prefill = tuple(PrefillLoad(p.worker_id, p.queued_tokens + q, p.healthy, f.running if f else 0)
-                        for p, f, q in zip(self.prefill, flex, shared))
+        prefill = tuple(PrefillLoad(p.worker_id, p.queued_tokens + q, p.healthy and not flip, f.running if f else 0)
+                        for p, f, q, flip in zip(self.prefill, flex, shared, flipped))
         decode = [(d, d.queued_prefill_tokens, d.healthy) for d in self.decode]
-        decode += [(f, f.queued_prefill_tokens + p.queued_tokens, f.healthy and f.accepting and p.healthy)
-                   for f, p in zip(self.flex, self.prefill)]
+        decode += [(f, f.queued_prefill_tokens + p.queued_tokens, f.healthy and flip and p.healthy)
+                   for f, p, flip in zip(self.flex, self.prefill, flipped)]
         return PoolState(prefill, tuple(
             DecodeLoad(d.worker_id, d.running,
                        0 if d.running >= d.max_num_seqs else max(0, d.num_blocks - d.reserved_blocks),

@@ -68,6 +68,9 @@ class RouterConfig:
         for name in ("ttft_target_s", "tpot_target_s", "queue_timeout_s", "load_poll_s", "hang_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)!r}")
+        if self.flip_roles and self.policy != "ratio":
+            raise ValueError(f"flip_roles needs the ratio policy (it prices when a flipped worker is worth "
+                             f"its prefill back), got policy {self.policy!r}")
         if self.on_prefill_failure not in ON_PREFILL_FAILURE:
             raise ValueError(f"on_prefill_failure must be one of {', '.join(ON_PREFILL_FAILURE)}; "
                              f"got {self.on_prefill_failure!r}")

@@ -18,12 +18,14 @@ Threads change between engine steps only (a worker command), never inside one.
 `RoleFlipper` lifecycle (a prefill worker is a decode worker too, see `prefill_worker`):
 1. After every load poll, `rebalance` flips a prefill worker to decode once the book has shown it
    with no prompt tokens queued for two polls in a row: its flex slot accepts requests, which the
-   policy may place on it like on any decode worker, local path only.
-2. `reclaim` (the placer, as it books a prompt on it) flips it back once more than one chunk of
-   prompt tokens waits on it: its flex slot takes no new requests; those it runs keep decoding
-   there, in the same steps as its prompts' chunks, until they end. Nothing moves and nothing is
-   dropped. A lone short prompt leaves it flipped: it prefills in one step beside its batch (the
-   policy prices that ride and the stall it puts on the batch).
+   policy may place on it like on any decode worker, local path only, and it is no prefill
+   candidate (decode-heavy load spreads over both batches with local prefill).
+2. For each request the placer also prices the placement it would get were the flipped workers
+   prefill workers again; only when that one sends the prompt to a flipped worker and is cheaper
+   by `FLIP_BACK_GAIN` (a long prompt that would stall a batch, say) does it take it, and `reclaim`
+   flips that worker back: its flex slot takes no new requests; those it runs keep decoding
+   there, in the same steps as the prompt's chunks, until they end (the policy priced that ride
+   and the stall it puts on them). Nothing moves and nothing is dropped.
 3. A replaced prefill worker starts as a prefill worker (`reset`).
 A flip is a change in the router's book only: instant, no worker call, no process started. On GPU
 pools it is the same mechanism (a device changes role), which threads cannot be.
@@ -55,9 +57,8 @@ class Elastic(Protocol):
     def rebalance(self, queued_tokens: list[int]) -> None:
         """After a load poll, with the book's prompt tokens queued on each prefill worker."""
 
-    def reclaim(self, prefill: int, queued_tokens: int) -> None:
-        """A prompt was booked on prefill worker `prefill`, which now has `queued_tokens` prompt tokens
-        to compute: its compute comes back to prefill where the mechanism says so."""
+    def reclaim(self, prefill: int) -> None:
+        """A prompt is being booked on prefill worker `prefill`: it is a prefill worker again, now."""
 
     def reset(self, pool: str, index: int) -> None:
         """Worker `index` of `pool` was replaced: it starts in its own role."""
@@ -121,8 +122,8 @@ class ThreadLender:
                 self.loans += 1
                 self._set(x.decode, 2 * self._threads)
 
-    def reclaim(self, prefill: int, queued_tokens: int = 0) -> None:
-        """A prompt is being sent to prefill worker `prefill`: its threads come back now, whatever its queue."""
+    def reclaim(self, prefill: int) -> None:
+        """A prompt is being sent to prefill worker `prefill`: its threads come back now."""
         for x in self._pairs:
             if x.prefill == prefill:
                 x.idle_polls = 0
@@ -151,12 +152,14 @@ async def _quietly(ref: ray.ObjectRef, decode: int, threads: int) -> None:
 
 
 class RoleFlipper:
-    """Flips idle prefill workers to serve decode through their flex slots in `book` (`router.book`).
-    chunk_tokens: the workers' prefill chunk; more prompt tokens than that queued flip a worker back."""
+    """Flips idle prefill workers to serve decode through their flex slots in `book` (`router.book`)."""
 
-    def __init__(self, book: PoolBook, chunk_tokens: int) -> None:
+    FLIP_BACK_GAIN = 1.0  # how much cheaper (in the ratio policy's units: a missed target's worth) a
+    # placement that needs a flipped worker's prefill must be than the best one without it
+
+    def __init__(self, book: PoolBook) -> None:
         assert len(book.flex) == len(book.prefill), "role flips need a flex slot per prefill worker"
-        self._book, self._chunk_tokens = book, chunk_tokens
+        self._book = book
         self._idle = [0] * len(book.prefill)  # consecutive polls with nothing queued, per prefill worker
         self.flips = 0  # times a prefill worker was flipped to decode, for tests and logs
 
@@ -177,13 +180,9 @@ class RoleFlipper:
                 self.flips += 1
                 log.debug("prefill worker %s flipped to decode", slot.worker_id)
 
-    def reclaim(self, prefill: int, queued_tokens: int = 0) -> None:
-        """Flips it back once more than one chunk of prompt tokens waits on it: a short prompt now and
-        then it prefills in one step beside its batch (the policy priced that), prompts queueing up
-        need the whole worker."""
+    def reclaim(self, prefill: int) -> None:
         self._idle[prefill] = 0
-        if queued_tokens > self._chunk_tokens:
-            self._book.flex[prefill].accepting = False
+        self._book.flex[prefill].accepting = False
 
     def reset(self, pool: str, index: int) -> None:
         if pool == "prefill":

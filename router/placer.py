@@ -65,8 +65,7 @@ class Placer:
         self.policy = make_policy(config.policy, cost, config.ttft_target_s, config.tpot_target_s, self.correction)
         self._local_policy = make_policy("always_local", cost, correction=self.correction)
         self.queue = WaitQueue(config.max_queued, config.queue_timeout_s, metrics)
-        chunk = min((i.prefill_chunk_tokens for i in prefill), default=0)
-        self.elastic: Elastic | None = RoleFlipper(self.book, chunk) if config.flip_roles else lender
+        self.elastic: Elastic | None = RoleFlipper(self.book) if config.flip_roles else lender
 
     # -- placing ---------------------------------------------------------------------------------
     async def place(self, features: RequestFeatures, deadline: float | None) -> Booking:
@@ -88,10 +87,12 @@ class Placer:
                      deadline: float | None) -> Placement:
         limit = self.queue.limit(deadline)
         while True:
-            try:
-                placement = policy.place(features, self._state(avoid))
-            except NoCapacity:
-                placement = None
+            placement = self._priced_place(policy, features, self._state(avoid))
+            if isinstance(self.elastic, RoleFlipper) and self.elastic.moved:
+                alt = self._priced_place(policy, features, self._state(avoid, unflipped=True))
+                if alt is not None and alt.path == "remote" and self.elastic.flipped(alt.prefill) and (
+                        placement is None or alt.cost + RoleFlipper.FLIP_BACK_GAIN < placement.cost):
+                    placement = replace(alt, reason="flip_back")  # worth its prefill worker back (`_admit` flips it)
             if placement is not None:
                 if placement.path == "remote" and self._limits.prefill_blocks is not None and \
                         self._limits.blocks(features.prompt_tokens) > self._limits.prefill_blocks:
@@ -100,17 +101,24 @@ class Placer:
                 return placement
             await self.queue.wait(limit, deadline)
 
-    def _state(self, avoid: frozenset[str] | set[str]) -> PoolState:
-        state = self.book.state()
+    @staticmethod
+    def _priced_place(policy: Policy, features: RequestFeatures, state: PoolState) -> Placement | None:
+        try:
+            return policy.place(features, state)
+        except NoCapacity:
+            return None
+
+    def _state(self, avoid: frozenset[str] | set[str], unflipped: bool = False) -> PoolState:
+        state = self.book.state(unflipped)
         if not avoid:
             return state
         return PoolState(tuple(replace(p, healthy=p.healthy and p.worker_id not in avoid) for p in state.prefill),
                          tuple(replace(d, healthy=d.healthy and d.worker_id not in avoid) for d in state.decode))
 
     def _admit(self, placement: Placement, prompt_tokens: int, max_tokens: int) -> Booking:
+        if placement.prefill is not None and self.elastic is not None:
+            self.elastic.reclaim(placement.prefill)  # back to prefill (its threads, its role) before its prompt comes
         booking = self.book.admit(placement, prompt_tokens, max_tokens)
-        if booking.prefill is not None and self.elastic is not None:  # its compute back before the prompt comes
-            self.elastic.reclaim(placement.prefill, booking.prefill.queued_tokens)
         self._metrics.in_flight.inc()
         return booking
 

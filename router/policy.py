@@ -105,7 +105,8 @@ class PoolState:
 class Placement:
     """Args: path: "remote" | "local". prefill: index into PoolState.prefill (None for local).
     decode: index into PoolState.decode. reason: short label for metrics. est_ttft_s / est_tpot_s: the
-    cost model's estimates. detail: human-readable numbers for debug logs."""
+    cost model's estimates. detail: human-readable numbers for debug logs. cost: what the ratio policy
+    priced it at (None from the fixed policies)."""
 
     path: str
     prefill: int | None
@@ -114,6 +115,7 @@ class Placement:
     est_ttft_s: float
     est_tpot_s: float
     detail: str = ""
+    cost: float | None = None
 
     def __post_init__(self) -> None:
         if self.path not in PATHS:
@@ -331,7 +333,7 @@ class RatioPolicy(Policy):
         others = [o for o in options if o.path != best.path]
         detail = best.describe() + (f" | best {min(others, key=key).describe()}" if others else "")
         reason = f"cheapest_{best.path}" if prefill else "no_prefill_worker"
-        return Placement(best.path, best.prefill, best.decode, reason, best.ttft_s, best.tpot_s, detail)
+        return Placement(best.path, best.prefill, best.decode, reason, best.ttft_s, best.tpot_s, detail, best.cost)
 
 
 def make_policy(name: str, cost: CostModel, ttft_target_s: float | None = None,

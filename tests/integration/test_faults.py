@@ -159,7 +159,7 @@ def test_a_flipped_prefill_worker_killed_mid_stream_hands_its_streams_on(cluster
     n = 300
 
     async def main():
-        router = make_router(cluster, policy="always_local", flip_roles=True)
+        router = make_router(cluster, flip_roles=True)  # the ratio policy
         flipper = router.placer.elastic
         for _ in range(2):
             await router.poll_once()

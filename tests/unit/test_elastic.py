@@ -93,7 +93,7 @@ def flex_book(prefill: int = 1) -> PoolBook:
 
 def test_an_idle_prefill_worker_flips_to_decode_and_back_with_a_prompt() -> None:
     book = flex_book()
-    flip = RoleFlipper(book, chunk_tokens=256)
+    flip = RoleFlipper(book)
     assert [d.healthy for d in book.state().decode] == [True, False]  # closed until flipped
     flip.rebalance([0])
     assert not flip.flipped(0)  # one idle poll is not enough
@@ -101,11 +101,12 @@ def test_an_idle_prefill_worker_flips_to_decode_and_back_with_a_prompt() -> None
     assert flip.flipped(0) and flip.flips == 1 and flip.moved == 1
     state = book.state()
     assert [(d.worker_id, d.healthy, d.local_only) for d in state.decode] == [("d", True, False), ("p0", True, True)]
+    assert not state.prefill[0].healthy  # a decode worker now: no prefill candidate
+    unflipped = book.state(unflipped=True)  # the view the placer prices a flip back in
+    assert unflipped.prefill[0].healthy and not unflipped.decode[1].healthy
     booking = book.admit(Placement("local", None, 1, "test", 0.1, 0.1), 100, 50)  # a request placed on it
     assert booking.decode is book.flex[0] and book.state().prefill[0].decoding == 1
-    flip.reclaim(0, 200)  # a short prompt is booked on it: it prefills that beside its batch
-    assert flip.flipped(0)
-    flip.reclaim(0, 300)  # more than a chunk waits on it: it is a prefill worker again
+    flip.reclaim(0)  # a prompt is booked on it: a prefill worker again
     assert not flip.flipped(0) and not book.state().decode[1].healthy and flip.moved == 0
     assert book.state().prefill[0].decoding == 1  # what it runs keeps running there
     book.finished(booking)
@@ -116,7 +117,7 @@ def test_an_idle_prefill_worker_flips_to_decode_and_back_with_a_prompt() -> None
 
 def test_a_busy_prefill_worker_does_not_flip_and_a_replacement_starts_as_prefill() -> None:
     book = flex_book(2)
-    flip = RoleFlipper(book, chunk_tokens=256)
+    flip = RoleFlipper(book)
     for queued in ([0, 300], [120, 0], [0, 200]):
         flip.rebalance(queued)
     assert not flip.flipped(0) and not flip.flipped(1)

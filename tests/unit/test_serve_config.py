@@ -115,7 +115,8 @@ def test_an_unknown_dtype_is_refused_with_the_choices(capsys):
 
 
 @pytest.mark.parametrize("kw,field", [({"num_decode": 0}, "decode"), ({"num_prefill": -1}, "prefill"),
-                                      ({"http_port": 70000}, "http_port"), ({"cpus_per_worker": -1}, "cpus_per_worker")])
+                                      ({"http_port": 70000}, "http_port"), ({"cpus_per_worker": -1}, "cpus_per_worker"),
+                                      ({"lend_threads": True, "router": RouterConfig(flip_roles=True)}, "flip_roles")])
 def test_serve_config_validation_names_the_field(kw, field):
     with pytest.raises(ValueError, match=field):
         ServeConfig(**kw)
@@ -123,7 +124,8 @@ def test_serve_config_validation_names_the_field(kw, field):
 
 @pytest.mark.parametrize("kw,field", [({"policy": "fastest"}, "policy"), ({"ttft_target_s": 0}, "ttft_target_s"),
                                       ({"max_queued": -1}, "max_queued"), ({"served_model_name": " "},
-                                                                           "served_model_name")])
+                                                                           "served_model_name"),
+                                      ({"flip_roles": True, "policy": "always_local"}, "flip_roles")])
 def test_router_config_validation_names_the_field(kw, field):
     with pytest.raises(ValueError, match=field):
         RouterConfig(**kw)
