@@ -156,7 +156,8 @@ class DecodeWorker(WorkerBase):
             outs = self.engine.step()
         except Exception as e:  # a step that cannot run fails its requests, not the worker
             log.exception("engine step failed on %s", self.worker_id)
-            self._fail_unfinished(ErrorKind.INTERNAL, f"worker {self.worker_id}: its engine failed ({type(e).__name__})")
+            why = f"worker {self.worker_id}: its engine failed ({type(e).__name__})"
+            self._fail_unfinished(ErrorKind.INTERNAL, why)
             return False
         for out in outs:
             self._on_output(out)

@@ -33,7 +33,8 @@ class RouterConfig:
         max_attempts: most placements of one request before it fails (first one included).
         max_migrations: most times one request moves to another decode worker after one died mid-stream.
         flip_roles: a prefill worker with nothing to prefill serves decode too (whole requests, local
-            prefill) until a prompt is sent to it (`router.elastic.RoleFlipper`).
+            prefill) until a prompt is worth its prefill back (`router.elastic.RoleFlipper`; ratio
+            policy only).
     """
 
     policy: str = field(default="ratio", metadata={"choices": POLICIES, "help": "placement policy"})
@@ -60,7 +61,7 @@ class RouterConfig:
         "help": "most moves of one request to another decode worker after one died mid-stream"})
     flip_roles: bool = field(default=False, metadata={
         "help": "a prefill worker with nothing to prefill also serves decode (whole requests) until a prompt "
-        "is sent to it"})
+        "is worth its prefill back (ratio policy)"})
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

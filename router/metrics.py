@@ -73,8 +73,8 @@ class Metrics:
         self.kv_used = Gauge("pdserve_kv_blocks_used", "KV blocks in use, per worker", ["pool", "worker"], registry=r)
         self.kv_total = Gauge("pdserve_kv_blocks_total", "KV blocks in the pool, per worker", ["pool", "worker"],
                               registry=r)
-        self.running = Gauge("pdserve_running_sequences", "Sequences running or being received, per decode worker",
-                             ["worker"], registry=r)
+        self.running = Gauge("pdserve_running_sequences", "Sequences running or being received, per worker (a "
+                             "prefill worker's: those it runs whole, flipped)", ["worker"], registry=r)
         self.prefill_queued = Gauge("pdserve_prefill_queued_tokens", "Prompt tokens waiting, per prefill worker",
                                     ["worker"], registry=r)
         self.cost_error = Histogram("pdserve_cost_model_error_ratio", "Actual / predicted per served request, "
@@ -97,8 +97,7 @@ class Metrics:
             self.running.labels(worker).set(load.running + load.receiving)
         else:
             self.prefill_queued.labels(worker).set(load.queued_tokens)
-            if load.running:  # flipped to decode: the requests it runs whole
-                self.running.labels(worker).set(load.running)
+            self.running.labels(worker).set(load.running)  # the requests it runs whole (flipped to decode)
 
     def exposition(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -157,7 +157,8 @@ class RouterStream:
                 dispatched = time.perf_counter()
                 if self._first_at is None:
                     self.timings.queue_s = dispatched - self._arrival
-                feed = self._feeds.get(b.decode.worker_id, self._pools.decoder(b.placement.decode))
+                decoder = self._pools.decoder(b.placement.decode)
+                feed = self._feeds.get(b.decode.worker_id, decoder)
                 items = feed.subscribe(self._worker_rid)
                 try:
                     await self._start(b, prompt, sampling)

@@ -10,14 +10,11 @@ Writes raw JSON and prints a markdown table (for BENCHMARKS.md) naming the machi
 from __future__ import annotations
 
 import argparse
-import json
-import re
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
-from pdserve.bench.engine import THREADS, log, machine_info
+from pdserve.bench.engine import THREADS, log, machine_info, save_results
 
 WHOLE = 0  # the chunk-size label of "whole prompts" (one chunk up to the step's token budget)
 
@@ -96,10 +93,7 @@ def run_chunks(args: argparse.Namespace) -> int:
         log(f"chunk {label}: worst gap {run['worst_gap_s']:.2f} s, mean gap {run['mean_gap_s']:.2f} s, "
             f"long prompt TTFT {run['ttft_s']:.2f} s, alone {run['prefill_tok_s']:.0f} tok/s")
         del eng
-    cls = res["machine"]["machine_class"]
-    out = Path(args.out or f"bench/results/chunks-{re.sub('[^a-z0-9]+', '-', cls.lower()).strip('-')}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2, default=str) + "\n")
+    out = save_results(res, "chunks", args.out)
     print(render(res))
     log(f"wrote {out}")
     return 0

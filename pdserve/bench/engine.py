@@ -278,6 +278,16 @@ def machine_info() -> dict[str, Any]:
 
 
 # -- entry point -------------------------------------------------------------------------------
+def save_results(res: dict[str, Any], kind: str, out: str | None) -> Path:
+    """Write a benchmark's raw results as JSON to `out`, by default `bench/results/KIND-CLASS.json`
+    (CLASS this machine's class, e.g. avx2-fma). Returns the path."""
+    cls = res["machine"]["machine_class"]
+    path = Path(out or f"bench/results/{kind}-{re.sub('[^a-z0-9]+', '-', cls.lower()).strip('-')}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(res, indent=2, default=str) + "\n")
+    return path
+
+
 def build_engine(args: argparse.Namespace, plan: Plan, geo: dict[str, int], dtype: str) -> Any:
     from engine import CacheConfig, EngineConfig, LLMEngine
 
@@ -335,9 +345,7 @@ def run_engine_bench(args: argparse.Namespace) -> dict[str, Any]:
     section = render(res)
     print("\n" + section)
     cls = res["machine"]["machine_class"]
-    out = Path(args.out or f"bench/results/engine-{re.sub('[^a-z0-9]+', '-', cls.lower()).strip('-')}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2, default=str) + "\n")
+    out = save_results(res, "engine", args.out)
     write_report(Path(args.report), section, cls)
     log(f"done in {res['total_s']:.0f} s; wrote {out} and {args.report}")
     return res

@@ -17,16 +17,13 @@ summed tokens per second). Writes raw JSON and prints a markdown table naming th
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import random
-import re
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
-from pdserve.bench.engine import THREADS, log, machine_info
+from pdserve.bench.engine import THREADS, log, machine_info, save_results
 
 
 def _engine_process(cfg: dict[str, Any], threads: int, index: int, barrier: Any, results: Any) -> None:
@@ -36,8 +33,9 @@ def _engine_process(cfg: dict[str, Any], threads: int, index: int, barrier: Any,
     from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
 
     torch.set_num_threads(threads)
-    eng = LLMEngine(EngineConfig(model=cfg["model"], dtype=cfg["dtype"], num_threads=threads,
-                                 compile=cfg["compile"], cache=CacheConfig(memory_gib=1.0, enable_prefix_caching=False)))
+    cache = CacheConfig(memory_gib=1.0, enable_prefix_caching=False)
+    eng = LLMEngine(EngineConfig(model=cfg["model"], dtype=cfg["dtype"], num_threads=threads, compile=cfg["compile"],
+                                 cache=cache))
     rng = random.Random(index)
 
     def prompt(n: int) -> list[int]:
@@ -97,8 +95,6 @@ def _summary(outs: list[dict[str, Any]], batch_of: dict[int, int], prompt_len: i
 
 
 def run_split(args: argparse.Namespace) -> int:
-    from engine.config import EngineConfig
-
     n = args.threads
     batches = [int(b) for b in args.batches.split(",")]
     if n < 2 or any(b % n for b in batches):
@@ -119,12 +115,8 @@ def run_split(args: argparse.Namespace) -> int:
             runs[name].append(_summary(outs, batch_of, args.prompt_len))
     res: dict[str, Any] = {"machine": machine_info(), "dtype": cfg["dtype"], "threads": n, "context": args.context,
                            "prompt_len": args.prompt_len, "steps": args.steps, "reps": args.reps,
-                           "compile": cfg["compile"], "batches": batches, "runs": runs,
-                           "engine_default_chunk": EngineConfig.prefill_chunk_tokens}
-    cls = res["machine"]["machine_class"]
-    out = Path(args.out or f"bench/results/split-{re.sub('[^a-z0-9]+', '-', cls.lower()).strip('-')}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=2, default=str) + "\n")
+                           "compile": cfg["compile"], "batches": batches, "runs": runs}
+    out = save_results(res, "split", args.out)
     print(render(res))
     log(f"wrote {out}")
     return 0
