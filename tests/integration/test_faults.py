@@ -167,9 +167,13 @@ def test_a_flipped_prefill_worker_killed_mid_stream_hands_its_streams_on(cluster
         progress: dict = {}
         tasks = [asyncio.create_task(run_one(router, p, n, progress, i)) for i, p in enumerate(prompts)]
         flex_ids = {s.worker_id for s in router.book.flex}
-        while not any(v[0] >= 20 and v[1].decode.worker_id in flex_ids for v in progress.values()):
+
+        def on_flex() -> list:
+            return [v[1] for v in progress.values() if v[0] >= 20 and v[1].decode.worker_id in flex_ids]
+        while not on_flex() and not all(t.done() for t in tasks):
             await asyncio.sleep(0.01)
-        victim = next(v[1] for v in progress.values() if v[0] >= 20 and v[1].decode.worker_id in flex_ids)
+        assert on_flex(), "no request ran on a flipped prefill worker"
+        victim = on_flex()[0]
         index = [s.worker_id for s in router.book.prefill].index(victim.decode.worker_id)
         kill(pools.prefill[index])
         router.start_polling()
