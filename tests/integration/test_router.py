@@ -260,8 +260,9 @@ def test_an_idle_prefill_worker_lends_its_threads_and_gets_them_back_with_a_prom
 
 def test_an_idle_prefill_worker_flips_to_decode_and_back_while_its_requests_run(cluster):
     """Decode-heavy: with nothing to prefill, the prefill worker takes requests of its own (local
-    prefill, decode). The mix shifts to long prompts: one worth its prefill worker back flips it, and
-    it prefills beside the batch it still decodes. Every request equals `generate`; no block leaks."""
+    prefill, decode). The mix shifts to long prompts: a prompt the policy finds worth the prefill
+    worker back flips it, and it prefills beside the batch it still decodes; the flipper's state
+    follows. Every request equals `generate`; no block leaks."""
     from router.elastic import IDLE_POLLS
 
     ref, pools, infos, cost, _ = cluster
