@@ -34,6 +34,7 @@ class DecodeSlot:
     running: int = 0  # requests placed on it and not finished
     reserved_blocks: int = 0  # worst-case KV blocks of those requests
     queued_prefill_tokens: int = 0  # local prefills not yet done
+    awaiting_kv: int = 0  # of `running`, remote prefills not yet done (their KV is on its way)
     healthy: bool = True
     flex: bool = False  # a prefill worker's: local path only (it never receives KV)
     accepting: bool = True  # takes new requests (a flex slot: while its prefill worker is flipped)
@@ -87,7 +88,8 @@ class PoolBook:
         return PoolState(prefill, tuple(
             DecodeLoad(d.worker_id, d.running,
                        0 if d.running >= d.max_num_seqs else max(0, d.num_blocks - d.reserved_blocks),
-                       d.block_size, queued, healthy, local_only=d.flex) for d, queued, healthy in decode))
+                       d.block_size, queued, healthy, local_only=d.flex, awaiting_kv=d.awaiting_kv)
+            for d, queued, healthy in decode))
 
     def admit(self, placement: Placement, prompt_tokens: int, max_tokens: int) -> Booking:
         """Book a placed request on its workers."""
@@ -98,6 +100,7 @@ class PoolBook:
         d.reserved_blocks += booking.blocks
         if p is not None:
             p.queued_tokens += prompt_tokens
+            d.awaiting_kv += 1
         else:
             d.queued_prefill_tokens += prompt_tokens
         return booking
@@ -109,6 +112,7 @@ class PoolBook:
             booking.prefill_open = False
             if booking.prefill is not None:
                 booking.prefill.queued_tokens -= booking.prompt_tokens
+                booking.decode.awaiting_kv -= 1
             else:
                 booking.decode.queued_prefill_tokens -= booking.prompt_tokens
 

@@ -5,12 +5,14 @@ the prefill (in chunks beside P's own batch, whose stall counts as a slowdown, w
 decode), the transfer not hidden behind the last chunk's later layers and the extra round trips;
 local pays D's queued local prefills and the prefill in chunks, each in a step that also decodes D's
 running batch (what that adds is measured), and D's batch loses what those steps take beyond its own
-decode steps. Each option costs TTFT / TTFT target + decode slowdown + crowding (what one more
-sequence in D's batch costs those already there) + 1 per missed SLO (a lost request of goodput);
-the cheapest wins, ties go remote. So the switch point follows measured prefill, transfer and decode-step costs; no
-hard-coded thresholds. With a `Correction`, every estimate is multiplied by what serving has shown
-the cost model to miss (actual / predicted, per path), before it is priced. Only healthy workers, and
-decode workers with KV room for prompt + max_tokens.
+decode steps (requests there still waiting for their KV lose nothing: under a burst of long prompts
+D prefills its share instead of leaving every prompt queued on P). Each option costs TTFT / TTFT
+target + decode slowdown + crowding (what one more sequence in D's batch costs those already there)
++ 1 per missed SLO (a lost request of goodput); the cheapest wins, ties go remote. So the switch
+point follows measured prefill, transfer and decode-step costs; no hard-coded thresholds. With a
+`Correction`, every estimate is multiplied by what serving has shown the cost model to miss (actual /
+predicted, per path), before it is priced. Only healthy workers, and decode workers with KV room for
+prompt + max_tokens.
 """
 from __future__ import annotations
 
@@ -67,7 +69,8 @@ class PrefillLoad:
 class DecodeLoad:
     """Args: worker_id: the worker. running: sequences decoding or admitted on it. free_blocks: free KV blocks.
     block_size: tokens per block. queued_prefill_tokens: local prefill tokens waiting on it. healthy: usable.
-    local_only: a prefill worker flipped to decode: it runs whole requests and never receives KV."""
+    local_only: a prefill worker flipped to decode: it runs whole requests and never receives KV.
+    awaiting_kv: of `running`, the requests whose remote prefill is not done yet (not decoding)."""
 
     worker_id: str
     running: int
@@ -76,11 +79,14 @@ class DecodeLoad:
     queued_prefill_tokens: int = 0
     healthy: bool = True
     local_only: bool = False
+    awaiting_kv: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("running", "free_blocks", "queued_prefill_tokens"):
+        for name in ("running", "free_blocks", "queued_prefill_tokens", "awaiting_kv"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.awaiting_kv > self.running:
+            raise ValueError(f"awaiting_kv must be <= running={self.running}, got {self.awaiting_kv}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
 
@@ -174,11 +180,12 @@ def _remote(cost: CostModel, req: RequestFeatures, state: PoolState, p: int, d: 
 def _local(cost: CostModel, req: RequestFeatures, state: PoolState, d: int) -> _Option:
     load = state.decode[d]
     step = cost.step_s(load.running + 1)
+    decoding = load.running - load.awaiting_kv  # the rest wait for their KV from a prefill worker
     queued = cost.local_prefill_s(load.queued_prefill_tokens) if load.queued_prefill_tokens else 0.0
-    ttft = queued + cost.local_prefill_wall_s(req.prompt_tokens, load.running) + step / 2
-    # what the chunks cost D's batch (the r running + this request, standing for its co-arrivals),
-    # spread over this request's output
-    slowdown = 1.0 + (load.running + 1) * cost.local_stall_s(req.prompt_tokens, load.running) / (
+    ttft = queued + cost.local_prefill_wall_s(req.prompt_tokens, decoding) + step / 2
+    # what the chunks cost the sequences they hold up (D's decoding batch + this request, standing for its
+    # co-arrivals), spread over this request's output
+    slowdown = 1.0 + (decoding + 1) * cost.local_stall_s(req.prompt_tokens, decoding) / (
         req.expected_output_tokens * step)
     return _Option("local", None, d, ttft, step * slowdown, slowdown, _crowding(cost, load.running))
 

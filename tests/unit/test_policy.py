@@ -425,3 +425,38 @@ def test_crowding_steers_decode_heavy_requests_to_the_emptier_batch() -> None:
     # a longer backlog on b outweighs it: then a's batch takes it
     assert policy.place(req(30, 200), pools([], [dec(12, wid="a"), dec(0, wid="b", queued_prefill_tokens=300)])
                         ).decode == 0
+
+
+def test_requests_waiting_for_their_kv_are_not_stalled_by_a_local_prefill() -> None:
+    """A burst of long prompts: P holds a queue of them and D's batch is only those requests, waiting for
+    their KV. A local prefill holds none of them up, so D prefills the next prompt itself; once they
+    decode, the same prompt would stall them all and goes to P."""
+    policy = RatioPolicy(COST, *TARGETS)
+    queued = [PrefillLoad("p", 4 * 2000)]
+    assert policy.place(req(2000, 20), pools(queued, [dec(4, awaiting_kv=4)])).path == "local"
+    assert policy.place(req(2000, 20), pools(queued, [dec(4)])).path == "remote"
+    with pytest.raises(ValueError, match="awaiting_kv"):
+        dec(2, awaiting_kv=3)
+
+
+def test_a_burst_of_long_prompts_shares_the_prefill_between_the_pools() -> None:
+    """16 long prompts with short answers at once on 1 prefill + 1 decode worker, booked as the router
+    books them: the decode worker prefills a share of them (each local one then stalls the ones
+    before it as they decode, so fewer than half), instead of leaving all 16 queued on P."""
+    from router.book import DecodeSlot, PoolBook, PrefillSlot
+    policy = RatioPolicy(COST, *TARGETS)
+    book = PoolBook([PrefillSlot("p")], [DecodeSlot("d", 10_000, 16, 64)])
+    bookings = []
+    for _ in range(16):
+        pl = policy.place(req(1024, 16), book.state())
+        bookings.append(book.admit(pl, 1024, 16))
+    paths = [b.placement.path for b in bookings]
+    assert 3 <= paths.count("local") <= 8, paths
+    assert book.state().decode[0].awaiting_kv == paths.count("remote")
+    for b in bookings:  # a first token, twice (idempotent), then the end: every count back to zero
+        book.prefilled(b)
+        book.prefilled(b)
+    assert book.decode[0].awaiting_kv == 0 and book.decode[0].running == 16
+    for b in bookings:
+        book.finished(b)
+    assert (book.decode[0].running, book.decode[0].queued_prefill_tokens, book.prefill[0].queued_tokens) == (0, 0, 0)
