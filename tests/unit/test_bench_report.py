@@ -1,7 +1,13 @@
-"""BENCHMARKS.md keeps one engine section per machine class: writing one leaves the others."""
+"""The benchmark reports: one engine section per machine class in BENCHMARKS.md; the serving report's SLOs."""
 from __future__ import annotations
 
+import argparse
+
+import pytest
+
+from loadtest.records import RequestRecord
 from pdserve.bench.report import markers, write_report
+from pdserve.bench.serving import PEER, Workload, _fixed_slos, add_arguments, scaled_slo
 
 
 def test_each_machine_class_has_its_own_section(tmp_path):
@@ -15,3 +21,38 @@ def test_each_machine_class_has_its_own_section(tmp_path):
     for cls in ("AVX-512 BF16", "AVX2 + FMA"):
         start, end = markers(cls)
         assert text.count(start) == 1 and text.count(end) == 1 and text.index(start) < text.index(end)
+
+
+def _record(prompt: int, ttft: float | None, e2e: float | None, out: int = 11) -> RequestRecord:
+    return RequestRecord(index=0, prompt_tokens=prompt, requested_output_tokens=out, ttft_s=ttft, e2e_s=e2e,
+                         output_tokens=out)
+
+
+def test_slos_scale_the_peer_s_unloaded_ttft_of_the_longest_prompts_and_its_tpot():
+    records = [_record(1024, 5.0, 6.0), _record(1024, 7.0, 8.0), _record(128, 0.5, 1.5),  # TPOT 0.1 s each
+               _record(128, 0.4, 3.4, out=31)]
+    slo = scaled_slo(records, 2.0, 1.5)
+    assert slo.ttft_s == 2.0 * 6.0  # the p50 of the 1024-token prompts only
+    assert abs(slo.tpot_s - 1.5 * 0.1) < 1e-12
+    assert "6.00 s (1024-token prompts)" in slo.basis and "100 ms" in slo.basis
+    failed = _record(1024, None, None)
+    failed.error = "boom"
+    with pytest.raises(ValueError, match="no unloaded request succeeded"):
+        scaled_slo([failed], 2.0, 1.5)
+    with pytest.raises(ValueError, match="TPOT"):
+        scaled_slo([_record(1024, 5.0, 5.0, out=1)], 2.0, 1.5)
+
+
+def test_report_slos_are_given_together_or_scaled_to_a_peer_that_runs():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    workloads = [Workload("prompt-heavy", ((1024, 16),), (0.1,))]
+    assert _fixed_slos(parser.parse_args([]), workloads) == {}  # measured on the peer, which runs first
+    given = _fixed_slos(parser.parse_args(["--ttft-target", "3", "--tpot-target", "0.2"]), workloads)
+    assert (given["prompt-heavy"].ttft_s, given["prompt-heavy"].tpot_s) == (3.0, 0.2)
+    with pytest.raises(ValueError, match="go together"):
+        _fixed_slos(parser.parse_args(["--ttft-target", "3"]), workloads)
+    with pytest.raises(ValueError, match=PEER):
+        _fixed_slos(parser.parse_args(["--servers", "ratio"]), workloads)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--slo-scale", "2"])
