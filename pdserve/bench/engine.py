@@ -12,7 +12,6 @@ import dataclasses
 import datetime
 import json
 import os
-import re
 import statistics
 import sys
 import time
@@ -26,7 +25,7 @@ import torch.nn.functional as F
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from pdserve.bench.cpu_watch import CpuMonitor
-from pdserve.bench.report import render, write_report
+from pdserve.bench.report import class_slug, render, write_report
 
 THREADS = 2
 WARM_LEN = 16  # prompt length of the warm-up before each decode workload
@@ -282,7 +281,7 @@ def save_results(res: dict[str, Any], kind: str, out: str | None) -> Path:
     """Write a benchmark's raw results as JSON to `out`, by default `bench/results/KIND-CLASS.json`
     (CLASS this machine's class, e.g. avx2-fma). Returns the path."""
     cls = res["machine"]["machine_class"]
-    path = Path(out or f"bench/results/{kind}-{re.sub('[^a-z0-9]+', '-', cls.lower()).strip('-')}.json")
+    path = Path(out or f"bench/results/{kind}-{class_slug(cls)}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(res, indent=2, default=str) + "\n")
     return path

@@ -1,6 +1,7 @@
 """Markdown for `pdserve bench engine`: the tables and the BENCHMARKS.md section it replaces."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -8,9 +9,15 @@ DECODE_TARGETS = {1: (0.80, 1.5), 32: (0.70, 3.0)}  # batch: (fraction of the bo
 PREFILL_TARGET = (2000, 0.70)  # prompt length: fraction of the compute limit
 
 
-def markers(machine_class: str) -> tuple[str, str]:
-    """BENCHMARKS.md keeps one engine section per machine class, between these two lines."""
-    return f"<!-- engine-bench:{machine_class}:start -->", f"<!-- engine-bench:{machine_class}:end -->"
+def markers(machine_class: str, kind: str = "engine") -> tuple[str, str]:
+    """BENCHMARKS.md keeps one section per benchmark kind ("engine", "serving") and machine class, between
+    these two lines."""
+    return f"<!-- {kind}-bench:{machine_class}:start -->", f"<!-- {kind}-bench:{machine_class}:end -->"
+
+
+def class_slug(machine_class: str) -> str:
+    """A machine class as a path component: "AVX2 + FMA" -> "avx2-fma"."""
+    return re.sub("[^a-z0-9]+", "-", machine_class.lower()).strip("-")
 
 
 def table(head: list[str], rows: list[list[str]]) -> str:
@@ -119,9 +126,9 @@ def render(r: dict[str, Any]) -> str:
             f"### {p['long_in']}-in / {p['long_out']}-out request, batch 1\n\n{render_split(r)}\n")
 
 
-def write_report(path: Path, section: str, machine_class: str) -> None:
-    """Put `section` into `path` as the engine section of `machine_class`, replacing only that one."""
-    start, end = markers(machine_class)
+def write_report(path: Path, section: str, machine_class: str, kind: str = "engine") -> None:
+    """Put `section` into `path` as the `kind` section of `machine_class`, replacing only that one."""
+    start, end = markers(machine_class, kind)
     block = f"{start}\n{section}{end}\n"
     text = path.read_text() if path.exists() else "# pdserve benchmarks\n\n"
     if start in text and end in text:

@@ -14,15 +14,14 @@ load each workload's requests go to it one at a time; a workload's TTFT target i
 first factor times the unloaded TTFT p50 of its longest prompts, its TPOT target the second factor
 times the unloaded TPOT p50 (`--ttft-target` / `--tpot-target` fix them instead). pdserve serves with
 its own defaults (its router's targets included), the way a user starts it.
-Then the results go to `bench/results/serving/*.json`, plots next to them, and the tables into
-`BENCHMARKS.md` between the serving markers.
+Then the results go to `bench/results/serving/CLASS/report/*.json`, plots next to them, and the tables into
+`BENCHMARKS.md` as this machine class's serving section (the other classes' stay).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import os
-import platform
 import random
 import signal
 import socket
@@ -197,28 +196,18 @@ def bench_server(kind: str, workloads: list[Workload], args: argparse.Namespace,
     return written
 
 
-def _machine() -> str:
-    import torch
-
-    cpus = os.cpu_count()
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        model = platform.processor()
-    return f"{cpus} cores ({model}), {platform.system()} {platform.release()}, Python {platform.python_version()}, " \
-           f"torch {torch.__version__}"
-
-
 def run_report(args: argparse.Namespace) -> int:
     from engine.model_store import resolve_model
+    from pdserve.bench.engine import machine_info
+    from pdserve.bench.report import class_slug
 
     args.model_dir = str(resolve_model(args.model))
     if args.dtype == "auto":  # every server runs what pdserve would choose here (vLLM needs it spelled out)
         from engine.auto_dtype import load_for
 
         args.dtype = load_for("auto", args.model_dir, "cpu")[2].dtype
-    out = Path(args.out_dir)
+    machine = machine_info()
+    out = Path(args.out_dir or f"bench/results/serving/{class_slug(machine['machine_class'])}/report")
     out.mkdir(parents=True, exist_ok=True)
     p, o = args.prompt_heavy, args.decode_heavy
     workloads = [Workload("decode-heavy", (o,), tuple(args.decode_rates)),
@@ -232,7 +221,7 @@ def run_report(args: argparse.Namespace) -> int:
         bench_server(kind, workloads, args, out, slos)
     from pdserve.bench.serving_report import write_report
 
-    write_report(out, args, workloads, _machine(), slos)
+    write_report(out, args, workloads, machine, slos)
     return 0
 
 
@@ -302,6 +291,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab-size", type=int, default=49152)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vllm-venv", default=".venv-vllm")
-    p.add_argument("--out-dir", default="bench/results/serving")
+    p.add_argument("--out-dir", default=None,
+                   help="results and plots (default: bench/results/serving/CLASS/report, CLASS e.g. avx2-fma)")
     p.add_argument("--report", default="BENCHMARKS.md")
 

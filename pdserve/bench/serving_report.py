@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 from loadtest.plots import plot_goodput_vs_rate, plot_phase_breakdown
+from pdserve.bench.report import write_report as write_section
 
-MARK_START, MARK_END = "<!-- serving-bench:start -->", "<!-- serving-bench:end -->"
 LABELS = {"ratio": "pdserve ratio", "always_remote": "pdserve always_remote", "colocated": "pdserve colocated",
           "vllm": "vLLM-CPU"}
 
@@ -70,14 +70,17 @@ def _plots(out: Path, docs: list[dict], workloads: list) -> list[str]:
     return lines
 
 
-def write_report(out: Path, args: argparse.Namespace, workloads: list, machine: str, slos: dict) -> str:
-    """Build the section, write it into the report file between the markers. Returns the section.
-    `slos`: each workload's `Slo` (its goodput targets and where they come from)."""
+def write_report(out: Path, args: argparse.Namespace, workloads: list, machine: dict, slos: dict) -> str:
+    """Build the section, write it into the report file as this machine class's serving section (the other
+    classes' stay). `machine`: `pdserve.bench.engine.machine_info()`. `slos`: each workload's `Slo` (its
+    goodput targets and where they come from). Returns the section."""
     docs = _docs(out)
-    section = [MARK_START, "", (f"Machine: {machine}. Model: `{Path(args.model_dir).name}`, {args.dtype}. "
-                                f"pdserve with its defaults. {args.num_requests} requests per run. "
-                                "Command: `make bench` (`pdserve bench report`)."),
-               ""]
+    cls = machine["machine_class"]
+    section = [f"## Serving: pdserve vs vLLM-CPU ({cls}, {args.dtype})", "",
+               (f"Machine: {machine['cpu']}, {machine['cores']} cores, CPU flags {machine['isa']}, torch "
+                f"{machine['torch']}, {machine['date']}. Model: `{Path(args.model_dir).name}`, {args.dtype}. "
+                f"pdserve with its defaults. {args.num_requests} requests per run. "
+                "Command: `make bench` (`pdserve bench report`)."), ""]
     for w in workloads:
         parts = " + ".join(f"{p}/{o}" for p, o in w.parts)
         slo = slos[w.name]
@@ -85,14 +88,7 @@ def write_report(out: Path, args: argparse.Namespace, workloads: list, machine: 
                      f"{slo.ttft_s:.2f} s and TPOT ≤ {slo.tpot_s * 1e3:.0f} ms ({slo.basis})"), ""]
         section += _open_table(docs, w.name) + [""]
     section += ["**Saturated throughput**, decode-heavy, closed loop", ""] + _closed_table(docs) + [""]
-    section += _plots(out, docs, workloads) + ["", MARK_END]
+    section += _plots(out, docs, workloads) + [""]
     text = "\n".join(section)
-    report = Path(args.report)
-    old = report.read_text() if report.exists() else ""
-    if MARK_START in old and MARK_END in old:
-        head, rest = old.split(MARK_START, 1)
-        new = head + text + rest.split(MARK_END, 1)[1]
-    else:
-        new = old.rstrip() + "\n\n## Serving: pdserve vs vLLM-CPU\n\n" + text + "\n"
-    report.write_text(new)
+    write_section(Path(args.report), text, cls, "serving")
     return text

@@ -6,7 +6,7 @@ import argparse
 import pytest
 
 from loadtest.records import RequestRecord
-from pdserve.bench.report import markers, write_report
+from pdserve.bench.report import class_slug, markers, write_report
 from pdserve.bench.serving import PEER, Workload, _fixed_slos, add_arguments, scaled_slo
 
 
@@ -56,3 +56,13 @@ def test_report_slos_are_given_together_or_scaled_to_a_peer_that_runs():
         _fixed_slos(parser.parse_args(["--servers", "ratio"]), workloads)
     with pytest.raises(SystemExit):
         parser.parse_args(["--slo-scale", "2"])
+
+
+def test_engine_and_serving_sections_of_one_class_are_apart(tmp_path):
+    path = tmp_path / "BENCHMARKS.md"
+    write_report(path, "engine avx2\n", "AVX2 + FMA")
+    write_report(path, "serving avx2 1\n", "AVX2 + FMA", "serving")
+    write_report(path, "serving avx2 2\n", "AVX2 + FMA", "serving")
+    text = path.read_text()
+    assert "engine avx2" in text and "serving avx2 2" in text and "serving avx2 1" not in text
+    assert text.count(markers("AVX2 + FMA", "serving")[0]) == 1 and class_slug("AVX2 + FMA") == "avx2-fma"
