@@ -14,7 +14,7 @@ from typing import Any
 
 from loadtest.clients import APIS, make_client
 from loadtest.report import format_summary, load_results, results_document, write_results
-from loadtest.runner import RunResult, run_closed_loop, run_open_loop
+from loadtest.runner import RunResult, run_closed_loop, run_conversations, run_open_loop
 from loadtest.workload import RequestSpec, WorkloadError, build_workload, load_token_counter
 
 API_KEY_ENV = "PDSERVE_API_KEY"
@@ -54,13 +54,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    f"token (default: ${API_KEY_ENV}; none when unset)")
     p.add_argument("--model", default=None, help="model name to send (default: none; the server's own)")
     p.add_argument("--workload", default="decode-heavy", help="fixed:P:O, prompt-heavy (2000/50), decode-heavy "
-                   "(200/1000), chat, mixed[:F], or a JSONL file (default: decode-heavy)")
+                   "(200/1000), chat, mixed[:F], mix:P:O,P:O..., multi-turn[:TURNS:SYSTEM:USER:OUTPUT] (the "
+                   "requests as conversations; rates are conversations/s), prefix:K:P:S:O (K shared prefixes), "
+                   "or a JSONL file (default: decode-heavy)")
     load = p.add_mutually_exclusive_group(required=True)
     load.add_argument("--rate", type=_positive_float, help="open loop: Poisson arrivals, requests/s (inf: all "
                       "at once)")
     load.add_argument("--rates", type=_rates, help="open-loop sweep: comma-separated rates, one run each")
     load.add_argument("--concurrency", type=int, help="closed loop: requests kept in flight")
     p.add_argument("--num-requests", type=int, default=50, help="requests per run (default: 50)")
+    p.add_argument("--think-time", type=float, default=1.0, help="multi-turn: seconds between a turn's end and "
+                   "the conversation's next turn (default: 1)")
     p.add_argument("--max-duration", type=_positive_float, default=600.0, help="seconds per run; then in-flight "
                    "requests are cancelled (default: 600)")
     p.add_argument("--timeout", type=_positive_float, default=300.0, help="per-request timeout, s (default: 300)")
@@ -100,6 +104,9 @@ async def _run_all(args: argparse.Namespace, specs: list[RequestSpec]) -> list[R
         if args.concurrency is not None:
             return [await run_closed_loop(client, specs, args.concurrency, args.max_duration, progress)]
         rates = args.rates if args.rates is not None else [args.rate]
+        if any(s.conversation is not None for s in specs):
+            return [await run_conversations(client, specs, r, args.think_time, args.seed, args.max_duration,
+                                            progress) for r in rates]
         return [await run_open_loop(client, specs, r, args.seed, args.max_duration, progress) for r in rates]
     finally:
         await client.aclose()
@@ -111,10 +118,17 @@ def run(args: argparse.Namespace) -> int:
     if args.num_requests < 1 or (args.concurrency is not None and args.concurrency < 1):
         print("loadtest: error: --num-requests and --concurrency must be >= 1", file=sys.stderr)
         return 2
+    if args.think_time < 0:
+        print("loadtest: error: --think-time must be >= 0 s", file=sys.stderr)
+        return 2
     try:
         specs = _specs(args)
     except WorkloadError as e:
         print(f"loadtest: error: {e}", file=sys.stderr)
+        return 2
+    if args.concurrency is not None and any(s.conversation is not None for s in specs):
+        print("loadtest: error: a multi-turn workload runs conversations at a rate (--rate or --rates, "
+              "conversations/s; inf: all at once), not --concurrency", file=sys.stderr)
         return 2
     runs = asyncio.run(_run_all(args, specs))
     meta: dict[str, Any] = {"target": args.target, "api": args.api, "model": args.model,

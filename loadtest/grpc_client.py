@@ -62,6 +62,7 @@ class GrpcClient:
                     if resp.HasField("usage"):
                         usage_tokens = resp.usage.completion_tokens
                         rec.server_prompt_tokens = resp.usage.prompt_tokens
+                        rec.cached_tokens = resp.usage.cached_tokens
                     if resp.HasField("timings"):
                         rec.timings = _timings(resp.timings)
                     if resp.finish_reason:

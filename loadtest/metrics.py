@@ -13,6 +13,10 @@ Definitions (all over successful requests only, i.e. records with no error):
           run's (first send to last end).
   Goodput: requests / wall time that succeeded AND met both targets: TTFT <= ttft_target_s and
           TPOT <= tpot_target_s (a request without a TPOT meets the TPOT target; a None target is not checked).
+  Turns:  in a multi-turn run, the TTFT of the first turns and of the later ones (whose history a server
+          may hold in its prefix cache), apart.
+  Prefix cache: prompt tokens the server reported as served from its cache, against all prompt tokens of
+          the requests that reported it (None when no request did).
 """
 from __future__ import annotations
 
@@ -104,4 +108,21 @@ def summarize(records: Iterable[RequestRecord], wall_time_s: float, ttft_target_
                        "output_tokens_per_s": sum(r.output_tokens for r in ok) / wall_time_s},
         "goodput": {"ttft_target_s": ttft_target_s, "tpot_target_s": tpot_target_s, "good_requests": good,
                     "requests_per_s": good / wall_time_s, "fraction": good / len(recs) if recs else 0.0},
+        "turns": _turns(ok),
+        "prefix_cache": _prefix_cache(ok),
     }
+
+
+def _turns(ok: list[RequestRecord]) -> dict[str, Any] | None:
+    if all(r.conversation is None for r in ok):
+        return None
+    return {"first_ttft_s": stats([r.ttft_s for r in ok if r.turn == 0 and r.ttft_s is not None]),
+            "later_ttft_s": stats([r.ttft_s for r in ok if r.turn > 0 and r.ttft_s is not None])}
+
+
+def _prefix_cache(ok: list[RequestRecord]) -> dict[str, Any] | None:
+    told = [r for r in ok if r.cached_tokens is not None]
+    if not told:
+        return None
+    cached, prompt = sum(r.cached_tokens for r in told), sum(r.server_prompt_tokens or r.prompt_tokens for r in told)
+    return {"cached_tokens": cached, "prompt_tokens": prompt, "fraction": cached / prompt if prompt else 0.0}

@@ -145,6 +145,9 @@ class _StreamState:
             self.usage_tokens = tokens
         if isinstance(usage.get("prompt_tokens"), int):
             self.rec.server_prompt_tokens = usage["prompt_tokens"]
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            self.rec.cached_tokens = details["cached_tokens"]
         if usage.get("pdserve_timings") is not None:
             self.rec.timings = parse_timings(usage["pdserve_timings"])
 

@@ -30,6 +30,9 @@ class RequestRecord:
     output_tokens: usage.completion_tokens when the server gave it, else the number of output chunks
     (output_tokens_source says which). error / error_kind: None when the request succeeded.
     timings: pdserve's phase timings (path, queue_s, prefill_s, transfer_s, decode_s, ttft_s, e2e_s) if sent.
+    cached_tokens: prompt tokens the server served from its prefix cache (`usage.prompt_tokens_details`), if
+    it says. conversation / turn: in a multi-turn workload, the request's conversation and its turn there
+    (0: the first); conversation None otherwise.
     """
 
     index: int
@@ -43,6 +46,9 @@ class RequestRecord:
     output_tokens: int = 0
     output_tokens_source: str = "chunks"
     server_prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    conversation: int | None = None
+    turn: int = 0
     finish_reason: str | None = None
     error: str | None = None
     error_kind: str | None = None

@@ -68,10 +68,17 @@ def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v * 1000:.1f}"
 
 
+def _mode(config: dict[str, Any]) -> str:
+    if config.get("mode") == "open":
+        return f"open loop, {config['rate']:g} req/s"
+    if config.get("mode") == "conversations":
+        return f"{config['conversations']} conversations at {config['rate']:g}/s, think {config['think_s']:g} s"
+    return f"closed loop, concurrency {config.get('concurrency')}"
+
+
 def format_summary(config: dict[str, Any], summary: dict[str, Any]) -> str:
     """A few human-readable lines for one run."""
-    mode = (f"open loop, {config['rate']:g} req/s" if config.get("mode") == "open"
-            else f"closed loop, concurrency {config.get('concurrency')}")
+    mode = _mode(config)
     req, thr, gp = summary["requests"], summary["throughput"], summary["goodput"]
     lines = [f"== {mode}: {req['total']} requests, {req['ok']} ok, {req['errors']} errors "
              f"in {summary['wall_time_s']:.2f} s" + (" (stopped by max duration)"
@@ -84,6 +91,14 @@ def format_summary(config: dict[str, Any], summary: dict[str, Any]) -> str:
     for key, name in (("ttft_s", "TTFT"), ("itl_s", "ITL"), ("tpot_s", "TPOT"), ("e2e_s", "E2E")):
         s = summary[key]
         lines.append(f"   {name:<6}" + "".join(f"{_ms(s[k]):>9}" for k in ("mean", "p50", "p90", "p99")))
+    if summary.get("turns"):
+        for key, name in (("first_ttft_s", "TTFT turn 1"), ("later_ttft_s", "TTFT turns 2+")):
+            t = summary["turns"][key]
+            lines.append(f"   {name:<14} p50 {_ms(t['p50'])} ms, p90 {_ms(t['p90'])} ms ({t['count']} requests)")
+    if summary.get("prefix_cache"):
+        pc = summary["prefix_cache"]
+        lines.append(f"   prefix cache: {pc['cached_tokens']} of {pc['prompt_tokens']} prompt tokens "
+                     f"({pc['fraction']:.0%})")
     lag = summary.get("send_lag_s", {}).get("max")
     if lag is not None and lag > LAG_WARN_S:
         lines.append(f"   warning: requests were sent up to {lag * 1000:.0f} ms behind schedule (client-bound)")

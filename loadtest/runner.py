@@ -78,6 +78,7 @@ class _Tracker:
             rec = RequestRecord(spec.index, spec.prompt_tokens, spec.output_tokens)
             rec.fail(R.CANCELLED, "the run's max duration ended while the request was in flight")
         rec.start_s, rec.scheduled_s = start, scheduled_s
+        rec.conversation, rec.turn = spec.conversation, spec.turn
         self.records.append(rec)
         self.errors += not rec.ok
         self.bar.update(1)
@@ -148,6 +149,42 @@ async def run_closed_loop(client: Client, specs: list[RequestSpec], concurrency:
     config = {"mode": "closed", "rate": None, "concurrency": concurrency, "num_requests": len(specs), "seed": None,
               "max_duration_s": max_duration_s}
     return tr.result(config, stopped)
+
+
+async def run_conversations(client: Client, specs: list[RequestSpec], rate: float, think_s: float = 0.0,
+                            seed: int = 0, max_duration_s: float = math.inf, progress: bool = True) -> RunResult:
+    """Multi-turn: conversations start at Poisson arrival times (`rate` conversations/s; inf: all at once),
+    and each sends its turns in order, the next one `think_s` after the last one ended (also after a failed
+    turn: the history the workload holds does not depend on the answers). Specs without a conversation run
+    as conversations of one turn. Returns: the run's result."""
+    if think_s < 0:
+        raise ValueError(f"think time must be >= 0 s, got {think_s}")
+    conversations: dict[object, list[RequestSpec]] = {}
+    for spec in specs:
+        key = spec.conversation if spec.conversation is not None else ("single", spec.index)
+        conversations.setdefault(key, []).append(spec)
+    tr = _Tracker(client, len(specs), f"{len(conversations)} conversations at {rate:g}/s", progress)
+
+    async def conversation(turns: list[RequestSpec], at: float) -> None:
+        await asyncio.sleep(max(0.0, at - tr.now()))
+        for i, spec in enumerate(sorted(turns, key=lambda sp: sp.turn)):
+            if i:
+                await asyncio.sleep(think_s)
+            if tr.stopping or tr.now() >= max_duration_s:
+                return
+            await tr.launch(spec, tr.now())
+
+    arrivals = poisson_arrivals(rate, len(conversations), seed)
+    tasks = [asyncio.create_task(conversation(turns, at)) for turns, at in zip(conversations.values(), arrivals)]
+    _, pending = await asyncio.wait(tasks, timeout=_left(tr, max_duration_s))
+    if pending:
+        await tr.cancel_inflight()
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    config = {"mode": "conversations", "rate": rate, "concurrency": None, "num_requests": len(specs),
+              "conversations": len(conversations), "think_s": think_s, "seed": seed, "max_duration_s": max_duration_s}
+    return tr.result(config, bool(pending) or len(tr.records) < len(specs))
 
 
 async def run_sweep(client: Client, specs: list[RequestSpec], rates: list[float], seed: int = 0,

@@ -8,6 +8,15 @@ Workload names (`parse_workload_lengths` / `build_workload`):
                  prompts clipped to [16, max_context / 2], outputs to [8, 1024] and to what the context leaves.
   mixed[:F]      each request prompt-heavy with probability F (default 0.5), else decode-heavy; seeded.
   mix:P:O,P:O... the given shapes in turn (mix:128:256,1536:16 is half short chats, half long prompts).
+  multi-turn[:T:S:U:O]
+                 the requests as conversations of T turns (default 6:1000:64:64; the last conversation
+                 may be shorter), all sharing one system prompt of S tokens. Turn t's prompt is the system
+                 prompt, the conversation's history (every earlier user message, U tokens, each followed by
+                 a stand-in of its reply, O seeded tokens, so every server gets the same prompts), and a
+                 new user message of U tokens; O output tokens. A runner sends a conversation's turns in
+                 order (`loadtest.runner.run_conversations`).
+  prefix:K:P:S:O K shared prefixes of P tokens; request i is prefix i mod K followed by S tokens of its own;
+                 O output tokens.
   PATH.jsonl | jsonl:PATH
                  one request per line: {"prompt": "...", "output_tokens": N} or
                  {"prompt_token_ids": [...], "output_tokens": N}; optional "prompt_tokens" (expected count
@@ -23,10 +32,11 @@ import json
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 NAMED = {"prompt-heavy": (2000, 50), "decode-heavy": (200, 1000)}
+MULTI_TURN_DEFAULTS = (6, 1000, 64, 64)  # turns, system prompt, user message, output tokens
 CHAT_PROMPT_MEDIAN, CHAT_PROMPT_SIGMA = 300, 1.0
 CHAT_OUTPUT_MEDIAN, CHAT_OUTPUT_SIGMA = 200, 0.8
 CHAT_MIN_PROMPT, CHAT_MIN_OUTPUT, CHAT_MAX_OUTPUT = 16, 8, 1024
@@ -54,7 +64,8 @@ class RequestSpec:
 
     index: position in the workload. prompt_tokens: the prompt's length in tokens (exact for token ids
     and calibrated text; an estimate otherwise). output_tokens: tokens to ask for (max_tokens).
-    Exactly one of prompt_text / prompt_token_ids is set.
+    Exactly one of prompt_text / prompt_token_ids is set. conversation / turn: in a multi-turn workload,
+    the conversation (None: an independent request) and the turn in it (0: the first).
     """
 
     index: int
@@ -62,6 +73,8 @@ class RequestSpec:
     output_tokens: int
     prompt_text: str | None = None
     prompt_token_ids: tuple[int, ...] | None = None
+    conversation: int | None = None
+    turn: int = 0
 
     def __post_init__(self) -> None:
         assert (self.prompt_text is None) != (self.prompt_token_ids is None), "exactly one prompt form"
@@ -101,7 +114,8 @@ def parse_workload_lengths(name: str, num_requests: int, seed: int, max_context:
         lengths = [shapes[i % len(shapes)] for i in range(num_requests)]
     else:
         raise WorkloadError(f"unknown workload {name!r}; allowed: fixed:P:O, prompt-heavy, decode-heavy, chat, "
-                            "mixed[:F], mix:P:O,P:O..., PATH.jsonl or jsonl:PATH")
+                            "mixed[:F], mix:P:O,P:O..., multi-turn[:T:S:U:O], prefix:K:P:S:O, PATH.jsonl or "
+                            "jsonl:PATH")
     for p, o in set(lengths):
         if p + o > max_context:
             raise WorkloadError(f"workload {name!r}: {p} prompt + {o} output tokens exceed the max context "
@@ -215,14 +229,20 @@ def build_workload(name: str, num_requests: int, seed: int = 0, max_context: int
     if is_file_workload(name):
         base = load_jsonl(name.removeprefix("jsonl:"))
         return [_reindex(base[i % len(base)], i) for i in range(num_requests)]
-    lengths = parse_workload_lengths(name, num_requests, seed, max_context)
-    rng = random.Random(f"{seed}:prompts")
     if token_range is None and vocab_size is not None:
         token_range = safe_token_range(vocab_size)
+    if token_range is not None and not 0 <= token_range[0] < token_range[1]:
+        raise WorkloadError(f"token range [{token_range[0]}, {token_range[1]}) is empty or negative")
+    if name == "multi-turn" or name.startswith(("multi-turn:", "prefix:")):
+        if num_requests < 1:
+            raise WorkloadError(f"number of requests must be >= 1, got {num_requests}")
+        pieces = _Pieces(random.Random(f"{seed}:prompts"), token_range, count_tokens)
+        build = _multi_turn if name.startswith("multi-turn") else _prefixed
+        return build(name, num_requests, max_context, pieces)
+    lengths = parse_workload_lengths(name, num_requests, seed, max_context)
+    rng = random.Random(f"{seed}:prompts")
     if token_range is not None:
         lo, hi = token_range
-        if not 0 <= lo < hi:
-            raise WorkloadError(f"token range [{lo}, {hi}) is empty or negative")
         return [RequestSpec(i, p, o, prompt_token_ids=tuple(rng.randrange(lo, hi) for _ in range(p)))
                 for i, (p, o) in enumerate(lengths)]
     specs = []
@@ -235,8 +255,72 @@ def build_workload(name: str, num_requests: int, seed: int = 0, max_context: int
     return specs
 
 
+class _Pieces:
+    """Prompt pieces of a given token length, as token ids (a range given) or text, and their joining."""
+
+    def __init__(self, rng: random.Random, token_range: tuple[int, int] | None,
+                 count_tokens: TokenCounter | None) -> None:
+        self.rng, self.token_range, self.count_tokens = rng, token_range, count_tokens
+
+    def piece(self, n: int) -> tuple[int, ...] | str:
+        if self.token_range is not None:
+            return tuple(self.rng.randrange(*self.token_range) for _ in range(n))
+        if self.count_tokens is not None:
+            return calibrated_text(n, self.count_tokens, self.rng)[0]
+        return " ".join(self.rng.choice(WORDS) for _ in range(n))
+
+    def spec(self, index: int, parts: list, output_tokens: int, conversation: int | None = None,
+             turn: int = 0) -> RequestSpec:
+        if self.token_range is not None:
+            ids = tuple(t for part in parts for t in part)
+            return RequestSpec(index, len(ids), output_tokens, prompt_token_ids=ids, conversation=conversation,
+                               turn=turn)
+        text = " ".join(parts)
+        count = self.count_tokens(text) if self.count_tokens is not None else len(text.split())
+        return RequestSpec(index, count, output_tokens, prompt_text=text, conversation=conversation, turn=turn)
+
+
+def _ints(name: str, form: str, defaults: tuple[int, ...] | int) -> tuple[int, ...]:
+    """The integers after a workload name's first colon, each >= 1: as many as `defaults` has (none given:
+    the defaults), or exactly `defaults` of them when it is a count."""
+    head, _, rest = name.partition(":")
+    count = defaults if isinstance(defaults, int) else len(defaults)
+    try:
+        values = tuple(int(x) for x in rest.split(":")) if rest or isinstance(defaults, int) else defaults
+        assert len(values) == count and min(values) >= 1
+    except (ValueError, AssertionError):
+        raise WorkloadError(f"bad workload {name!r}; use {head}:{form} with integers >= 1") from None
+    return values
+
+
+def _multi_turn(name: str, n: int, max_context: int, pieces: _Pieces) -> list[RequestSpec]:
+    turns, system, user, out = _ints(name, "TURNS:SYSTEM:USER:OUTPUT", MULTI_TURN_DEFAULTS)
+    longest = system + turns * user + (turns - 1) * out
+    if longest + out > max_context:
+        raise WorkloadError(f"workload {name!r}: the last turn holds {longest} prompt + {out} output tokens, more "
+                            f"than the max context {max_context}; use fewer or shorter turns")
+    shared = pieces.piece(system)
+    specs: list[RequestSpec] = []
+    for conversation in range((n + turns - 1) // turns):
+        history = [shared]
+        for turn in range(min(turns, n - len(specs))):
+            history.append(pieces.piece(user))
+            specs.append(pieces.spec(len(specs), history, out, conversation, turn))
+            history.append(pieces.piece(out))  # the reply's stand-in
+    return specs
+
+
+def _prefixed(name: str, n: int, max_context: int, pieces: _Pieces) -> list[RequestSpec]:
+    k, prefix, suffix, out = _ints(name, "PREFIXES:PREFIX:SUFFIX:OUTPUT", 4)
+    if prefix + suffix + out > max_context:
+        raise WorkloadError(f"workload {name!r}: {prefix + suffix} prompt + {out} output tokens exceed the max "
+                            f"context {max_context}")
+    prefixes = [pieces.piece(prefix) for _ in range(k)]
+    return [pieces.spec(i, [prefixes[i % k], pieces.piece(suffix)], out) for i in range(n)]
+
+
 def _reindex(spec: RequestSpec, index: int) -> RequestSpec:
-    return RequestSpec(index, spec.prompt_tokens, spec.output_tokens, spec.prompt_text, spec.prompt_token_ids)
+    return replace(spec, index=index)
 
 
 def calibrated_text(n_tokens: int, count_tokens: TokenCounter, rng: random.Random) -> tuple[str, int]:

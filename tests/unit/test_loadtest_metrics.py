@@ -1,6 +1,7 @@
 """loadtest: metrics from synthetic records, workload generation, arrival schedules, results files."""
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
@@ -342,3 +343,55 @@ def test_loadtest_imports_no_server_code() -> None:
     proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60,
                           cwd=root)
     assert proc.returncode == 0, proc.stderr
+
+
+# ---------------------------------------------------------------- multi-turn and shared prefixes
+
+
+def test_multi_turn_prompts_grow_by_a_user_message_and_a_reply_over_one_system_prompt() -> None:
+    specs = build_workload("multi-turn:4:30:6:5", 10, seed=3, vocab_size=1000)
+    assert [(s.conversation, s.turn) for s in specs] == [(c, t) for c in range(3) for t in range(4)][:10]
+    assert [s.index for s in specs] == list(range(10))
+    system = specs[0].prompt_token_ids[:30]
+    assert all(s.prompt_token_ids[:30] == system for s in specs)  # one system prompt for every conversation
+    assert specs[0].prompt_token_ids[30:36] != specs[4].prompt_token_ids[30:36]  # each its own user messages
+    for before, after in itertools.pairwise(specs):
+        if after.conversation == before.conversation:  # the whole earlier prompt, its reply, a new message
+            assert after.prompt_token_ids[:before.prompt_tokens] == before.prompt_token_ids
+            assert after.prompt_tokens == before.prompt_tokens + 5 + 6
+    assert [s.prompt_tokens for s in specs[:4]] == [36, 47, 58, 69] and all(s.output_tokens == 5 for s in specs)
+    assert build_workload("multi-turn:4:30:6:5", 10, seed=3, vocab_size=1000) == specs  # seeded
+    default = build_workload("multi-turn", 6, vocab_size=1000)
+    assert [s.turn for s in default] == list(range(6)) and default[0].prompt_tokens == 1000 + 64
+    text = build_workload("multi-turn:2:8:3:2", 2)
+    assert text[1].prompt_text.startswith(text[0].prompt_text) and text[1].prompt_tokens == 8 + 3 + 2 + 3
+
+
+def test_prefix_workload_shares_k_prefixes() -> None:
+    specs = build_workload("prefix:3:20:5:7", 7, seed=1, vocab_size=1000)
+    assert all(s.prompt_tokens == 25 and s.output_tokens == 7 and s.conversation is None for s in specs)
+    prefixes = [s.prompt_token_ids[:20] for s in specs]
+    assert prefixes[0] == prefixes[3] == prefixes[6] and prefixes[1] == prefixes[4]
+    assert len(set(prefixes)) == 3 and len({s.prompt_token_ids[20:] for s in specs}) == 7
+
+
+@pytest.mark.parametrize("name,msg", [
+    ("multi-turn:1:2", "multi-turn:TURNS:SYSTEM:USER:OUTPUT"), ("multi-turn:0:1:1:1", "integers >= 1"),
+    ("prefix:1:2:3", "prefix:PREFIXES:PREFIX:SUFFIX:OUTPUT"), ("prefix:a:1:1:1", "integers >= 1"),
+    ("multi-turn:10:8000:100:100", "max context"), ("prefix:1:8000:100:200", "max context"),
+])
+def test_multi_turn_and_prefix_names_are_checked(name: str, msg: str) -> None:
+    with pytest.raises(WorkloadError, match=msg):
+        build_workload(name, 4, vocab_size=1000)
+
+
+def test_summary_splits_first_and_later_turns_and_counts_cached_tokens() -> None:
+    recs = [rec(i, ttft, 0.01, 4) for i, ttft in enumerate([1.0, 0.2, 0.3, 2.0])]
+    assert summarize(recs, 5.0)["turns"] is None and summarize(recs, 5.0)["prefix_cache"] is None
+    for r, (conv, turn, cached) in zip(recs, [(0, 0, 0), (0, 1, 8), (0, 2, 10), (1, 0, 0)]):
+        r.conversation, r.turn, r.cached_tokens = conv, turn, cached
+    s = summarize(recs, 5.0)
+    assert s["turns"]["first_ttft_s"]["p50"] == pytest.approx(1.5) and s["turns"]["later_ttft_s"]["max"] == 0.3
+    assert s["prefix_cache"] == {"cached_tokens": 18, "prompt_tokens": 40, "fraction": 0.45}
+    text = format_summary({"mode": "conversations", "rate": math.inf, "conversations": 2, "think_s": 1.0}, s)
+    assert "2 conversations" in text and "TTFT turns 2+" in text and "18 of 40 prompt tokens (45%)" in text

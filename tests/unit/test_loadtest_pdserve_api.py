@@ -3,6 +3,7 @@ the harness reads pdserve's real wire format — usage, `pdserve_timings`, in-ba
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import threading
 from collections.abc import Iterator
@@ -11,7 +12,7 @@ import pytest
 
 from loadtest.clients import make_client
 from loadtest.metrics import summarize
-from loadtest.runner import RunResult, run_closed_loop
+from loadtest.runner import RunResult, run_closed_loop, run_conversations
 from loadtest.workload import build_workload
 from router.grpc_server import start_grpc_server
 from router.http_server import start_http_server
@@ -101,3 +102,35 @@ def test_api_key(api: str) -> None:
         assert all(r.ok for r in run(api, s.target(api), specs, api_key=KEY).records)
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("api", ["openai", "grpc"])
+def test_conversations_send_their_turns_in_order_after_the_think_time(served: Served, api: str) -> None:
+    specs = build_workload("multi-turn:3:20:4:5", 7, seed=0, vocab_size=64)  # conversations of 3, 3 and 1 turns
+
+    async def main() -> RunResult:
+        client = make_client(api, served.target(api), timeout_s=10)
+        try:
+            return await run_conversations(client, specs, float("inf"), think_s=0.05, progress=False)
+        finally:
+            await client.aclose()
+
+    result = asyncio.run(main())
+    recs = result.records
+    assert all(r.ok for r in recs) and len(recs) == 7, [r.error for r in recs]
+    assert result.config["mode"] == "conversations" and result.config["conversations"] == 3
+    by_conv: dict[int, list] = {}
+    for r in recs:
+        by_conv.setdefault(r.conversation, []).append(r)
+    assert sorted((c, len(rs)) for c, rs in by_conv.items()) == [(0, 3), (1, 3), (2, 1)]
+    for rs in by_conv.values():
+        rs.sort(key=lambda r: r.turn)
+        assert [r.turn for r in rs] == list(range(len(rs)))
+        for before, after in itertools.pairwise(rs):  # a turn starts only after the last one ended, plus the think time
+            assert after.start_s >= before.start_s + before.e2e_s + 0.05
+    assert [r.server_prompt_tokens for r in by_conv[0]] == [24, 33, 42]  # the history grows by a user turn + a reply
+    assert all(r.cached_tokens == 0 for r in recs)  # the server's usage says what its cache served
+    s = summarize(recs, result.wall_time_s)
+    assert s["turns"]["first_ttft_s"]["count"] == 3 and s["turns"]["later_ttft_s"]["count"] == 4
+    assert s["prefix_cache"] == {"cached_tokens": 0, "prompt_tokens": sum(r.server_prompt_tokens for r in recs),
+                                 "fraction": 0.0}
