@@ -48,15 +48,17 @@ class DecodeWorker(WorkerBase):
 
     # -- actor API (any thread) --------------------------------------------------------------------
     def reserve(self, request_id: str, prompt: list[int], sampling: SamplingParams, prefill_peer: PeerInfo,
-                feed: bool = False) -> None:
-        """Reserve blocks and post the receive. Raises CapacityError when full. `feed`: its items go to
-        `drain`, not to a stream of its own."""
-        def do() -> None:
-            blocks = self.engine.reserve(prompt, sampling, request_id)
+                feed: bool = False) -> int:
+        """Reserve blocks and post the receive. Returns how many leading blocks of the prompt this worker
+        holds already (its prefix cache): the prefill worker ships the rest. Raises CapacityError when
+        full. `feed`: its items go to `drain`, not to a stream of its own."""
+        def do() -> int:
+            reservation = self.engine.reserve(prompt, sampling, request_id)
             self._open(request_id, feed)
-            self.connector.recv(request_id, blocks, self.engine.layout.num_layers, prefill_peer)
+            self.connector.recv(request_id, reservation.blocks, self.engine.layout.num_layers, prefill_peer)
             self._landing[request_id] = None  # watched from now: a transfer that never comes times out
-        self._owner.call(do)
+            return reservation.cached_blocks
+        return self._owner.call(do)
 
     def start_remote(self, request_id: str, first_token: int, handoff: object | None = None) -> None:
         """The prefill worker's first token (and its connector's handoff): start once the KV landed."""

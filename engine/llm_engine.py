@@ -52,6 +52,16 @@ class RequestOutput:
     output_token_ids: list[int] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class Reservation:
+    """Decode side of a remote prefill: `cached_blocks` leading blocks of the prompt are already here
+    (prefix cache hits, held by the request, so never evicted under it); `blocks` are the rest, in
+    order, for the prompt's KV to land in. The sender ships its blocks from `cached_blocks` on."""
+
+    blocks: list[int]
+    cached_blocks: int
+
+
 @dataclass
 class EngineStats:
     """Counters since start: phase time and tokens, for the phase split users come to see."""
@@ -125,15 +135,17 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq.request_id
 
-    def reserve(self, prompt: list[int], sampling: SamplingParams, request_id: str) -> list[int]:
+    def reserve(self, prompt: list[int], sampling: SamplingParams, request_id: str) -> Reservation:
         """Decode side of a remote prefill: reserve blocks for the prompt's KV, which arrives from
-        elsewhere. Returns the block ids to receive into. Raises CapacityError when full."""
+        elsewhere, reusing the prompt's cached prefix. Returns the reservation (the blocks to receive
+        into). Raises CapacityError when full."""
         seq = self._new_sequence(prompt, sampling, request_id, chat=False)
         if not self.scheduler.reserve(seq):
             need = self.block_manager.blocks_needed(seq.num_tokens)
             raise CapacityError(f"no room for {request_id!r}: it needs {need} KV blocks and a sequence slot, "
                                 f"{self.block_manager.num_free_blocks} blocks free; try another worker or later")
-        return list(seq.block_table)
+        cached = seq.num_cached_tokens // self.block_manager.block_size
+        return Reservation(list(seq.block_table[cached:]), cached)
 
     def activate(self, request_id: str, first_token: int) -> RequestOutput:
         """The reserved request's KV has landed: it joins the decode batch after `first_token`."""

@@ -98,11 +98,12 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def reserve(self, seq: Sequence) -> bool:
-        """Decode side of a remote prefill: blocks for the prompt's incoming KV. False if full."""
+        """Decode side of a remote prefill: blocks for the prompt's incoming KV, its cached prefix reused
+        (`seq.num_cached_tokens` of it: only the rest comes over). False if full."""
         assert seq.status is SequenceStatus.WAITING and not seq.prefill_only
         if len(self.running) + len(self.receiving) >= self.max_num_seqs or not self.block_manager.can_allocate(seq):
             return False
-        self.block_manager.allocate(seq, use_cache=False)
+        self.block_manager.allocate(seq)
         seq.status = SequenceStatus.RECEIVING
         self.receiving[seq.request_id] = seq
         return True

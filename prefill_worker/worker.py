@@ -34,6 +34,7 @@ class PrefillWorker(DecodeWorker):
 
     def __init__(self, engine_config: EngineConfig, transfer_config: TransferConfig, worker_id: str) -> None:
         self._peers: dict[str, PeerInfo] = {}  # request id -> its decode worker
+        self._skip: dict[str, int] = {}  # request id -> leading blocks its decode worker holds (not sent)
         self._first: dict[str, Future] = {}  # request id -> first token, for the caller
         self._sending: set[str] = set()
         self._fault: str | None = None  # fault injection (tests): applies to the next request prefilled
@@ -56,7 +57,7 @@ class PrefillWorker(DecodeWorker):
         request id), every layer at once. Returns the seconds until the send side reports DONE.
         The block contents are whatever the pool holds: this measures the link, not a request."""
         def start() -> float:
-            blocks = self.engine.reserve(prompt, SamplingParams(max_tokens=1), request_id)
+            blocks = self.engine.reserve(prompt, SamplingParams(max_tokens=1), request_id).blocks
             t0 = time.perf_counter()
             for layer in range(self.engine.layout.num_layers):
                 self.connector.send(request_id, layer, blocks, decode_peer)
@@ -73,15 +74,17 @@ class PrefillWorker(DecodeWorker):
             self._owner.call(lambda: self.engine.abort(request_id))
 
     def prefill(self, request_id: str, prompt: list[int], sampling: SamplingParams,
-                decode_peer: PeerInfo) -> PrefillResult:
-        """Prefill `prompt`, stream its KV to `decode_peer`. Pass the result's handoff to the decode
-        worker's `start_remote`. Raises RuntimeError when the prefill fails, is aborted or the worker stops."""
+                decode_peer: PeerInfo, skip_blocks: int = 0) -> PrefillResult:
+        """Prefill `prompt`, stream its KV to `decode_peer`, all but the first `skip_blocks` blocks (which
+        the decode worker holds: its `reserve` said so). Pass the result's handoff to the decode worker's
+        `start_remote`. Raises RuntimeError when the prefill fails, is aborted or the worker stops."""
         t0 = time.perf_counter()
         first: Future = Future()
 
         def do() -> None:
             self.engine.add_request(prompt, sampling, request_id=request_id, prefill_only=True)
             self._peers[request_id] = decode_peer
+            self._skip[request_id] = skip_blocks
             self._first[request_id] = first
         self._owner.call(do)
         token, handoff = first.result()
@@ -102,7 +105,7 @@ class PrefillWorker(DecodeWorker):
                 continue
             if self._fault is not None and not self._injected(seq, layer):
                 continue
-            self.connector.send(seq.request_id, layer, seq.block_table, peer)
+            self.connector.send(seq.request_id, layer, seq.block_table[self._skip[seq.request_id]:], peer)
             if stall and self._fault is None:  # its last layer is on its way
                 log.warning("fault injection: holding the engine thread for %.0f s", STALL_S)
                 time.sleep(STALL_S)
@@ -114,7 +117,8 @@ class PrefillWorker(DecodeWorker):
             log.warning("fault injection: exiting in the middle of %s", seq.request_id)
             os._exit(1)
         if fault == "bad_header" and layer == 0:
-            self.connector.send(seq.request_id, layer, seq.block_table[:-1], self._peers[seq.request_id])
+            blocks = seq.block_table[self._skip[seq.request_id]:-1]
+            self.connector.send(seq.request_id, layer, blocks, self._peers[seq.request_id])
             return False
         if fault == "drop":
             self._dropped.add(seq.request_id)
@@ -184,6 +188,7 @@ class PrefillWorker(DecodeWorker):
     def _forget(self, request_id: str, error: BaseException | None = None) -> None:
         self._sending.discard(request_id)
         self._peers.pop(request_id, None)
+        self._skip.pop(request_id, None)
         fut = self._first.pop(request_id, None)
         if fut is not None and error is not None:
             fut.set_exception(error)

@@ -1,9 +1,10 @@
 """One admitted request, run across the pools as its placement says, streamed back as `Chunk`s.
 
 Request lifecycle at the router (after `Router.submit` admitted and placed it):
-1. remote path: decode worker D reserves the prompt's blocks and posts the KV receive; prefill
-   worker P prefills (batched with other prompts), ships KV layer by layer, returns the first
-   token; D starts the sequence once every layer landed. Local path: D runs the whole request.
+1. remote path: decode worker D reserves the prompt's blocks (reusing the prefix its cache holds)
+   and posts the KV receive; prefill worker P prefills (batched with other prompts), ships the KV of
+   the blocks D lacks layer by layer, returns the first token; D starts the sequence once every
+   layer landed. Local path: D runs the whole request.
 2. D's tokens (with their text, stop strings already applied) come through D's feed (`router.feed`:
    one message per engine step for all of D's requests); each becomes a `Chunk`, timed for TTFT,
    inter-token latency and the phase split.
@@ -211,10 +212,11 @@ class RouterStream:
                         ErrorKind.PREFILL_FAILED)
             return
         p = self._pools.prefill[p_idx]
-        await _call("decode", d.reserve.remote(rid, prompt, sampling, self._pools.prefill_peers[p_idx],
-                                               feed=True), ErrorKind.INTERNAL)
-        first: PrefillResult = await _call(
-            "prefill", p.prefill.remote(rid, prompt, sampling, self._pools.decode_peers[d_idx]), ErrorKind.PREFILL_FAILED)
+        held = await _call("decode", d.reserve.remote(rid, prompt, sampling, self._pools.prefill_peers[p_idx],
+                                                      feed=True), ErrorKind.INTERNAL)
+        first: PrefillResult = await _call(  # only the blocks D lacks travel
+            "prefill", p.prefill.remote(rid, prompt, sampling, self._pools.decode_peers[d_idx], skip_blocks=held),
+            ErrorKind.PREFILL_FAILED)
         self._planner.prefilled(b)
         self.timings.prefill_s = first.prefill_s
         try:

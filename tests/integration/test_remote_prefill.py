@@ -22,27 +22,31 @@ def pair(tiny_pair, request):
     rx = make_connector(TransferConfig(backend="local"), "decode-0")
     tx.register(prefill.runner.kv)
     rx.register(decode.runner.kv)
-    layers_seen: list[tuple[str, int]] = []
+    layers_seen: list[tuple[str, int, int]] = []  # (request, layer, blocks shipped)
+    skip: dict[str, int] = {}  # request id -> leading blocks the decode engine holds (as a prefill worker keeps)
 
     def ship(layer: int, seqs: list) -> None:  # runs after each layer of a step with prompt chunks
         for seq in seqs:  # the prompts this step completes
             if not seq.prefill_only:  # a request this engine runs whole: nothing to ship
                 continue
-            layers_seen.append((seq.request_id, layer))
-            tx.send(seq.request_id, layer, seq.block_table, rx.local_info())
+            blocks = seq.block_table[skip.get(seq.request_id, 0):]
+            layers_seen.append((seq.request_id, layer, len(blocks)))
+            tx.send(seq.request_id, layer, blocks, rx.local_info())
 
     prefill.set_prefill_layer_hook(ship)
-    yield ref, prefill, decode, tx, rx, layers_seen
+    yield ref, prefill, decode, tx, rx, layers_seen, skip
     tx.close()
     rx.close()
 
 
-def run_remote(prefill, decode, tx, rx, prompts, sampling) -> dict[str, list[int]]:
+def run_remote(prefill, decode, tx, rx, prompts, sampling, skip: dict[str, int],
+               ids: list[str] | None = None) -> dict[str, list[int]]:
     layers = prefill.layout.num_layers
-    for i, prompt in enumerate(prompts):
-        blocks = decode.reserve(prompt, sampling, f"r{i}")
-        rx.recv(f"r{i}", blocks, layers, tx.local_info())
-        prefill.add_request(prompt, sampling, request_id=f"r{i}", prefill_only=True)
+    for rid, prompt in zip(ids or [f"r{i}" for i in range(len(prompts))], prompts, strict=True):
+        reservation = decode.reserve(prompt, sampling, rid)
+        skip[rid] = reservation.cached_blocks
+        rx.recv(rid, reservation.blocks, layers, tx.local_info())
+        prefill.add_request(prompt, sampling, request_id=rid, prefill_only=True)
     outputs: dict[str, list[int]] = {}
     while prefill.has_unfinished():  # batched prefill steps of every prompt, in chunks
         for out in prefill.step():
@@ -56,26 +60,26 @@ def run_remote(prefill, decode, tx, rx, prompts, sampling) -> dict[str, list[int
 
 
 def test_remote_prefill_matches_generate(pair):
-    ref, prefill, decode, tx, rx, layers_seen = pair
+    ref, prefill, decode, tx, rx, layers_seen, skip = pair
     prompts = [random_prompt(n, seed=100 + n) for n in (3, 40, 77)]
     expected = [greedy_reference(ref, p, 20) for p in prompts]
-    got = run_remote(prefill, decode, tx, rx, prompts, SamplingParams(max_tokens=20))
+    got = run_remote(prefill, decode, tx, rx, prompts, SamplingParams(max_tokens=20), skip)
     assert [got[f"r{i}"] for i in range(len(prompts))] == expected
     for i in range(len(prompts)):  # each prompt shipped layer by layer, in order, once
-        assert [layer for rid, layer in layers_seen if rid == f"r{i}"] == list(range(prefill.layout.num_layers))
+        assert [layer for rid, layer, _ in layers_seen if rid == f"r{i}"] == list(range(prefill.layout.num_layers))
     for engine in (prefill, decode):
         bm = engine.block_manager
         assert bm.num_free_blocks == bm.num_blocks
 
 
 def test_reserve_refuses_when_full_and_abort_frees(pair):
-    ref, prefill, _, _, _, _ = pair
+    ref, prefill, *_ = pair
     small = EngineConfig(dtype="float32", cache=CacheConfig(memory_gib=100 * 16 * 768 / (1 << 30)))
     decode = LLMEngine(small, model=copy.deepcopy(ref))
     assert decode.block_manager.num_blocks == 100
     total = decode.block_manager.num_blocks * decode.layout.block_size
-    blocks = decode.reserve(random_prompt(total // 2, 1), SamplingParams(max_tokens=1), "big")
-    assert len(blocks) == decode.block_manager.num_blocks // 2
+    reservation = decode.reserve(random_prompt(total // 2, 1), SamplingParams(max_tokens=1), "big")
+    assert len(reservation.blocks) == decode.block_manager.num_blocks // 2 and reservation.cached_blocks == 0
     with pytest.raises(CapacityError, match="try another worker"):
         decode.reserve(random_prompt(total // 2 + 50, 2), SamplingParams(max_tokens=1), "too-big")
     assert decode.abort("big")
@@ -95,7 +99,7 @@ def test_a_prefill_engine_decodes_its_own_requests_while_it_ships_prompts(pair):
     """A prefill worker flipped to decode: requests it runs whole decode in the same steps as the
     prompt chunks it ships (the layer hook fires on prefill steps only, and never alters a layer's
     output). Both kinds equal `generate`; every block returns."""
-    ref, prefill, decode, tx, rx, layers_seen = pair
+    ref, prefill, decode, tx, rx, layers_seen, _ = pair
     own = [random_prompt(n, seed=500 + n) for n in (7, 33)]
     shipped = [random_prompt(n, seed=600 + n) for n in (21, 90)]
     for i, p in enumerate(own):
@@ -106,7 +110,7 @@ def test_a_prefill_engine_decodes_its_own_requests_while_it_ships_prompts(pair):
             got[out.request_id] += out.new_token_ids
     sampling, layers = SamplingParams(max_tokens=12), prefill.layout.num_layers
     for i, prompt in enumerate(shipped):
-        rx.recv(f"r{i}", decode.reserve(prompt, sampling, f"r{i}"), layers, tx.local_info())
+        rx.recv(f"r{i}", decode.reserve(prompt, sampling, f"r{i}").blocks, layers, tx.local_info())
         prefill.add_request(prompt, sampling, request_id=f"r{i}", prefill_only=True)
     remote: dict[str, list[int]] = {}
     while prefill.has_unfinished():  # mixed steps: own decode rows beside the prompts' chunks
@@ -122,6 +126,57 @@ def test_a_prefill_engine_decodes_its_own_requests_while_it_ships_prompts(pair):
             remote[out.request_id] += out.new_token_ids
     assert [got[f"own{i}"] for i in range(len(own))] == [greedy_reference(ref, p, 24) for p in own]
     assert [remote[f"r{i}"] for i in range(len(shipped))] == [greedy_reference(ref, p, 12) for p in shipped]
-    assert {rid for rid, _ in layers_seen} == {"r0", "r1"}  # only the shipped prompts' layers went out
+    assert {rid for rid, *_ in layers_seen} == {"r0", "r1"}  # only the shipped prompts' layers went out
     for engine in (prefill, decode):
         assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def run_whole(engine, prompt: list[int], rid: str, max_tokens: int = 4) -> list[int]:
+    engine.add_request(prompt, SamplingParams(max_tokens=max_tokens), request_id=rid)
+    out: list[int] = []
+    while engine.has_unfinished():
+        out += [t for o in engine.step() for t in o.new_token_ids]
+    return out
+
+
+@pytest.mark.parametrize("shared", [0, 16, 40, 80], ids=["none", "one-block", "mid-block", "all"])
+def test_delta_transfer_ships_only_the_blocks_the_decode_engine_lacks(pair, shared):
+    """The decode engine ran a request whose prompt begins as these do (its full blocks are cached):
+    it reserves with those blocks and receives only the rest; two prompts sharing the prefix at once read
+    the same blocks; both equal `generate`, and every block returns."""
+    ref, prefill, decode, tx, rx, layers_seen, skip = pair
+    bs, layers = decode.block_manager.block_size, prefill.layout.num_layers
+    head = random_prompt(80, seed=7)
+    run_whole(decode, head, "earlier")
+    prompts = [head[:shared] + random_prompt(n, seed=8 + n) for n in (50, 9)] if shared < 80 else [head, head]
+    got = run_remote(prefill, decode, tx, rx, prompts, SamplingParams(max_tokens=16), skip, ids=["a", "b"])
+    assert [got["a"], got["b"]] == [greedy_reference(ref, p, 16) for p in prompts]
+    for rid, prompt in zip("ab", prompts):
+        cached = min(shared, len(prompt) - 1) // bs  # full blocks only, never the one with the last token
+        assert skip[rid] == cached
+        assert {n for r, _, n in layers_seen if r == rid} == {-(-len(prompt) // bs) - cached}
+    for engine in (prefill, decode):
+        bm = engine.block_manager
+        assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
+
+
+def test_a_reserved_prefix_is_never_evicted_before_its_kv_is_used(pair):
+    """The cached blocks a reservation counts on are held by it: filling the pool around them takes other
+    blocks or fails, and never hands them to another request; an abort gives every block back."""
+    ref, *_ = pair
+    small = EngineConfig(dtype="float32", cache=CacheConfig(memory_gib=100 * 16 * 768 / (1 << 30)))
+    decode = LLMEngine(small, model=copy.deepcopy(ref))  # 100 blocks: a prompt can fill the pool
+    bm, bs = decode.block_manager, decode.block_manager.block_size
+    head = random_prompt(64, seed=11)
+    run_whole(decode, head, "earlier")
+    reservation = decode.reserve(head + random_prompt(20, seed=12), SamplingParams(max_tokens=4), "promised")
+    assert reservation.cached_blocks == 64 // bs
+    held = decode.scheduler.receiving["promised"].block_table[:reservation.cached_blocks]
+    assert all(b not in bm.free and bm.blocks[b].ref_count == 1 for b in held)
+    room = bm.num_free_blocks * bs
+    with pytest.raises(CapacityError):  # more than what is free: refused, the promised blocks untouched
+        decode.reserve(random_prompt(room + 1, seed=13), SamplingParams(max_tokens=1), "flood")
+    filler = decode.reserve(random_prompt(room - 1, seed=14), SamplingParams(max_tokens=1), "fill")
+    assert not set(filler.blocks) & set(held) and bm.num_free_blocks == 0
+    assert decode.abort("fill") and decode.abort("promised")
+    assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
