@@ -154,7 +154,8 @@ def test_delta_transfer_ships_only_the_blocks_the_decode_engine_lacks(pair, shar
     for rid, prompt in zip("ab", prompts):
         cached = min(shared, len(prompt) - 1) // bs  # full blocks only, never the one with the last token
         assert skip[rid] == cached
-        assert {n for r, _, n in layers_seen if r == rid} == {-(-len(prompt) // bs) - cached}
+        shipped = [n for r, _, n in layers_seen if r == rid]  # every layer, each the blocks the decode side lacks
+        assert len(shipped) == layers and set(shipped) == {-(-len(prompt) // bs) - cached}
     for engine in (prefill, decode):
         bm = engine.block_manager
         assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
