@@ -8,12 +8,18 @@ freed first, so the prefix cache evicts least-recently-used blocks when free blo
 A block is keyed by `commit` once the KV of all its tokens has been computed (or has landed
 from a prefill worker), never before: a prompt prefilled in chunks over several steps offers
 only what it has finished.
+
+Every key that enters the cache (stored) or leaves it (evicted) goes to a `CacheEventLog`, which
+other threads read: the router learns from it which worker holds which prefix (`prefix_keys`
+gives a prompt's keys the same way).
 """
 from __future__ import annotations
 
 import hashlib
+import threading
 from array import array
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from dataclasses import dataclass
 
 from engine.sequence import Sequence
 
@@ -38,6 +44,56 @@ def chain_key(prev_key: int | None, token_ids: tuple[int, ...]) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
+def prefix_keys(token_ids: list[int], block_size: int) -> list[int]:
+    """The keys of the full blocks of a prompt that a cache can serve: every full block before the one
+    holding the prompt's last token (whose logits must be computed)."""
+    keys: list[int] = []
+    key = None
+    for start in range(0, len(token_ids) - block_size, block_size):
+        key = chain_key(key, tuple(token_ids[start:start + block_size]))
+        keys.append(key)
+    return keys
+
+
+@dataclass(frozen=True)
+class CacheDelta:
+    """What entered (`stored`) and left (`evicted`) a prefix cache after event number `since`, up to
+    event `seq`; with `reset`, `stored` is every key it holds now (the reader fell too far behind,
+    or asked from 0) and `evicted` is empty."""
+
+    seq: int
+    stored: tuple[int, ...]
+    evicted: tuple[int, ...]
+    reset: bool
+
+
+class CacheEventLog:
+    """The keys a prefix cache stores and evicts, numbered, the last `limit` of them kept. Written by the
+    engine thread, read by any (one lock; neither side waits on the other's work)."""
+
+    def __init__(self, limit: int) -> None:
+        assert limit > 0
+        self._lock = threading.Lock()
+        self._events: deque[tuple[int, bool, int]] = deque(maxlen=limit)  # (number, stored, key)
+        self._live: set[int] = set()
+        self._seq = 0
+
+    def record(self, stored: bool, key: int) -> None:
+        with self._lock:
+            self._seq += 1
+            self._events.append((self._seq, stored, key))
+            (self._live.add if stored else self._live.discard)(key)
+
+    def since(self, acked: int) -> CacheDelta:
+        """Args: the last event number the reader has (0: none). Returns: what came after it."""
+        with self._lock:
+            oldest = self._events[0][0] if self._events else self._seq + 1
+            if acked <= 0 or acked < oldest - 1 or acked > self._seq:  # behind the kept events, or another log's
+                return CacheDelta(self._seq, tuple(self._live), (), True)
+            new = [(stored, key) for n, stored, key in self._events if n > acked]
+        return CacheDelta(self._seq, tuple(k for st, k in new if st), tuple(k for st, k in new if not st), False)
+
+
 class BlockManager:
     """Allocates KV blocks to sequences.
 
@@ -51,6 +107,7 @@ class BlockManager:
         assert num_blocks > 0 and block_size > 0
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.events = CacheEventLog(2 * num_blocks)
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}  # key -> block id
@@ -74,13 +131,10 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         hits: list[int] = []
-        key = None
         bs = self.block_size
-        for start in range(0, len(token_ids) - 1 - bs + 1, bs):
-            chunk = tuple(token_ids[start:start + bs])
-            key = chain_key(key, chunk)
+        for i, key in enumerate(prefix_keys(token_ids, bs)):
             block_id = self.cached.get(key)
-            if block_id is None or self.blocks[block_id].token_ids != chunk:
+            if block_id is None or self.blocks[block_id].token_ids != tuple(token_ids[i * bs:(i + 1) * bs]):
                 break
             hits.append(block_id)
         return hits
@@ -143,6 +197,7 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.key is not None and self.cached.get(block.key) == block_id:
             del self.cached[block.key]  # evict
+            self.events.record(False, block.key)
         block.key, block.token_ids, block.ref_count = None, (), 1
         return block_id
 
@@ -158,4 +213,5 @@ class BlockManager:
             key = chain_key(key, chunk)
             if block.key is None:
                 block.key, block.token_ids = key, chunk
-                self.cached.setdefault(key, block.block_id)
+                if self.cached.setdefault(key, block.block_id) == block.block_id:
+                    self.events.record(True, key)

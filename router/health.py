@@ -1,7 +1,8 @@
 """Worker health: the load poll, and the replacement of workers that died or hang.
 
-Lifecycle: every `load_poll_s` every worker is asked for its `LoadReport`, all at once (gauges
-refreshed from it). Workers answer it off their engine thread, so a busy worker answers: one
+Lifecycle: every `load_poll_s` every worker is asked for its `LoadReport` and its prefix-cache
+events since the last poll, all at once (gauges and the placer's `PrefixIndex` refreshed from
+them). Workers answer both off their engine thread, so a busy worker answers: one
 that does not answer in time is marked unhealthy (no new requests go to it) and healthy again
 once it answers. One that stays silent for `hang_timeout_s` (its process stopped or wedged) is
 declared hung and killed, so that it dies for everyone: its requests' streams fail and move to
@@ -65,7 +66,8 @@ class HealthMonitor:
         slot = self._placer.slots(pool)[index]
         try:
             async with asyncio.timeout(max(_MIN_POLL_TIMEOUT_S, self._config.load_poll_s)):
-                load = await actor.load.remote()
+                load, cache = await asyncio.gather(actor.load.remote(),
+                                                   actor.cache_events.remote(self._placer.prefix.acked(pool, index)))
         except (TimeoutError, ray.exceptions.RayError) as e:
             if slot.healthy:
                 log.warning("%s worker %s failed its health check: %r", pool, slot.worker_id, e)
@@ -83,7 +85,9 @@ class HealthMonitor:
         if not slot.healthy:
             log.info("%s worker %s is healthy again", pool, slot.worker_id)
         self._placer.set_healthy(pool, index, True)
+        self._placer.prefix.apply(pool, index, cache)
         self._metrics.observe_worker(pool, slot.worker_id, load)
+        self._metrics.prefix_index.set(self._placer.prefix.size())
 
     def _check_hung(self, pool: str, index: int, actor: ray.actor.ActorHandle, worker_id: str) -> None:
         """A poll went unanswered: kill the worker once it has been silent for `hang_timeout_s`."""

@@ -87,6 +87,13 @@ class Metrics:
                                     "carried: an engine step's, for all of its requests", buckets=_COUNT, registry=r)
         self.elastic = Gauge("pdserve_elastic_prefill_workers", "Prefill workers whose compute serves decode now "
                              "(threads lent or role flipped)", registry=r)
+        self.prefix_index = Gauge("pdserve_prefix_index_keys", "Cached block keys the router knows of, all workers",
+                                  registry=r)
+        self.cached_tokens = Counter("pdserve_prefix_cache_hit_tokens", "Prompt tokens served from a worker's "
+                                     "prefix cache, by path", ["path"], registry=r)
+        self.kv_transfer_bytes = Histogram("pdserve_kv_transfer_bytes", "KV bytes a remote prefill moved, per "
+                                           "request (the blocks its decode worker lacked)",
+                                           buckets=[2 ** k for k in range(12, 32, 2)], registry=r)
         ProcessCollector(namespace="pdserve_router", registry=r)  # the router's own CPU seconds, memory
 
     def observe_worker(self, pool: str, worker: str, load: LoadReport) -> None:

@@ -1,7 +1,8 @@
 """Placement and booking: where each request runs, and the router's book of what each worker holds.
 
 Request lifecycle here:
-1. `place` (after admission): the policy places the request on the pools as the book sees them
+1. `place` (after admission): the policy places the request on the pools as the book sees them,
+   with the prompt's prefix each worker's cache holds (`PrefixIndex`, kept up by the health poll)
    (remote prefill on P and decode on D, or local prefill on D); with no decode worker that has
    room it waits in the `WaitQueue` and tries again. The worst-case KV blocks are booked on D.
 2. `prefilled`: the first token is known (or the request ended before): P's queue shrinks.
@@ -18,6 +19,7 @@ import asyncio
 import logging
 from dataclasses import replace
 
+from engine.block_manager import prefix_keys
 from engine.errors import InvalidRequestError
 from router.admission import ModelLimits
 from router.book import Booking, DecodeSlot, PoolBook, PrefillSlot
@@ -26,6 +28,7 @@ from router.cost_model import Correction, CostModel
 from router.elastic import Elastic, RoleFlipper
 from router.metrics import Metrics
 from router.policy import NoCapacity, OutputLengthEstimator, Placement, Policy, PoolState, RequestFeatures, make_policy
+from router.prefix_index import PrefixIndex
 from router.wait_queue import WaitQueue
 from worker_core.protocol import WorkerInfo
 
@@ -66,30 +69,35 @@ class Placer:
         self._local_policy = make_policy("always_local", cost, correction=self.correction)
         self.queue = WaitQueue(config.max_queued, config.queue_timeout_s, metrics)
         self.elastic: Elastic | None = RoleFlipper(self.book) if config.flip_roles else lender
+        self.prefix = PrefixIndex()  # what each worker's prefix cache holds (the health poll keeps it)
+        self._block_size, self._kv_bytes_per_token = decode[0].block_size, decode[0].kv_bytes_per_token
 
     # -- placing ---------------------------------------------------------------------------------
-    async def place(self, features: RequestFeatures, deadline: float | None) -> Booking:
-        """Place and book a new request; waits (bounded; until its own monotonic `deadline` at most)
-        while no decode worker has room. Raises OverloadedError, DeadlineExceeded, InvalidRequestError."""
-        placement = await self._place(features, self.policy, frozenset(), deadline)
+    async def place(self, features: RequestFeatures, deadline: float | None, prompt: list[int]) -> Booking:
+        """Place and book a new request (`prompt`: its token ids); waits (bounded; until its own monotonic
+        `deadline` at most) while no decode worker has room. Raises OverloadedError, DeadlineExceeded,
+        InvalidRequestError."""
+        placement = await self._place(features, prompt, self.policy, frozenset(), deadline)
         self._metrics.decisions.labels(self.policy.name, placement.path, placement.reason).inc()
         self._metrics.prompt_tokens.inc(features.prompt_tokens)
         return self._admit(placement, features.prompt_tokens, features.max_tokens)
 
-    async def replan(self, prompt_tokens: int, max_tokens: int, avoid: set[str], local: bool) -> Booking:
+    async def replan(self, prompt: list[int], max_tokens: int, avoid: set[str], local: bool) -> Booking:
         """Place a running request again, away from the workers in `avoid`; `local` forces local prefill."""
         policy = self._local_policy if local else self.policy
-        placement = await self._place(RequestFeatures(prompt_tokens, max_tokens, max_tokens), policy, avoid, None)
+        features = RequestFeatures(len(prompt), max_tokens, max_tokens)
+        placement = await self._place(features, prompt, policy, avoid, None)
         self._metrics.decisions.labels(policy.name, placement.path, "recovery").inc()
-        return self._admit(placement, prompt_tokens, max_tokens)
+        return self._admit(placement, len(prompt), max_tokens)
 
-    async def _place(self, features: RequestFeatures, policy: Policy, avoid: frozenset[str] | set[str],
-                     deadline: float | None) -> Placement:
+    async def _place(self, features: RequestFeatures, prompt: list[int], policy: Policy,
+                     avoid: frozenset[str] | set[str], deadline: float | None) -> Placement:
         limit = self.queue.limit(deadline)
+        keys = prefix_keys(prompt, self._block_size)
         while True:
-            placement = self._priced_place(policy, features, self._state(avoid))
+            placement = self._priced_place(policy, features, self._state(avoid, keys))
             if isinstance(self.elastic, RoleFlipper) and self.elastic.moved:
-                alt = self._priced_place(policy, features, self._state(avoid, unflipped=True))
+                alt = self._priced_place(policy, features, self._state(avoid, keys, unflipped=True))
                 if alt is not None and alt.path == "remote" and self.elastic.flipped(alt.prefill) and (
                         placement is None or alt.cost + RoleFlipper.FLIP_BACK_GAIN < placement.cost):
                     placement = replace(alt, reason="flip_back")  # worth its prefill worker back (`_admit` flips it)
@@ -108,12 +116,19 @@ class Placer:
         except NoCapacity:
             return None
 
-    def _state(self, avoid: frozenset[str] | set[str], unflipped: bool = False) -> PoolState:
-        state = self.book.state(unflipped)
-        if not avoid:
-            return state
-        return PoolState(tuple(replace(p, healthy=p.healthy and p.worker_id not in avoid) for p in state.prefill),
-                         tuple(replace(d, healthy=d.healthy and d.worker_id not in avoid) for d in state.decode))
+    def _state(self, avoid: frozenset[str] | set[str], keys: list[int], unflipped: bool = False) -> PoolState:
+        """The book's view for one request: workers in `avoid` unhealthy, and the tokens of the prompt
+        (`keys`: its `prefix_keys`) each worker's cache holds. A flex slot is its prefill worker's engine."""
+        state, n, bs = self.book.state(unflipped), len(self.book.decode), self._block_size
+
+        def held(pool: str, index: int) -> int:
+            return self.prefix.matched(pool, index, keys) * bs if keys else 0
+        return PoolState(
+            tuple(replace(p, healthy=p.healthy and p.worker_id not in avoid, cached_tokens=held("prefill", i))
+                  for i, p in enumerate(state.prefill)),
+            tuple(replace(d, healthy=d.healthy and d.worker_id not in avoid,
+                          cached_tokens=held("decode", i) if i < n else held("prefill", i - n))
+                  for i, d in enumerate(state.decode)))
 
     def _admit(self, placement: Placement, prompt_tokens: int, max_tokens: int) -> Booking:
         if placement.prefill is not None and self.elastic is not None:
@@ -123,6 +138,11 @@ class Placer:
         return booking
 
     # -- a running request -----------------------------------------------------------------------
+    def shipping(self, booking: Booking, held_blocks: int) -> None:
+        """Its remote prefill ships the prompt's KV but the `held_blocks` leading blocks D's cache holds."""
+        blocks = booking.decode.blocks_for(booking.prompt_tokens) - held_blocks
+        self._metrics.kv_transfer_bytes.observe(blocks * booking.decode.block_size * self._kv_bytes_per_token)
+
     def prefilled(self, booking: Booking) -> None:
         """Its prefill is over (first token known, or it ended before). Idempotent."""
         self.book.prefilled(booking)
@@ -171,6 +191,7 @@ class Placer:
     async def replace_worker(self, pool: str, index: int, info: WorkerInfo) -> None:
         """Worker `index` of `pool` was replaced by the one `info` describes: a fresh slot (bookings
         of the old worker keep charging the old slot), and the waiters try again."""
+        self.prefix.reset(pool, index)
         if pool == "prefill":
             self.book.prefill[index] = PrefillSlot(info.worker_id)
             if self.book.flex:

@@ -1,8 +1,9 @@
 """Placement: per request, remote prefill (prefill worker P, then decode worker D) or local prefill on D.
 
-The ratio policy (default) estimates both paths from the measured `CostModel`. Remote pays P's queue,
-the prefill (in chunks beside P's own batch, whose stall counts as a slowdown, when P is flipped to
-decode), the transfer not hidden behind the last chunk's later layers and the extra round trips;
+The ratio policy (default) estimates both paths from the measured `CostModel`, each on the prompt
+tokens the worker's prefix cache does not hold (`cached_tokens`). Remote pays P's queue, the prefill
+(in chunks beside P's own batch, whose stall counts as a slowdown, when P is flipped to decode), the
+transfer (of what D lacks) not hidden behind the last chunk's later layers and the extra round trips;
 local pays D's queued local prefills and the prefill in chunks, each in a step that also decodes D's
 running batch (what that adds is measured), and D's batch loses what those steps take beyond its own
 decode steps (requests there still waiting for their KV lose nothing: under a burst of long prompts
@@ -52,15 +53,17 @@ class RequestFeatures:
 @dataclass(frozen=True)
 class PrefillLoad:
     """Args: worker_id: the worker. queued_tokens: prompt tokens waiting on it (>= 0). healthy: usable.
-    decoding: requests it runs whole (flipped to decode), whose decode rows ride in its prefill steps."""
+    decoding: requests it runs whole (flipped to decode), whose decode rows ride in its prefill steps.
+    cached_tokens: leading tokens of the request's prompt its prefix cache holds (it computes the rest)."""
 
     worker_id: str
     queued_tokens: int
     healthy: bool = True
     decoding: int = 0
+    cached_tokens: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("queued_tokens", "decoding"):
+        for name in ("queued_tokens", "decoding", "cached_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
@@ -70,7 +73,9 @@ class DecodeLoad:
     """Args: worker_id: the worker. running: sequences decoding or admitted on it. free_blocks: free KV blocks.
     block_size: tokens per block. queued_prefill_tokens: local prefill tokens waiting on it. healthy: usable.
     local_only: a prefill worker flipped to decode: it runs whole requests and never receives KV.
-    awaiting_kv: of `running`, the requests whose remote prefill is not done yet (not decoding)."""
+    awaiting_kv: of `running`, the requests whose remote prefill is not done yet (not decoding).
+    cached_tokens: leading tokens of the request's prompt its prefix cache holds: a local prefill computes
+    only the rest, and a remote one ships only the rest."""
 
     worker_id: str
     running: int
@@ -80,9 +85,10 @@ class DecodeLoad:
     healthy: bool = True
     local_only: bool = False
     awaiting_kv: int = 0
+    cached_tokens: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("running", "free_blocks", "queued_prefill_tokens", "awaiting_kv"):
+        for name in ("running", "free_blocks", "queued_prefill_tokens", "awaiting_kv", "cached_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.awaiting_kv > self.running:
@@ -165,15 +171,21 @@ def _crowding(cost: CostModel, running: int) -> float:
     return running * (grown - cost.step_s(running)) / grown
 
 
+def _uncached(req: RequestFeatures, cached_tokens: int) -> int:
+    """The prompt tokens a worker holding `cached_tokens` of them computes (or receives): at least one."""
+    return max(1, req.prompt_tokens - cached_tokens)
+
+
 def _remote(cost: CostModel, req: RequestFeatures, state: PoolState, p: int, d: int) -> _Option:
     step = cost.step_s(state.decode[d].running + 1)
-    n, load = req.prompt_tokens, state.prefill[p]
+    load = state.prefill[p]
+    n = _uncached(req, load.cached_tokens)  # what P computes; it ships what D lacks
     prefill, slowdown = cost.prefill_s(n), 1.0
     if load.decoding:  # flipped to decode: the prompt's chunks run beside P's own batch, which they hold up
         prefill = cost.local_prefill_wall_s(n, load.decoding)
         slowdown += load.decoding * cost.local_stall_s(n, load.decoding) / (req.expected_output_tokens * step)
     ttft = (load.queued_tokens * cost.prefill.per_unit_s + prefill
-            + cost.exposed_transfer_s(n) + cost.hop_s + step / 2)
+            + cost.exposed_transfer_s(_uncached(req, state.decode[d].cached_tokens)) + cost.hop_s + step / 2)
     return _Option("remote", p, d, ttft, step, slowdown, _crowding(cost, state.decode[d].running))
 
 
@@ -181,12 +193,12 @@ def _local(cost: CostModel, req: RequestFeatures, state: PoolState, d: int) -> _
     load = state.decode[d]
     step = cost.step_s(load.running + 1)
     decoding = load.running - load.awaiting_kv  # the rest wait for their KV from a prefill worker
+    n = _uncached(req, load.cached_tokens)  # D's cache serves the rest
     queued = cost.local_prefill_s(load.queued_prefill_tokens) if load.queued_prefill_tokens else 0.0
-    ttft = queued + cost.local_prefill_wall_s(req.prompt_tokens, decoding) + step / 2
+    ttft = queued + cost.local_prefill_wall_s(n, decoding) + step / 2
     # what the chunks cost the sequences they hold up (D's decoding batch + this request, standing for its
     # co-arrivals), spread over this request's output
-    slowdown = 1.0 + (decoding + 1) * cost.local_stall_s(req.prompt_tokens, decoding) / (
-        req.expected_output_tokens * step)
+    slowdown = 1.0 + (decoding + 1) * cost.local_stall_s(n, decoding) / (req.expected_output_tokens * step)
     return _Option("local", None, d, ttft, step * slowdown, slowdown, _crowding(cost, load.running))
 
 

@@ -43,13 +43,15 @@ _END = object()
 
 class Planner(Protocol):
     """The router side a running request needs (`router.placer.Placer`): placing it again, and its
-    booking's prefill and release."""
+    booking's transfer, prefill and release."""
 
     config: RouterConfig
 
-    async def replan(self, prompt_tokens: int, max_tokens: int, avoid: set[str], local: bool) -> Booking: ...
+    async def replan(self, prompt: list[int], max_tokens: int, avoid: set[str], local: bool) -> Booking: ...
 
     def prefilled(self, booking: Booking) -> None: ...
+
+    def shipping(self, booking: Booking, held_blocks: int) -> None: ...
 
     def release(self, booking: Booking, output_tokens: int, outcome: str) -> None: ...
 
@@ -190,7 +192,7 @@ class RouterStream:
             self._metrics.recoveries.labels(policy).inc()
         avoid = {b.decode.worker_id} if e.pool == "decode" else ({b.prefill.worker_id} if b.prefill else set())
         prompt, sampling = self._resume_point()
-        booking = await self._planner.replan(len(prompt), sampling.max_tokens, avoid,
+        booking = await self._planner.replan(prompt, sampling.max_tokens, avoid,
                                              local=bool(migrating) or cfg.on_prefill_failure == "local")
         self._worker_rid = f"{self.request_id}.{attempts + self.migrations}"  # no leftovers of the last attempt
         t = self.timings
@@ -214,6 +216,7 @@ class RouterStream:
         p = self._pools.prefill[p_idx]
         held = await _call("decode", d.reserve.remote(rid, prompt, sampling, self._pools.prefill_peers[p_idx],
                                                       feed=True), ErrorKind.INTERNAL)
+        self._planner.shipping(b, held)
         first: PrefillResult = await _call(  # only the blocks D lacks travel
             "prefill", p.prefill.remote(rid, prompt, sampling, self._pools.decode_peers[d_idx], skip_blocks=held),
             ErrorKind.PREFILL_FAILED)
@@ -286,6 +289,7 @@ class RouterStream:
 
     def _observe(self, n_out: int, path: str) -> None:
         t, m = self.timings, self._metrics
+        m.cached_tokens.labels(path).inc(self._cached)
         m.e2e.labels(path).observe(t.e2e_s)
         m.queue.labels(path).observe(t.queue_s)
         m.prefill.labels(path).observe(t.prefill_s)

@@ -82,7 +82,7 @@ class Router:
         arrival = time.perf_counter()
         try:
             admitted = await self.admission.admit(request)
-            booking = await self.placer.place(admitted.features, admitted.deadline)
+            booking = await self.placer.place(admitted.features, admitted.deadline, admitted.prompt)
         except tuple(cls for cls, _ in _REFUSALS) as e:
             self.metrics.errors.labels(next(label for cls, label in _REFUSALS if isinstance(e, cls))).inc()
             raise

@@ -3,9 +3,9 @@
 A worker owns one `LLMEngine` on one device and one KV connector registered on that engine's
 pool. Only the engine-loop thread (`OwnerThread`) touches the engine; actor methods, which Ray
 runs on other threads, hand it commands with `self._owner.call`. Liveness never waits behind that
-thread: `info()` is fixed at start, and `load()` is the report the engine thread publishes after
-every command and every round. A subclass sets up its own
-state, then calls `_start_loop()`, and implements `_work()` (one round of the loop) and
+thread: `info()` is fixed at start, `load()` is the report the engine thread publishes after every
+command and every round, and `cache_events()` reads the prefix cache's event log. A subclass sets
+up its own state, then calls `_start_loop()`, and implements `_work()` (one round of the loop) and
 `_load_now()` (its `LoadReport`).
 """
 from __future__ import annotations
@@ -16,6 +16,7 @@ import os
 import torch
 
 from engine import EngineConfig, LLMEngine
+from engine.block_manager import CacheDelta
 from engine.command_loop import OwnerThread, Stopped
 from engine.profiling import time_prefill
 from kv_transfer import PeerInfo, TransferConfig, make_connector
@@ -78,6 +79,11 @@ class WorkerBase:
         if load is None:
             raise Stopped(f"worker {self.worker_id} has shut down")
         return load
+
+    def cache_events(self, acked: int) -> CacheDelta:
+        """What entered and left this worker's prefix cache after event number `acked` (0: all it holds).
+        Never waits behind the engine thread."""
+        return self.engine.block_manager.events.since(acked)
 
     def info(self) -> WorkerInfo:
         """Static facts the router plans with (KV geometry, limits, vocabulary size) and what runs them

@@ -36,7 +36,7 @@ from pathlib import Path
 from loadtest.clients import make_client
 from loadtest.metrics import percentile, request_tpot
 from loadtest.records import RequestRecord
-from loadtest.report import results_document, write_results
+from loadtest.report import load_results, results_document, write_results
 from loadtest.runner import RunResult, run_closed_loop, run_open_loop
 from loadtest.workload import RequestSpec, build_workload
 
@@ -215,7 +215,7 @@ def run_report(args: argparse.Namespace) -> int:
                  Workload("mixed", (p, o), tuple(args.mixed_rates))]
     if "vllm" in args.servers:
         subprocess.run(["bash", "bench/setup_vllm.sh", args.vllm_venv], check=True)
-    slos = _fixed_slos(args, workloads)
+    slos = _fixed_slos(args, workloads, out)
     servers = sorted(args.servers, key=lambda k: k != PEER)  # the peer first: its unloaded figures scale the SLOs
     for kind in servers:
         bench_server(kind, workloads, args, out, slos)
@@ -225,18 +225,23 @@ def run_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fixed_slos(args: argparse.Namespace, workloads: list[Workload]) -> dict[str, Slo]:
-    """Every workload's SLO when the targets are given; none (measured on the peer) when they are not.
+def _fixed_slos(args: argparse.Namespace, workloads: list[Workload], out: Path) -> dict[str, Slo]:
+    """Every workload's SLO when the targets are given; none (measured on the peer) when the peer runs;
+    else from the peer's unloaded runs an earlier report left in `out` (servers added to its results).
     Raises: ValueError when they are neither given nor measurable, or only one of them is given."""
     given = (args.ttft_target, args.tpot_target)
     if None not in given:
         return {w.name: Slo(*given, "given") for w in workloads}
     if given != (None, None):
         raise ValueError("--ttft-target and --tpot-target go together (or neither: SLOs scaled to the peer)")
-    if PEER not in args.servers:
+    if PEER in args.servers:
+        return {}
+    files = {w.name: out / "unloaded" / f"{PEER}--{w.name}.json" for w in workloads}
+    if not all(f.is_file() for f in files.values()):
         raise ValueError(f"SLOs are scaled to the peer's unloaded figures: add {PEER!r} to --servers, or give "
-                         "--ttft-target and --tpot-target")
-    return {}
+                         f"--ttft-target and --tpot-target (no earlier unloaded runs of {PEER} in {out}/unloaded)")
+    return {name: scaled_slo([RequestRecord.from_dict(r) for r in load_results(f)["runs"][0]["records"]],
+                             *args.slo_scale) for name, f in files.items()}
 
 
 def _pair(text: str) -> tuple[int, int]:

@@ -8,6 +8,7 @@ import pytest
 import ray
 
 from engine import CacheConfig, EngineConfig, SamplingParams
+from engine.block_manager import prefix_keys
 from kv_transfer import TransferConfig
 from router.calibrate import calibrate
 from router.config import RouterConfig
@@ -293,4 +294,36 @@ def test_an_idle_prefill_worker_flips_to_decode_and_back_while_its_requests_run(
         assert flipper.flipped(0)  # idle again
         await router.stop_polling()
     asyncio.run(main())
+    assert_all_free(pools)
+
+
+@pytest.mark.parametrize("policy", ["always_remote", "always_local"])
+def test_the_next_turn_of_a_conversation_reuses_what_the_workers_hold(cluster, policy):
+    """Turn 2's prompt is turn 1's and more. After one poll the router knows the decode worker holds turn
+    1's full blocks; remote: the decode worker reserves with them and only the rest is shipped (and the
+    prefill worker computes only what its own cache lacks); local: only the rest is computed. Output
+    equals `generate`, usage says what came from the cache, every block returns."""
+    ref, pools, infos = cluster[0], cluster[1], cluster[2]
+    bs, kv_bytes = infos[1].block_size, infos[1].kv_bytes_per_token
+    seed = 900 if policy == "always_remote" else 950  # prompts no earlier test left in a cache
+    first = random_prompt(70, seed=seed)
+    second = first + random_prompt(30, seed=seed + 1)
+
+    async def main():
+        router = make_router(cluster, policy=policy)
+        one = await collect(router, first, 6)
+        await router.health.poll_once()  # the workers' cache events reach the router's index
+        held = router.placer.prefix.matched("decode", 0, prefix_keys(second, bs))
+        two = await collect(router, second, 6)
+        return router, one, two, held
+
+    router, (t1, l1), (t2, l2), held = asyncio.run(main())
+    assert t1 == greedy_reference(ref, first, 6) and t2 == greedy_reference(ref, second, 6)
+    assert held == 70 // bs and l2.usage.cached_tokens == held * bs and l1.usage.cached_tokens == 0
+    assert {l1.timings.path, l2.timings.path} == {policy.removeprefix("always_")}
+    text = router.metrics_text()[0].decode()
+    path = policy.removeprefix("always_")
+    assert f'pdserve_prefix_cache_hit_tokens_total{{path="{path}"}} {float(held * bs)}' in text
+    if path == "remote":  # turn 1's 5 blocks, then turn 2's 7 but the 4 the decode worker held
+        assert f"pdserve_kv_transfer_bytes_sum {float((5 + 7 - held) * bs * kv_bytes)}" in text
     assert_all_free(pools)

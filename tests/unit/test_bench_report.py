@@ -6,6 +6,8 @@ import argparse
 import pytest
 
 from loadtest.records import RequestRecord
+from loadtest.report import results_document, write_results
+from loadtest.runner import RunResult
 from pdserve.bench.report import class_slug, markers, write_report
 from pdserve.bench.serving import PEER, Workload, _fixed_slos, add_arguments, scaled_slo
 
@@ -43,17 +45,24 @@ def test_slos_scale_the_peer_s_unloaded_ttft_of_the_longest_prompts_and_its_tpot
         scaled_slo([_record(1024, 5.0, 5.0, out=1)], 2.0, 1.5)
 
 
-def test_report_slos_are_given_together_or_scaled_to_a_peer_that_runs():
+def test_report_slos_are_given_together_or_scaled_to_the_peer(tmp_path):
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     workloads = [Workload("prompt-heavy", ((1024, 16),), (0.1,))]
-    assert _fixed_slos(parser.parse_args([]), workloads) == {}  # measured on the peer, which runs first
-    given = _fixed_slos(parser.parse_args(["--ttft-target", "3", "--tpot-target", "0.2"]), workloads)
+    assert _fixed_slos(parser.parse_args([]), workloads, tmp_path) == {}  # measured on the peer, which runs first
+    given = _fixed_slos(parser.parse_args(["--ttft-target", "3", "--tpot-target", "0.2"]), workloads, tmp_path)
     assert (given["prompt-heavy"].ttft_s, given["prompt-heavy"].tpot_s) == (3.0, 0.2)
     with pytest.raises(ValueError, match="go together"):
-        _fixed_slos(parser.parse_args(["--ttft-target", "3"]), workloads)
+        _fixed_slos(parser.parse_args(["--ttft-target", "3"]), workloads, tmp_path)
+    alone = parser.parse_args(["--servers", "ratio"])
     with pytest.raises(ValueError, match=PEER):
-        _fixed_slos(parser.parse_args(["--servers", "ratio"]), workloads)
+        _fixed_slos(alone, workloads, tmp_path)
+    # the peer's unloaded run from an earlier report in the same results folder scales them
+    probe = RunResult({"mode": "closed"}, [_record(1024, 5.0, 6.0), _record(1024, 7.0, 8.0)], 9.0)
+    write_results(tmp_path / "unloaded" / f"{PEER}--prompt-heavy.json",
+                  results_document("peer unloaded", {}, [probe], None, None))
+    reused = _fixed_slos(alone, workloads, tmp_path)["prompt-heavy"]
+    assert reused.ttft_s == 2.0 * 6.0 and abs(reused.tpot_s - 1.5 * 0.1) < 1e-12
     with pytest.raises(SystemExit):
         parser.parse_args(["--slo-scale", "2"])
 
