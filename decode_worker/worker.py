@@ -48,12 +48,12 @@ class DecodeWorker(WorkerBase):
 
     # -- actor API (any thread) --------------------------------------------------------------------
     def reserve(self, request_id: str, prompt: list[int], sampling: SamplingParams, prefill_peer: PeerInfo,
-                feed: bool = False) -> int:
+                feed: bool = False, reuse: bool = True) -> int:
         """Reserve blocks and post the receive. Returns how many leading blocks of the prompt this worker
-        holds already (its prefix cache): the prefill worker ships the rest. Raises CapacityError when
-        full. `feed`: its items go to `drain`, not to a stream of its own."""
+        holds already (its prefix cache; none without `reuse`): the prefill worker ships the rest. Raises
+        CapacityError when full. `feed`: its items go to `drain`, not to a stream of its own."""
         def do() -> int:
-            reservation = self.engine.reserve(prompt, sampling, request_id)
+            reservation = self.engine.reserve(prompt, sampling, request_id, reuse)
             self._open(request_id, feed)
             self.connector.recv(request_id, reservation.blocks, self.engine.layout.num_layers, prefill_peer)
             self._landing[request_id] = None  # watched from now: a transfer that never comes times out

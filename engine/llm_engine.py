@@ -135,12 +135,13 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq.request_id
 
-    def reserve(self, prompt: list[int], sampling: SamplingParams, request_id: str) -> Reservation:
+    def reserve(self, prompt: list[int], sampling: SamplingParams, request_id: str,
+                reuse: bool = True) -> Reservation:
         """Decode side of a remote prefill: reserve blocks for the prompt's KV, which arrives from
-        elsewhere, reusing the prompt's cached prefix. Returns the reservation (the blocks to receive
-        into). Raises CapacityError when full."""
+        elsewhere, reusing the prompt's cached prefix (not without `reuse`: all of it arrives). Returns
+        the reservation (the blocks to receive into). Raises CapacityError when full."""
         seq = self._new_sequence(prompt, sampling, request_id, chat=False)
-        if not self.scheduler.reserve(seq):
+        if not self.scheduler.reserve(seq, reuse):
             need = self.block_manager.blocks_needed(seq.num_tokens)
             raise CapacityError(f"no room for {request_id!r}: it needs {need} KV blocks and a sequence slot, "
                                 f"{self.block_manager.num_free_blocks} blocks free; try another worker or later")

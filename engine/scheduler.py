@@ -97,13 +97,13 @@ class Scheduler:
         """Whether a step has work: waiting or running sequences (not receiving or held ones)."""
         return bool(self.waiting or self.running)
 
-    def reserve(self, seq: Sequence) -> bool:
+    def reserve(self, seq: Sequence, reuse: bool = True) -> bool:
         """Decode side of a remote prefill: blocks for the prompt's incoming KV, its cached prefix reused
-        (`seq.num_cached_tokens` of it: only the rest comes over). False if full."""
+        (`seq.num_cached_tokens` of it: only the rest comes over; none without `reuse`). False if full."""
         assert seq.status is SequenceStatus.WAITING and not seq.prefill_only
         if len(self.running) + len(self.receiving) >= self.max_num_seqs or not self.block_manager.can_allocate(seq):
             return False
-        self.block_manager.allocate(seq)
+        self.block_manager.allocate(seq, use_cache=reuse)
         seq.status = SequenceStatus.RECEIVING
         self.receiving[seq.request_id] = seq
         return True

@@ -33,7 +33,7 @@ SERVE: tuple[Path, ...] = (
     ("grpc_port",), ("router", "policy"), ("router", "ttft_target_s"), ("router", "tpot_target_s"),
     ("router", "max_queued"), ("router", "queue_timeout_s"), ("router", "default_max_tokens"),
     ("router", "on_prefill_failure"), ("router", "max_attempts"), ("router", "max_migrations"),
-    ("router", "hang_timeout_s"), ("router", "flip_roles"), ("router", "served_model_name"), ("ssl_certfile",),
+    ("router", "hang_timeout_s"), ("router", "flip_roles"), ("router", "prefix_aware"), ("router", "served_model_name"), ("ssl_certfile",),
     ("ssl_keyfile",), ("protect_metrics",))
 _TYPES = {"int": int, "float": float, "str": str, "bool": bool}
 

@@ -35,6 +35,9 @@ class RouterConfig:
         flip_roles: a prefill worker with nothing to prefill serves decode too (whole requests, local
             prefill) until a prompt is worth its prefill back (`router.elastic.RoleFlipper`; ratio
             policy only).
+        prefix_aware: place each request by the prefix of its prompt each worker's cache holds, and ship
+            a decode worker only the KV it lacks; False: prefix-blind placement, whole prompts shipped
+            (a decode worker's cache still serves its local prefills).
     """
 
     policy: str = field(default="ratio", metadata={"choices": POLICIES, "help": "placement policy"})
@@ -62,6 +65,9 @@ class RouterConfig:
     flip_roles: bool = field(default=False, metadata={
         "help": "a prefill worker with nothing to prefill also serves decode (whole requests) until a prompt "
         "is worth its prefill back (ratio policy)"})
+    prefix_aware: bool = field(default=True, metadata={
+        "help": "place requests by the prompt prefix each worker's cache holds and ship a decode worker only the "
+        "KV it lacks (--no-prefix-aware: prefix-blind placement, whole prompts shipped)"})
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

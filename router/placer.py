@@ -93,7 +93,7 @@ class Placer:
     async def _place(self, features: RequestFeatures, prompt: list[int], policy: Policy,
                      avoid: frozenset[str] | set[str], deadline: float | None) -> Placement:
         limit = self.queue.limit(deadline)
-        keys = prefix_keys(prompt, self._block_size)
+        keys = prefix_keys(prompt, self._block_size) if self.config.prefix_aware else []
         while True:
             placement = self._priced_place(policy, features, self._state(avoid, keys))
             if isinstance(self.elastic, RoleFlipper) and self.elastic.moved:

@@ -215,7 +215,8 @@ class RouterStream:
             return
         p = self._pools.prefill[p_idx]
         held = await _call("decode", d.reserve.remote(rid, prompt, sampling, self._pools.prefill_peers[p_idx],
-                                                      feed=True), ErrorKind.INTERNAL)
+                                                      feed=True, reuse=self._planner.config.prefix_aware),
+                           ErrorKind.INTERNAL)
         self._planner.shipping(b, held)
         first: PrefillResult = await _call(  # only the blocks D lacks travel
             "prefill", p.prefill.remote(rid, prompt, sampling, self._pools.decode_peers[d_idx], skip_blocks=held),
