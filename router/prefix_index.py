@@ -64,6 +64,11 @@ class PrefixIndex:
             n += 1
         return n
 
+    def keys(self, pool: str, index: int) -> frozenset[int]:
+        """The keys held for the worker (a copy)."""
+        copy = self._copies.get((pool, index))
+        return frozenset(copy.keys) if copy else frozenset()
+
     def size(self) -> int:
         """Keys held for all workers."""
         return sum(len(c.keys) for c in self._copies.values())

@@ -140,11 +140,14 @@ def test_a_decode_worker_lost_mid_stream_hands_its_streams_on_without_losing_a_t
         if how == "stopped":
             ray.kill(pools.decode[index])  # a stopped worker is then replaced like a dead one
         await settle(router)
+        await router.poll_once()
         await router.stop_polling()
-        return router, results
+        return router, results, index
 
-    router, results = asyncio.run(main())
+    router, results, index = asyncio.run(main())
     assert_all_match(ref, prompts, results, n)
+    # the router's copy of the replaced slot's prefix cache is the new worker's, nothing of the lost one's
+    assert router.placer.prefix.keys("decode", index) == set(ray.get(pools.decode[index].cache_events.remote(0)).stored)
     text = router.metrics_text()[0].decode()
     assert 'pdserve_request_recoveries_total{action="migrate"}' in text
     assert ('pdserve_worker_hangs_total{pool="decode"} 1.0' in text) == (how == "hung")

@@ -181,3 +181,21 @@ def test_a_reserved_prefix_is_never_evicted_before_its_kv_is_used(pair):
     assert not set(filler.blocks) & set(held) and bm.num_free_blocks == 0
     assert decode.abort("fill") and decode.abort("promised")
     assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
+
+
+def test_blocks_still_receiving_are_never_handed_to_another_request(pair):
+    """While a prompt's KV is on its way, its blocks are not in the prefix cache: a second request with the
+    same prompt gets blocks of its own. Once the KV landed, a third one reuses them."""
+    ref, prefill, decode, tx, rx, _, skip = pair
+    prompt, sampling = random_prompt(70, seed=21), SamplingParams(max_tokens=3)
+    a = decode.reserve(prompt, sampling, "a")
+    b = decode.reserve(prompt, sampling, "b")
+    assert a.cached_blocks == b.cached_blocks == 0 and not set(a.blocks) & set(b.blocks)
+    assert decode.abort("b")
+    got = run_remote(prefill, decode, tx, rx, [prompt], sampling, skip, ids=["c"])  # lands, then decodes
+    assert got["c"] == greedy_reference(ref, prompt, 3)
+    d = decode.reserve(prompt, sampling, "d")
+    assert d.cached_blocks == 70 // decode.block_manager.block_size
+    assert decode.abort("a") and decode.abort("d")
+    for engine in (prefill, decode):
+        assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

@@ -312,7 +312,7 @@ def test_the_next_turn_of_a_conversation_reuses_what_the_workers_hold(cluster, p
     async def main():
         router = make_router(cluster, policy=policy)
         one = await collect(router, first, 6)
-        await router.health.poll_once()  # the workers' cache events reach the router's index
+        await router.poll_once()  # the workers' cache events reach the router's index
         held = router.placer.prefix.matched("decode", 0, prefix_keys(second, bs))
         two = await collect(router, second, 6)
         return router, one, two, held

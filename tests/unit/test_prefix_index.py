@@ -58,7 +58,8 @@ def test_the_index_follows_each_worker_and_forgets_a_replaced_one() -> None:
     assert index.matched("decode", 0, keys) == 4 and index.matched("decode", 1, keys) == 0
     log.record(False, keys[1])  # evicted: the prefix now ends after block 0
     index.apply("decode", 0, log.since(index.acked("decode", 0)))
-    assert index.matched("decode", 0, keys) == 1 and index.size() == 3
+    assert index.matched("decode", 0, keys) == 1 and index.keys("decode", 0) == {keys[0], *keys[2:4]}
+    assert index.size() == 3
     assert index.approx_bytes() == 3 * 100
     index.reset("decode", 0)
     assert index.matched("decode", 0, keys) == 0 and index.acked("decode", 0) == 0
