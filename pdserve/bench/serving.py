@@ -285,10 +285,21 @@ def _scales(text: str) -> tuple[float, float]:
     return ttft, tpot
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_server_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of the servers a benchmark starts (`served`) and of the prompts it sends them."""
     p.add_argument("--model", default=None, help="model directory (default: the embedded model)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                    help="every server's dtype; auto: what pdserve chooses on this machine (default: auto)")
+    p.add_argument("--kv-memory-gib", type=float, default=1.0)
+    p.add_argument("--no-compile", dest="compile", action="store_false",
+                   help="serve pdserve without torch.compile'd decode (default: compiled)")
+    p.add_argument("--vocab-size", type=int, default=49152)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vllm-venv", default=".venv-vllm")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_server_arguments(p)
     p.add_argument("--servers", default="ratio,always_remote,colocated,vllm",
                    type=lambda s: [x for x in s.split(",") if x])
     p.add_argument("--prompt-heavy", type=_pair, default=(1024, 16), help="P:O of the prompt-heavy requests")
@@ -307,12 +318,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="SLOs = these factors × the peer's unloaded TTFT / TPOT p50 per workload (default: 2,1.5)")
     p.add_argument("--probe-requests", type=int, default=2,
                    help="unloaded requests per workload part that scale the SLOs (default: 2)")
-    p.add_argument("--kv-memory-gib", type=float, default=1.0)
-    p.add_argument("--no-compile", dest="compile", action="store_false",
-                   help="serve pdserve without torch.compile'd decode (default: compiled)")
-    p.add_argument("--vocab-size", type=int, default=49152)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--vllm-venv", default=".venv-vllm")
     p.add_argument("--out-dir", default=None,
                    help="results and plots (default: bench/results/serving/CLASS/report, CLASS e.g. avx2-fma)")
     p.add_argument("--report", default="BENCHMARKS.md")

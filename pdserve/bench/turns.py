@@ -21,7 +21,7 @@ from loadtest.clients import make_client
 from loadtest.report import results_document, write_results
 from loadtest.runner import RunResult, run_conversations
 from loadtest.workload import build_workload
-from pdserve.bench.serving import PDSERVE_LAYOUTS, PEER, resolve_model_and_dtype, served
+from pdserve.bench.serving import PDSERVE_LAYOUTS, PEER, add_server_arguments, resolve_model_and_dtype, served
 
 LABELS = {"ratio": "pdserve (defaults: prefix-aware, delta transfer)",
           "blind": "pdserve `--no-prefix-aware` (whole prompts shipped)", PEER: "vLLM-CPU (prefix caching)"}
@@ -97,9 +97,7 @@ def run_turns(args: argparse.Namespace) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="model directory (default: the embedded model)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
-                   help="every server's dtype; auto: what pdserve chooses on this machine (default: auto)")
+    add_server_arguments(p)
     p.add_argument("--servers", default=f"ratio,blind,{PEER}", type=lambda s: [x for x in s.split(",") if x],
                    help=f"any of {', '.join([*PDSERVE_LAYOUTS, PEER])} (default: ratio,blind,{PEER})")
     p.add_argument("--conversations", type=int, default=8, help="conversations, all started at once (default: 8)")
@@ -112,10 +110,4 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="conversations started per second (default: inf, all at once)")
     p.add_argument("--max-duration", type=float, default=1800.0, help="longest run per server, s (default: 1800)")
     p.add_argument("--request-timeout", type=float, default=600.0)
-    p.add_argument("--kv-memory-gib", type=float, default=1.0)
-    p.add_argument("--no-compile", dest="compile", action="store_false",
-                   help="serve pdserve without torch.compile'd decode (default: compiled)")
-    p.add_argument("--vocab-size", type=int, default=49152)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--vllm-venv", default=".venv-vllm")
     p.add_argument("--out-dir", default="bench/results/serving/turns", help="results, logs and table.md")
