@@ -57,9 +57,9 @@ def prefix_keys(token_ids: list[int], block_size: int) -> list[int]:
 
 @dataclass(frozen=True)
 class CacheDelta:
-    """What entered (`stored`) and left (`evicted`) a prefix cache after event number `since`, up to
-    event `seq`; with `reset`, `stored` is every key it holds now (the reader fell too far behind,
-    or asked from 0) and `evicted` is empty."""
+    """What entered (`stored`) and left (`evicted`) a prefix cache after the event number its reader
+    gave, up to event `seq`; with `reset`, `stored` is every key it holds now (the reader fell too far
+    behind, or asked from 0) and `evicted` is empty."""
 
     seq: int
     stored: tuple[int, ...]

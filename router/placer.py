@@ -2,9 +2,10 @@
 
 Request lifecycle here:
 1. `place` (after admission): the policy places the request on the pools as the book sees them,
-   with the prompt's prefix each worker's cache holds (`PrefixIndex`, kept up by the health poll)
-   (remote prefill on P and decode on D, or local prefill on D); with no decode worker that has
-   room it waits in the `WaitQueue` and tries again. The worst-case KV blocks are booked on D.
+   each worker with the part of the prompt its prefix cache holds (`PrefixIndex`, which the health
+   poll keeps up): remote prefill on P and decode on D, or local prefill on D. With no decode
+   worker that has room it waits in the `WaitQueue` and tries again. The worst-case KV blocks are
+   booked on D.
 2. `prefilled`: the first token is known (or the request ended before): P's queue shrinks.
 3. `release`: the request left D (finished, failed or moved): its blocks are unbooked and the
    waiters try again. `replan` places a running request again after a failure, away from the
