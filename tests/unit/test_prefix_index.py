@@ -60,7 +60,7 @@ def test_the_index_follows_each_worker_and_forgets_a_replaced_one() -> None:
     index.apply("decode", 0, log.since(index.acked("decode", 0)))
     assert index.matched("decode", 0, keys) == 1 and index.keys("decode", 0) == {keys[0], *keys[2:4]}
     assert index.size() == 3
-    assert index.approx_bytes() == 3 * 100
+    assert index.approx_bytes() == 3 * 130
     index.reset("decode", 0)
     assert index.matched("decode", 0, keys) == 0 and index.acked("decode", 0) == 0
 
@@ -80,3 +80,25 @@ def test_a_decode_worker_holding_the_history_prefills_the_next_turn_itself() -> 
     assert policy.place(req, state(p_cached=1920)).est_ttft_s < policy.place(req, state()).est_ttft_s / 5
     with pytest.raises(ValueError, match="cached_tokens"):
         DecodeLoad("d", 0, 10, 16, cached_tokens=-1)
+
+
+def test_the_index_of_100k_distinct_prefixes_stays_within_its_stated_bound() -> None:
+    """100k distinct cached blocks over 4 workers (more than their pools hold in practice): the router's
+    copy stays within `KEY_BYTES` per key, as the module docstring states."""
+    import random
+    import tracemalloc
+
+    from engine.block_manager import CacheDelta
+    from router.prefix_index import KEY_BYTES
+
+    rng = random.Random(0)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        index = PrefixIndex()
+        for i in range(4):  # keys arrive as a worker's answer does: new int objects, the answer then dropped
+            index.apply("decode", i, CacheDelta(1, tuple(rng.getrandbits(128) for _ in range(25_000)), (), True))
+        used = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert index.size() == 100_000 and used <= 100_000 * KEY_BYTES, used
