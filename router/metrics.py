@@ -90,7 +90,8 @@ class Metrics:
         self.prefix_index = Gauge("pdserve_prefix_index_keys", "Cached block keys the router knows of, all workers",
                                   registry=r)
         self.cached_tokens = Counter("pdserve_prefix_cache_hit_tokens", "Prompt tokens served from a worker's "
-                                     "prefix cache, by path", ["path"], registry=r)
+                                     "prefix cache (not prefilled), by path and decode worker", ["path", "worker"],
+                                     registry=r)
         self.kv_transfer_bytes = Histogram("pdserve_kv_transfer_bytes", "KV bytes a remote prefill moved, per "
                                            "request (the blocks its decode worker lacked)",
                                            buckets=[2 ** k for k in range(12, 32, 2)], registry=r)

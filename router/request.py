@@ -281,6 +281,7 @@ class RouterStream:
         t.e2e_s = now - self._arrival
         t.decode_s = (self._last_at - self._first_at) if self._first_at is not None else 0.0
         self._observe(len(self._sent), path)
+        m.cached_tokens.labels(path, b.decode.worker_id).inc(self._cached)  # what its last placement reused
         if b is self._placed and self._first_at is not None:  # placed once: its estimates were the ones served
             n = len(self._sent)
             self._planner.observed(b, t.ttft_s - t.queue_s, t.decode_s / (n - 1) if n > 1 else None)
@@ -290,7 +291,6 @@ class RouterStream:
 
     def _observe(self, n_out: int, path: str) -> None:
         t, m = self.timings, self._metrics
-        m.cached_tokens.labels(path).inc(self._cached)
         m.e2e.labels(path).observe(t.e2e_s)
         m.queue.labels(path).observe(t.queue_s)
         m.prefill.labels(path).observe(t.prefill_s)

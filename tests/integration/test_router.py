@@ -323,7 +323,8 @@ def test_the_next_turn_of_a_conversation_reuses_what_the_workers_hold(cluster, p
     assert {l1.timings.path, l2.timings.path} == {policy.removeprefix("always_")}
     text = router.metrics_text()[0].decode()
     path = policy.removeprefix("always_")
-    assert f'pdserve_prefix_cache_hit_tokens_total{{path="{path}"}} {float(held * bs)}' in text
+    worker = router.book.decode[0].worker_id
+    assert f'pdserve_prefix_cache_hit_tokens_total{{path="{path}",worker="{worker}"}} {float(held * bs)}' in text
     if path == "remote":  # turn 1's 5 blocks, then turn 2's 7 but the 4 the decode worker held
         assert f"pdserve_kv_transfer_bytes_sum {float((5 + 7 - held) * bs * kv_bytes)}" in text
     assert_all_free(pools)
