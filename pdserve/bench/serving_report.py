@@ -5,7 +5,10 @@ import argparse
 import json
 from pathlib import Path
 
+from loadtest.metrics import summarize
 from loadtest.plots import plot_goodput_vs_rate, plot_phase_breakdown
+from loadtest.records import RequestRecord
+from loadtest.report import write_results
 from pdserve.bench.report import write_report as write_section
 
 LABELS = {"ratio": "pdserve ratio", "always_remote": "pdserve always_remote", "colocated": "pdserve colocated",
@@ -16,8 +19,21 @@ def _f(v: float | None, fmt: str = "{:.2f}") -> str:
     return "–" if v is None else fmt.format(v)
 
 
-def _docs(out: Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted(out.glob("*--*.json"))]
+def _docs(out: Path, slos: dict) -> list[dict]:
+    """Every result file in `out`, each run summarized (again) against its workload's SLO now: a server
+    measured in an earlier report counts against the same targets as the peer measured last."""
+    docs = []
+    for path in sorted(out.glob("*--*.json")):
+        doc = json.loads(path.read_text())
+        slo = slos.get(doc["meta"]["workload"])
+        if slo is not None:
+            for run in doc["runs"]:
+                records = [RequestRecord.from_dict(r) for r in run["records"]]
+                run["summary"] = summarize(records, run["summary"]["wall_time_s"], slo.ttft_s, slo.tpot_s)
+            doc["meta"]["slo_basis"] = slo.basis
+            write_results(path, doc)
+        docs.append(doc)
+    return docs
 
 
 def _open_table(docs: list[dict], workload: str) -> list[str]:
@@ -74,7 +90,7 @@ def write_report(out: Path, args: argparse.Namespace, workloads: list, machine: 
     """Build the section, write it into the report file as this machine class's serving section (the other
     classes' stay). `machine`: `pdserve.bench.engine.machine_info()`. `slos`: each workload's `Slo` (its
     goodput targets and where they come from). Returns the section."""
-    docs = _docs(out)
+    docs = _docs(out, slos)
     cls = machine["machine_class"]
     section = [f"## Serving: pdserve vs vLLM-CPU ({cls}, {args.dtype})", "",
                (f"Machine: {machine['cpu']}, {machine['cores']} cores, CPU flags {machine['isa']}, torch "
