@@ -1,6 +1,7 @@
 """Drives a client through a workload: open loop (Poisson arrivals at a rate; a sweep of rates), closed
-loop (fixed concurrency), or conversations (multi-turn: each sends its turns in order). A run ends when every request is done or at max_duration_s: then no new request
-starts and the ones in flight are cancelled and recorded with error kind "cancelled".
+loop (fixed concurrency), or conversations (multi-turn: each sends its turns in order). A run ends when
+every request is done or at max_duration_s: then no new request starts and the ones in flight are
+cancelled and recorded with error kind "cancelled".
 """
 from __future__ import annotations
 
