@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 from loadtest.metrics import summarize
@@ -69,20 +70,23 @@ def _closed_table(docs: list[dict]) -> list[str]:
     return lines
 
 
-def _plots(out: Path, docs: list[dict], workloads: list) -> list[str]:
+def _plots(out: Path, docs: list[dict], workloads: list, report: Path) -> list[str]:
+    """The plots, written into `out`, as Markdown images linked relative to the `report` file."""
+    def link(path: Path | str) -> str:
+        return Path(os.path.relpath(Path(path).resolve(), report.resolve().parent)).as_posix()
     lines = []
     for w in workloads:
         sel = [d for d in docs if d["meta"]["workload"] == w.name]
         try:
             path = plot_goodput_vs_rate(sel, out / f"goodput--{w.name}.png")
-            lines.append(f"![goodput vs rate, {w.name}]({path.as_posix()})")
+            lines.append(f"![goodput vs rate, {w.name}]({link(path)})")
         except ValueError:
             pass
     for d in docs:
         if d["meta"]["server"] == "ratio" and d["meta"]["workload"] == "mixed":
             path = plot_phase_breakdown(d, out / "phases--ratio--mixed.png")
             if path is not None:
-                lines.append(f"![per-request phases, ratio, mixed]({Path(path).as_posix()})")
+                lines.append(f"![per-request phases, ratio, mixed]({link(path)})")
     return lines
 
 
@@ -104,7 +108,7 @@ def write_report(out: Path, args: argparse.Namespace, workloads: list, machine: 
                      f"{slo.ttft_s:.2f} s and TPOT ≤ {slo.tpot_s * 1e3:.0f} ms ({slo.basis})"), ""]
         section += _open_table(docs, w.name) + [""]
     section += ["**Saturated throughput**, decode-heavy, closed loop", ""] + _closed_table(docs) + [""]
-    section += _plots(out, docs, workloads) + [""]
+    section += _plots(out, docs, workloads, Path(args.report)) + [""]
     text = "\n".join(section)
     write_section(Path(args.report), text, cls, "serving")
     return text
