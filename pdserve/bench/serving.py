@@ -90,7 +90,7 @@ PDSERVE_LAYOUTS = {"ratio": ("ratio", 1, 1), "always_remote": ("always_remote", 
 
 def _server_cmd(kind: str, model_dir: str, port: int, args: argparse.Namespace) -> tuple[list[str], dict]:
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
-    if kind == "vllm":
+    if kind == PEER:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(args.kv_memory_gib * 2)))  # GiB, an integer
         # its compute on every core (by default it keeps one core of a small machine for its front end,
         # which on 2 cores made its prefill 1.8x and its saturated decode 1.25x slower); a bind the
@@ -234,7 +234,7 @@ def run_report(args: argparse.Namespace) -> int:
     workloads = [Workload("decode-heavy", (o,), tuple(args.decode_rates)),
                  Workload("prompt-heavy", (p,), tuple(args.prompt_rates)),
                  Workload("mixed", (p, o), tuple(args.mixed_rates))]
-    if "vllm" in args.servers:
+    if PEER in args.servers:
         subprocess.run(["bash", "bench/setup_vllm.sh", args.vllm_venv], check=True)
     slos = _fixed_slos(args, workloads, out)
     servers = sorted(args.servers, key=lambda k: k != PEER)  # the peer first: its unloaded figures scale the SLOs
