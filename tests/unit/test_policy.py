@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from router.book import DecodeSlot, PoolBook, PrefillSlot
 from router.config import RouterConfig
 from router.cost_model import Correction, CostModel, LinearFit, OutputLengthEstimator
 from router.policy import (
@@ -443,7 +444,6 @@ def test_a_burst_of_long_prompts_shares_the_prefill_between_the_pools() -> None:
     """16 long prompts with short answers at once on 1 prefill + 1 decode worker, booked as the router
     books them: the decode worker prefills a share of them (each local one then stalls the ones
     before it as they decode, so fewer than half), instead of leaving all 16 queued on P."""
-    from router.book import DecodeSlot, PoolBook, PrefillSlot
     policy = RatioPolicy(COST, *TARGETS)
     book = PoolBook([PrefillSlot("p")], [DecodeSlot("d", 10_000, 16, 64)])
     bookings = []
