@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from engine.hardware import AUTO
 
 DTYPES = (AUTO, "float32", "bfloat16", "float16")
+LINEARS = (AUTO, "packed", "plain")
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,9 @@ class EngineConfig:
             step that also decodes: the longest a prompt holds up the running batch or other prompts.
         max_model_len: context limit; None means the model's own.
         num_threads: torch intra-op threads on CPU; None leaves torch's default.
+        linear: how linear layers compute on CPU: "packed" (weights packed once for oneDNN,
+            `engine.packed_linear`), "plain" (`F.linear`), or auto: whichever runs decode-sized
+            products faster here, measured at start-up. CUDA always runs plain.
         seed: seed for requests that sample without a seed of their own.
         compile: run each decode step as one `torch.compile`d graph (with the paged decode kernel:
             a CPU build or Triton on CUDA; about 15 s of compilation at start, cached on disk).
@@ -69,6 +73,9 @@ class EngineConfig:
     max_model_len: int | None = field(default=None, metadata={"help": "context limit (default: the model's)"})
     num_threads: int | None = field(default=None, metadata={
         "flag": "--threads", "help": "torch threads per engine (default: torch's choice; serve: --cpus-per-worker)"})
+    linear: str = field(default=AUTO, metadata={"choices": LINEARS, "help": (
+        "linear layers on CPU: packed (weights packed once for oneDNN), plain (F.linear), or auto: the faster "
+        "for decode-sized batches here, measured at start-up")})
     seed: int = field(default=0, metadata={"help": "seed of sampled requests that give none of their own"})
     compile: bool = field(default=False, metadata={
         "help": "run each decode step as one torch.compile'd graph (faster decode; ~15 s of compiling at start, "
@@ -78,6 +85,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.linear not in LINEARS:
+            raise ValueError(f"linear must be one of {LINEARS}, got {self.linear!r}")
         if self.dtype == "float16" and not self.device.startswith("cuda"):
             raise ValueError("dtype float16 needs a CUDA device; on cpu use auto, bfloat16 or float32")
         if not (self.device == "cpu" or self.device.startswith("cuda")):

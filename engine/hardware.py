@@ -83,6 +83,51 @@ def pick_measured(seconds: dict[str, float]) -> DtypeChoice:
 
 
 @dataclass(frozen=True)
+class LinearChoice:
+    """How linear layers compute: `packed` True (oneDNN, weights packed once), False (plain), or None
+    when only a measurement on the model can tell; and why."""
+
+    packed: bool | None
+    reason: str
+
+
+PACKED_GAIN = 0.9  # packing is chosen when it takes at most this share of plain's time (a clear win, not noise)
+
+
+def choose_linear(setting: str, device: str, packing_available: bool) -> LinearChoice:
+    """Packed or plain linear layers, where the setting, the device or the torch build decides.
+
+    Args:
+        setting: "auto", "packed" or "plain" (`EngineConfig.linear`).
+        device: "cpu" or "cuda[:N]".
+        packing_available: whether this torch build and CPU can pack the model's weights (oneDNN, its dtype).
+    Raises:
+        ValueError: "packed" asked for where it cannot run.
+    """
+    if device.startswith("cuda"):
+        if setting == "packed":
+            raise ValueError("linear='packed' runs on CPU only; on CUDA use auto or plain")
+        return LinearChoice(False, "CUDA runs plain linear layers")
+    if setting == "packed" and not packing_available:
+        raise ValueError("linear='packed' needs oneDNN able to pack the model's dtype on this CPU (bf16: AVX-512 "
+                         "BW/VL/DQ); use auto or plain")
+    if setting != AUTO:
+        return LinearChoice(setting == "packed", "set explicitly")
+    if not packing_available:
+        return LinearChoice(False, "oneDNN cannot pack the model's dtype with this torch build and CPU")
+    return LinearChoice(None, "measure")
+
+
+def pick_linear(seconds: dict[str, float]) -> LinearChoice:
+    """Packed or plain from a probe's timings {"plain": s, "packed": s} (same products both ways)."""
+    plain, packed = seconds["plain"], seconds["packed"]
+    timing = f"decode-sized products plain {plain * 1e3:.1f} ms, packed {packed * 1e3:.1f} ms"
+    if packed <= PACKED_GAIN * plain:
+        return LinearChoice(True, f"measured on the model: {timing}")
+    return LinearChoice(False, f"measured on the model: {timing} (packing gains under {1 - PACKED_GAIN:.0%})")
+
+
+@dataclass(frozen=True)
 class KernelBuild:
     """One build of the paged-attention C kernel: the CPU flags it needs and the compiler flags it takes."""
 

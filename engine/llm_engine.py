@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from engine import packed_linear
 from engine.allocator import keep_large_allocations
 from engine.auto_dtype import load_for
 from engine.block_manager import BlockManager
@@ -97,7 +98,7 @@ class LLMEngine:
             self.dtype_choice = DtypeChoice(dtype_name(model), "the given model's")
         self.config = config = dataclasses.replace(config, dtype=self.dtype_choice.dtype)
         self.tokenizer = tokenizer
-        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.vocab_size = model.get_output_embeddings().out_features
         self.max_model_len = min(config.max_model_len or max_context(model), max_context(model))
         layers, kv_heads, head_dim = kv_shape(model)
         dtype_bytes = next(model.parameters()).element_size()
@@ -107,6 +108,7 @@ class LLMEngine:
         self.stop_checker = StopChecker(eos_token_ids(model, tokenizer), self.max_model_len, tokenizer)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.stop_checker, config.prefill_chunk_tokens)
+        self.linear_choice = packed_linear.apply(model, config.linear, config.device)
         self.runner = ModelRunner(model, self.layout, compile=config.compile)
         self.sampler = Sampler(config.seed)
         self.stats = EngineStats()
@@ -212,7 +214,8 @@ class LLMEngine:
                 "max_num_seqs": self.config.max_num_seqs, "max_model_len": self.max_model_len,
                 "prefill_chunk_tokens": self.scheduler.prefill_chunk_tokens,
                 "vocab_size": self.vocab_size, "dtype": self.config.dtype, "dtype_reason": self.dtype_choice.reason,
-                "attention": self.runner.attention_kernel, "compiled": self.runner.compiled}
+                "attention": self.runner.attention_kernel, "compiled": self.runner.compiled,
+                "linear": "packed" if self.linear_choice.packed else "plain"}
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -152,22 +152,23 @@ class Chunk:
 
 @dataclass(frozen=True)
 class Runtime:
-    """How the workers run the model: dtype (and why it was chosen), decode attention kernel, and
-    whether decode steps are compiled."""
+    """How the workers run the model: dtype (and why it was chosen), decode attention kernel,
+    whether decode steps are compiled, and packed or plain linear layers."""
 
     dtype: str
     dtype_reason: str
     attention: str
     compiled: bool
+    linear: str
 
     @classmethod
     def from_info(cls, info: WorkerInfo, dtype_reason: str | None = None) -> Runtime:
         """From a worker's `info()`; `dtype_reason` from another worker (the one that chose the dtype)."""
-        return cls(info.dtype, dtype_reason or info.dtype_reason, info.attention, info.compiled)
+        return cls(info.dtype, dtype_reason or info.dtype_reason, info.attention, info.compiled, info.linear)
 
     def summary(self) -> str:
-        """One line for logs and `pdserve status`: dtype, attention kernel, compiled or eager."""
-        return f"{self.dtype}, {self.attention}, {'compiled' if self.compiled else 'eager'}"
+        """One line for logs and `pdserve status`: dtype, attention kernel, linear layers, compiled or eager."""
+        return f"{self.dtype}, {self.attention}, {self.linear} linear, {'compiled' if self.compiled else 'eager'}"
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,13 @@
-"""The dtype and kernel choices from given CPU flags and devices (pure: no torch, no measurement)."""
+"""The dtype, kernel and linear-layer choices from given CPU flags, devices and timings (pure: no torch,
+no measurement)."""
 from __future__ import annotations
 
 import pytest
 
 from engine import hardware
 from engine.config import EngineConfig
-from engine.hardware import CpuInfo, choose_dtype, choose_kernel, parse_cpuinfo, pick_measured
+from engine.hardware import (CpuInfo, choose_dtype, choose_kernel, choose_linear, parse_cpuinfo, pick_linear,
+                             pick_measured)
 
 AVX2 = frozenset(["fpu", "sse2", "avx", "avx2", "fma", "f16c"])
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
@@ -40,6 +42,36 @@ def test_a_measurement_picks_the_faster_dtype_and_says_so():
     assert pick_measured({"float32": 0.2, "bfloat16": 0.1}).dtype == "bfloat16"
     choice = pick_measured({"float32": 0.1, "bfloat16": 0.3})
     assert choice.dtype == "float32" and "100 ms" in choice.reason and "300 ms" in choice.reason
+
+
+@pytest.mark.parametrize("setting,device,available,want", [
+    ("auto", "cpu", True, None),  # only a measurement on the model tells
+    ("auto", "cpu", False, False),
+    ("packed", "cpu", True, True),
+    ("plain", "cpu", True, False),
+    ("auto", "cuda:0", True, False),
+    ("plain", "cuda", False, False),
+])
+def test_linear_layers_follow_the_setting_device_and_build(setting, device, available, want):
+    choice = choose_linear(setting, device, available)
+    assert choice.packed is want and choice.reason
+
+
+def test_packed_linear_layers_where_they_cannot_run_are_refused_by_name():
+    with pytest.raises(ValueError, match="linear='packed' runs on CPU only"):
+        choose_linear("packed", "cuda:0", True)
+    with pytest.raises(ValueError, match="linear='packed' needs oneDNN able to pack the model's dtype"):
+        choose_linear("packed", "cpu", False)
+    with pytest.raises(ValueError, match=r"linear must be one of \('auto', 'packed', 'plain'\), got 'fast'"):
+        EngineConfig(linear="fast")
+    assert EngineConfig().linear == "auto"
+
+
+def test_a_measurement_packs_only_for_a_clear_gain_and_says_so():
+    choice = pick_linear({"plain": 0.100, "packed": 0.060})
+    assert choice.packed is True and "plain 100.0 ms, packed 60.0 ms" in choice.reason
+    assert pick_linear({"plain": 0.100, "packed": 0.095}).packed is False  # inside the noise: stays plain
+    assert pick_linear({"plain": 0.100, "packed": 0.150}).packed is False
 
 
 @pytest.mark.parametrize("flags,arch,want", [

@@ -19,7 +19,8 @@ from worker_core.protocol import ErrorKind, LoadReport, PrefillResult, StreamIte
 
 INFO = WorkerInfo(worker_id="decode-0-abc123", num_blocks=64, block_size=16, kv_bytes_per_token=46080, num_layers=30,
                   max_num_seqs=32, max_model_len=8192, prefill_chunk_tokens=256, vocab_size=49152, dtype="float32",
-                  dtype_reason="the CPU has no bf16 instructions", attention="avx2", compiled=True)
+                  dtype_reason="the CPU has no bf16 instructions", attention="avx2", compiled=True,
+                  linear="packed")
 
 
 @pytest.mark.parametrize("value", [

@@ -16,7 +16,7 @@ from worker_core.protocol import LoadReport, WorkerInfo
 _INFO = WorkerInfo(worker_id="d0", num_blocks=64, block_size=16, kv_bytes_per_token=1024, num_layers=2,
                    max_num_seqs=8, max_model_len=2048, prefill_chunk_tokens=256, vocab_size=512, dtype="float32",
                    dtype_reason="set explicitly",
-                   attention="torch", compiled=False)
+                   attention="torch", compiled=False, linear="plain")
 
 
 class _Method:
@@ -95,8 +95,8 @@ def test_the_runtime_comes_from_the_workers_and_names_who_chose_the_dtype() -> N
     from router.types import Runtime
 
     chooser = replace(_INFO, worker_id="p0", dtype_reason="the CPU has no bf16 instructions")
-    decode = replace(_INFO, attention="avx2", compiled=True)
+    decode = replace(_INFO, attention="avx2", compiled=True, linear="packed")
     router = Router(Pools(decode=[_Worker()]), [chooser], [decode], None, "m", RouterConfig(), measured_cost())
-    assert router.runtime == Runtime("float32", "the CPU has no bf16 instructions", "avx2", True)
-    assert router.runtime.summary() == "float32, avx2, compiled"
+    assert router.runtime == Runtime("float32", "the CPU has no bf16 instructions", "avx2", True, "packed")
+    assert router.runtime.summary() == "float32, avx2, packed linear, compiled"
     assert router.models()[0].runtime == router.runtime

@@ -1,0 +1,99 @@
+"""Packed linear layers (`engine.packed_linear`): the op equals `F.linear`, an engine with packed
+layers serves the same greedy tokens as transformers `generate` (fp32), eager and compiled, and
+`linear="auto"` measures and says why."""
+from __future__ import annotations
+
+import copy
+import gc
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams, kernels, packed_linear
+from engine.packed_linear import PackedLinear
+from tests.conftest import greedy_reference, random_prompt, tiny_model
+
+pytestmark = pytest.mark.skipif(not packed_linear.available(), reason="this torch build has no oneDNN")
+
+
+def engine_for(model, **kw) -> LLMEngine:
+    cfg = EngineConfig(dtype="float32", cache=CacheConfig(memory_gib=0.02), **kw)
+    return LLMEngine(cfg, model=model)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("rows", [1, 3, 16, 33])
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_packed_layer_equals_the_plain_one(dtype, tol, rows, bias):
+    if not packed_linear.available(dtype):
+        pytest.skip(f"oneDNN packs no {dtype} on this CPU")
+    torch.manual_seed(rows)
+    linear = torch.nn.Linear(96, 160, bias=bias).to(dtype).requires_grad_(False)
+    x = torch.randn(1, rows, 96, dtype=dtype)
+    want = F.linear(x, linear.weight, linear.bias)
+    layer = PackedLinear(linear, batch_hint=16)
+    got = layer(x)
+    assert got.shape == want.shape and got.dtype == dtype
+    assert float((got.float() - want.float()).abs().max()) <= tol * float(want.float().abs().max())
+    op = torch.ops.pdserve_linear.packed_linear(x, layer.handle, linear.bias, 160)  # the compiled step's entry
+    assert torch.equal(op, got)
+
+
+def test_pack_swaps_every_linear_and_frees_nothing_still_in_use():
+    model = tiny_model("llama", seed=1)
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert packed_linear.pack(model) == linears
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert model.get_input_embeddings().weight.shape[0] == model.get_output_embeddings().out_features
+
+
+def test_a_dropped_model_drops_its_packed_weights():
+    before = len(packed_linear._PACKED)
+    model = tiny_model("qwen2", seed=2)
+    n = packed_linear.pack(model)
+    assert len(packed_linear._PACKED) == before + n
+    del model
+    gc.collect()
+    assert len(packed_linear._PACKED) == before
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_packed_engine_matches_generate(arch):
+    ref = tiny_model(arch, seed=7)
+    engine = engine_for(copy.deepcopy(ref), linear="packed")
+    assert engine.describe()["linear"] == "packed" and engine.linear_choice.reason == "set explicitly"
+    prompts = [random_prompt(n, seed=n) for n in (1, 9, 40, 130)]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=20))
+    assert [o.output_token_ids for o in outs] == [greedy_reference(ref, p, 20) for p in prompts]
+
+
+def test_auto_measures_and_says_why():
+    engine = engine_for(tiny_model("llama", seed=8), linear="auto")
+    choice = engine.linear_choice
+    assert choice.reason.startswith("measured on the model: decode-sized products plain ")
+    assert engine.describe()["linear"] == ("packed" if choice.packed else "plain")
+    packed = any(isinstance(m, PackedLinear) for m in engine.runner.model.modules())
+    assert packed == choice.packed
+
+
+def test_plain_leaves_the_layers_alone():
+    engine = engine_for(tiny_model("llama", seed=8), linear="plain")
+    assert engine.describe()["linear"] == "plain"
+    assert not any(isinstance(m, PackedLinear) for m in engine.runner.model.modules())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_compiled_packed_decode_matches_generate(arch):
+    """The compiled decode step with packed layers: one region for every decoder layer, the packed
+    weights found through their handles."""
+    if kernels.active().kernel is None:
+        pytest.skip("compile mode needs the CPU kernel, which needs a C compiler")
+    ref = tiny_model(arch, seed=11)
+    engine = engine_for(copy.deepcopy(ref), linear="packed", compile=True)
+    assert engine.runner.compiled and engine.describe()["linear"] == "packed"
+    prompts = [random_prompt(n, seed=n) for n in (5, 37, 80)]
+    expected = [greedy_reference(ref, p, 16) for p in prompts]
+    assert engine.generate([prompts[1]], SamplingParams(max_tokens=16))[0].output_token_ids == expected[1]
+    assert [o.output_token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=16))] == expected
