@@ -84,14 +84,26 @@ def pick_measured(seconds: dict[str, float]) -> DtypeChoice:
 
 @dataclass(frozen=True)
 class LinearChoice:
-    """How linear layers compute: `packed` True (oneDNN, weights packed once), False (plain), or None
-    when only a measurement on the model can tell; and why."""
+    """Which linear layers compute packed (oneDNN, weights packed once): `groups` names them (a
+    group is the layers of one name and shape, e.g. "gate_proj 1536x576"; `ALL_LAYERS` is every
+    one; empty is none), or None when only a measurement on the model can tell; and why."""
 
-    packed: bool | None
+    groups: frozenset[str] | None
     reason: str
 
+    def packs(self, group: str) -> bool:
+        assert self.groups is not None, "measure first"
+        return self.groups == ALL_LAYERS or group in self.groups
 
-PACKED_GAIN = 0.9  # packing is chosen when it takes at most this share of plain's time (a clear win, not noise)
+    def summary(self) -> str:
+        """"packed", "plain", or the groups packed (for logs, `/v1/models` and `pdserve status`)."""
+        if not self.groups:
+            return "plain"
+        return "packed" if self.groups == ALL_LAYERS else "packed " + ", ".join(sorted(self.groups))
+
+
+ALL_LAYERS = frozenset({"*"})
+PACKED_GAIN = 0.9  # a group is packed when that takes at most this share of its plain time (a clear win, not noise)
 
 
 def choose_linear(setting: str, device: str, packing_available: bool) -> LinearChoice:
@@ -107,24 +119,23 @@ def choose_linear(setting: str, device: str, packing_available: bool) -> LinearC
     if device.startswith("cuda"):
         if setting == "packed":
             raise ValueError("linear='packed' runs on CPU only; on CUDA use auto or plain")
-        return LinearChoice(False, "CUDA runs plain linear layers")
+        return LinearChoice(frozenset(), "CUDA runs plain linear layers")
     if setting == "packed" and not packing_available:
         raise ValueError("linear='packed' needs oneDNN able to pack the model's dtype on this CPU (bf16: AVX-512 "
                          "BW/VL/DQ); use auto or plain")
     if setting != AUTO:
-        return LinearChoice(setting == "packed", "set explicitly")
+        return LinearChoice(ALL_LAYERS if setting == "packed" else frozenset(), "set explicitly")
     if not packing_available:
-        return LinearChoice(False, "oneDNN cannot pack the model's dtype with this torch build and CPU")
+        return LinearChoice(frozenset(), "oneDNN cannot pack the model's dtype with this torch build and CPU")
     return LinearChoice(None, "measure")
 
 
-def pick_linear(seconds: dict[str, float]) -> LinearChoice:
-    """Packed or plain from a probe's timings {"plain": s, "packed": s} (same products both ways)."""
-    plain, packed = seconds["plain"], seconds["packed"]
-    timing = f"decode-sized products plain {plain * 1e3:.1f} ms, packed {packed * 1e3:.1f} ms"
-    if packed <= PACKED_GAIN * plain:
-        return LinearChoice(True, f"measured on the model: {timing}")
-    return LinearChoice(False, f"measured on the model: {timing} (packing gains under {1 - PACKED_GAIN:.0%})")
+def pick_linear(seconds: dict[str, dict[str, float]]) -> LinearChoice:
+    """The groups to pack from a probe's timings {group: {"plain": s, "packed": s}} (the same
+    products both ways): those where packing is a clear win."""
+    won = frozenset(g for g, t in seconds.items() if t["packed"] <= PACKED_GAIN * t["plain"])
+    timing = "; ".join(f"{g} {t['plain'] * 1e3:.1f} -> {t['packed'] * 1e3:.1f} ms" for g, t in sorted(seconds.items()))
+    return LinearChoice(won, f"measured on the model, plain -> packed: {timing}")
 
 
 @dataclass(frozen=True)

@@ -215,7 +215,7 @@ class LLMEngine:
                 "prefill_chunk_tokens": self.scheduler.prefill_chunk_tokens,
                 "vocab_size": self.vocab_size, "dtype": self.config.dtype, "dtype_reason": self.dtype_choice.reason,
                 "attention": self.runner.attention_kernel, "compiled": self.runner.compiled,
-                "linear": "packed" if self.linear_choice.packed else "plain"}
+                "linear": self.linear_choice.summary()}
 
     # -- the step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -1,14 +1,15 @@
 """Linear layers with their weights packed once for oneDNN, the CPU's matrix library.
 
 A decode step multiplies a few rows (one per running sequence) by every weight matrix of the
-model. A plain `F.linear` runs those skinny products well below what the CPU can do; oneDNN,
-given each weight reordered once into its own blocked layout, runs them faster at the batch sizes
-decode lives at (BENCHMARKS.md, "packed linear layers"). `pack` swaps every `nn.Linear` of a model
-for a `PackedLinear` that holds only the reordered copy (the original is freed unless something
-else, such as tied input embeddings, still holds it). Prefill runs through the same layers.
-
-Whether it pays depends on the CPU and the dtype, so `EngineConfig(packed_linear="auto")` decides
-at start-up by timing the model's own weight shapes both ways (`measure` / `hardware.pick_packing`).
+model. A plain `F.linear` can run those skinny products well below what the CPU does; oneDNN,
+given a weight reordered once into its own blocked layout, runs them faster at the batch sizes
+decode lives at, but pays a fixed cost per call that small matrices at batch 1 do not earn back
+(BENCHMARKS.md, "packed linear layers"). So the choice is per group of layers (one name and
+shape: "gate_proj 1536x576", "lm_head 49152x576"): `EngineConfig(linear="auto")` times each
+group's own weights both ways at start-up (`measure`, decided by `hardware.pick_linear`), and
+`pack` swaps the winners' `nn.Linear`s for `PackedLinear`s that hold only the reordered copy (the
+original is freed unless something else, such as tied input embeddings, still holds it). Prefill
+runs through the same layers.
 
 torch.compile cannot take a packed (opaque oneDNN) tensor as a graph input, so the compiled decode
 step calls the op `pdserve_linear::packed_linear` with a handle (a 0-d int64 buffer per layer) and
@@ -29,13 +30,13 @@ import torch
 import torch.nn.functional as F
 
 from engine import hardware
-from engine.hardware import LinearChoice
+from engine.hardware import ALL_LAYERS, LinearChoice
 
 log = logging.getLogger(__name__)
 
 _PACKED: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 _HANDLES = itertools.count()
-PROBE_BATCHES = (1, 4, 16)  # decode batch sizes the choice is measured at
+PROBE_BATCHES = (1, 4, 16)  # decode batch sizes the choice is measured at (their sum decides)
 
 
 def available(dtype: torch.dtype = torch.float32) -> bool:
@@ -96,17 +97,33 @@ class PackedLinear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def pack(model: torch.nn.Module, batch_hint: int = 16) -> int:
-    """Swap every `nn.Linear` of `model` (its LM head included) for a `PackedLinear`, in place.
+def group_of(name: str, linear: torch.nn.Linear | PackedLinear) -> str:
+    """A layer's group: its attribute name and weight shape, e.g. "gate_proj 1536x576"."""
+    return f"{name.rsplit('.', 1)[-1]} {linear.out_features}x{linear.in_features}"
+
+
+def groups(model: torch.nn.Module) -> dict[str, list[tuple[torch.nn.Module, str, torch.nn.Linear]]]:
+    """Every `nn.Linear` of `model` as (parent, attribute, layer), by group (`group_of`)."""
+    out: dict[str, list[tuple[torch.nn.Module, str, torch.nn.Linear]]] = {}
+    for parent_name, parent in model.named_modules():
+        for name, child in parent.named_children():
+            if isinstance(child, torch.nn.Linear):
+                out.setdefault(group_of(f"{parent_name}.{name}", child), []).append((parent, name, child))
+    return out
+
+
+def pack(model: torch.nn.Module, choice: LinearChoice | None = None, batch_hint: int = 16) -> int:
+    """Swap the `nn.Linear` layers of `model` that `choice` names (default: all) for `PackedLinear`s, in place.
 
     Args:
         model: a CPU model in its serving dtype (float32 or bfloat16), in eval mode.
+        choice: which groups to pack (`hardware.LinearChoice`); None packs every layer.
         batch_hint: the row count oneDNN lays the weights out for (a typical decode batch).
     Returns:
         how many layers were packed.
     """
-    swaps = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-             if isinstance(child, torch.nn.Linear)]
+    swaps = [m for group, members in groups(model).items() if choice is None or choice.packs(group)
+             for m in members]
     for parent, name, child in swaps:
         setattr(parent, name, PackedLinear(child, batch_hint))
     return len(swaps)
@@ -123,23 +140,26 @@ def _best_of(fn: Callable[[], object], reps: int) -> float:
 
 
 @torch.inference_mode()
-def measure(model: torch.nn.Module, reps: int = 3, layers: int = 14) -> dict[str, float]:
-    """Seconds of decode-sized products (batches `PROBE_BATCHES`) through `layers` of the model's
-    linear weights, plain (`F.linear`) and packed. The packed copies live only while timed."""
-    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)][:layers]
-    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in weights]
-    out = {"plain": 0.0, "packed": 0.0}
-    for batch in PROBE_BATCHES:
-        xs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype) for w in weights}
-        out["plain"] += _best_of(lambda xs=xs: [F.linear(xs[w.shape[1]], w) for w in weights], reps)
-        out["packed"] += _best_of(lambda xs=xs: [_pointwise(xs[w.shape[1]], p, None, w.shape[0])
-                                                 for w, p in zip(weights, packed, strict=True)], reps)
+def measure(model: torch.nn.Module, reps: int = 3, layers: int = 4) -> dict[str, dict[str, float]]:
+    """Seconds of decode-sized products (batches `PROBE_BATCHES`) through up to `layers` layers of
+    each group, plain (`F.linear`) and packed: {group: {"plain": s, "packed": s}}. The packed copies
+    live only while timed."""
+    out: dict[str, dict[str, float]] = {}
+    for group, members in groups(model).items():
+        weights = [child.weight for _, _, child in members[:layers]]
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in weights]
+        times = out[group] = {"plain": 0.0, "packed": 0.0}
+        for batch in PROBE_BATCHES:
+            x = torch.randn(batch, weights[0].shape[1], dtype=weights[0].dtype)
+            times["plain"] += _best_of(lambda x=x, ws=weights: [F.linear(x, w) for w in ws], reps)
+            times["packed"] += _best_of(lambda x=x, ws=weights, ps=packed: [
+                _pointwise(x, p, None, w.shape[0]) for w, p in zip(ws, ps, strict=True)], reps)
     return out
 
 
 def apply(model: torch.nn.Module, setting: str, device: str) -> LinearChoice:
-    """Decide packed or plain for `model` (measuring where `setting` is "auto"), pack it if packed,
-    log the choice and why. Returns the choice (`EngineConfig.linear` explains the settings).
+    """Decide which linear layers of `model` to pack (measuring where `setting` is "auto"), pack
+    them, log the choice and why. Returns the choice (`EngineConfig.linear` explains the settings).
 
     Raises:
         ValueError: "packed" asked for where it cannot run.
@@ -147,12 +167,11 @@ def apply(model: torch.nn.Module, setting: str, device: str) -> LinearChoice:
     dtype = next(model.parameters()).dtype
     choice = hardware.choose_linear(setting, device, device == "cpu" and available(dtype))
     if any(isinstance(m, PackedLinear) for m in model.modules()):
-        return LinearChoice(True, "the given model's layers were packed already")
-    if choice.packed is None:
+        return LinearChoice(ALL_LAYERS, "the given model's layers were packed already")
+    if choice.groups is None:
         t0 = time.perf_counter()
         choice = hardware.pick_linear(measure(model))
         log.info("linear auto: probed plain and packed in %.2f s", time.perf_counter() - t0)
-    if choice.packed:
-        pack(model)
-    log.info("linear layers %s, because %s", "packed" if choice.packed else "plain", choice.reason)
+    n = pack(model, choice)
+    log.info("linear layers %s (%d packed), because %s", choice.summary(), n, choice.reason)
     return choice

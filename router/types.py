@@ -153,7 +153,7 @@ class Chunk:
 @dataclass(frozen=True)
 class Runtime:
     """How the workers run the model: dtype (and why it was chosen), decode attention kernel,
-    whether decode steps are compiled, and packed or plain linear layers."""
+    whether decode steps are compiled, and which linear layers are packed."""
 
     dtype: str
     dtype_reason: str
@@ -168,7 +168,7 @@ class Runtime:
 
     def summary(self) -> str:
         """One line for logs and `pdserve status`: dtype, attention kernel, linear layers, compiled or eager."""
-        return f"{self.dtype}, {self.attention}, {self.linear} linear, {'compiled' if self.compiled else 'eager'}"
+        return f"{self.dtype}, {self.attention}, linear {self.linear}, {'compiled' if self.compiled else 'eager'}"
 
 
 @dataclass(frozen=True)

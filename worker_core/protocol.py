@@ -57,7 +57,7 @@ class WorkerInfo:
     dtype_reason: str  # why that dtype: flags, a measurement, or the user's choice
     attention: str  # decode attention kernel: a CPU build name, "triton" or "torch"
     compiled: bool  # decode steps run as one compiled graph
-    linear: str  # linear layers: "packed" (oneDNN, weights packed once) or "plain"
+    linear: str  # linear layers: "plain", "packed" (oneDNN, weights packed once) or the groups packed
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

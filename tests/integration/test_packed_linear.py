@@ -63,18 +63,27 @@ def test_packed_engine_matches_generate(arch):
     ref = tiny_model(arch, seed=7)
     engine = engine_for(copy.deepcopy(ref), linear="packed")
     assert engine.describe()["linear"] == "packed" and engine.linear_choice.reason == "set explicitly"
+    assert not any(isinstance(m, torch.nn.Linear) for m in engine.runner.model.modules())
     prompts = [random_prompt(n, seed=n) for n in (1, 9, 40, 130)]
     outs = engine.generate(prompts, SamplingParams(max_tokens=20))
     assert [o.output_token_ids for o in outs] == [greedy_reference(ref, p, 20) for p in prompts]
 
 
-def test_auto_measures_and_says_why():
-    engine = engine_for(tiny_model("llama", seed=8), linear="auto")
+def test_auto_measures_each_group_packs_the_winners_and_says_why():
+    model = tiny_model("llama", seed=8)
+    all_groups = set(packed_linear.groups(model))
+    assert {"q_proj 64x64", "k_proj 32x64", "down_proj 64x128", "lm_head 512x64"} <= all_groups
+    engine = engine_for(model, linear="auto")
     choice = engine.linear_choice
-    assert choice.reason.startswith("measured on the model: decode-sized products plain ")
-    assert engine.describe()["linear"] == ("packed" if choice.packed else "plain")
-    packed = any(isinstance(m, PackedLinear) for m in engine.runner.model.modules())
-    assert packed == choice.packed
+    assert choice.reason.startswith("measured on the model, plain -> packed: ")
+    assert all(g in choice.reason for g in all_groups) and choice.groups <= all_groups
+    assert engine.describe()["linear"] == choice.summary()
+    packed = {packed_linear.group_of(n, m) for n, m in engine.runner.model.named_modules()
+              if isinstance(m, PackedLinear)}
+    assert packed == set(choice.groups)
+    prompt = random_prompt(30, seed=3)
+    ref = tiny_model("llama", seed=8)
+    assert engine.generate([prompt], SamplingParams(max_tokens=12))[0].output_token_ids == greedy_reference(ref, prompt, 12)
 
 
 def test_plain_leaves_the_layers_alone():

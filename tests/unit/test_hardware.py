@@ -6,8 +6,15 @@ import pytest
 
 from engine import hardware
 from engine.config import EngineConfig
-from engine.hardware import (CpuInfo, choose_dtype, choose_kernel, choose_linear, parse_cpuinfo, pick_linear,
-                             pick_measured)
+from engine.hardware import (
+    CpuInfo,
+    choose_dtype,
+    choose_kernel,
+    choose_linear,
+    parse_cpuinfo,
+    pick_linear,
+    pick_measured,
+)
 
 AVX2 = frozenset(["fpu", "sse2", "avx", "avx2", "fma", "f16c"])
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
@@ -46,15 +53,15 @@ def test_a_measurement_picks_the_faster_dtype_and_says_so():
 
 @pytest.mark.parametrize("setting,device,available,want", [
     ("auto", "cpu", True, None),  # only a measurement on the model tells
-    ("auto", "cpu", False, False),
-    ("packed", "cpu", True, True),
-    ("plain", "cpu", True, False),
-    ("auto", "cuda:0", True, False),
-    ("plain", "cuda", False, False),
+    ("auto", "cpu", False, frozenset()),
+    ("packed", "cpu", True, hardware.ALL_LAYERS),
+    ("plain", "cpu", True, frozenset()),
+    ("auto", "cuda:0", True, frozenset()),
+    ("plain", "cuda", False, frozenset()),
 ])
 def test_linear_layers_follow_the_setting_device_and_build(setting, device, available, want):
     choice = choose_linear(setting, device, available)
-    assert choice.packed is want and choice.reason
+    assert choice.groups == want and choice.reason
 
 
 def test_packed_linear_layers_where_they_cannot_run_are_refused_by_name():
@@ -67,11 +74,16 @@ def test_packed_linear_layers_where_they_cannot_run_are_refused_by_name():
     assert EngineConfig().linear == "auto"
 
 
-def test_a_measurement_packs_only_for_a_clear_gain_and_says_so():
-    choice = pick_linear({"plain": 0.100, "packed": 0.060})
-    assert choice.packed is True and "plain 100.0 ms, packed 60.0 ms" in choice.reason
-    assert pick_linear({"plain": 0.100, "packed": 0.095}).packed is False  # inside the noise: stays plain
-    assert pick_linear({"plain": 0.100, "packed": 0.150}).packed is False
+def test_a_measurement_packs_the_groups_that_clearly_win_and_says_so():
+    choice = pick_linear({"lm_head 512x64": {"plain": 0.100, "packed": 0.060},  # a clear win
+                          "up_proj 128x64": {"plain": 0.100, "packed": 0.095},  # inside the noise: stays plain
+                          "q_proj 64x64": {"plain": 0.100, "packed": 0.150}})
+    assert choice.groups == {"lm_head 512x64"}
+    assert choice.packs("lm_head 512x64") and not choice.packs("q_proj 64x64")
+    assert "lm_head 512x64 100.0 -> 60.0 ms" in choice.reason and "q_proj 64x64 100.0 -> 150.0 ms" in choice.reason
+    assert choice.summary() == "packed lm_head 512x64"
+    assert pick_linear({"q_proj 64x64": {"plain": 0.1, "packed": 0.2}}).summary() == "plain"
+    assert hardware.LinearChoice(hardware.ALL_LAYERS, "set explicitly").summary() == "packed"
 
 
 @pytest.mark.parametrize("flags,arch,want", [

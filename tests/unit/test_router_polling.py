@@ -98,5 +98,5 @@ def test_the_runtime_comes_from_the_workers_and_names_who_chose_the_dtype() -> N
     decode = replace(_INFO, attention="avx2", compiled=True, linear="packed")
     router = Router(Pools(decode=[_Worker()]), [chooser], [decode], None, "m", RouterConfig(), measured_cost())
     assert router.runtime == Runtime("float32", "the CPU has no bf16 instructions", "avx2", True, "packed")
-    assert router.runtime.summary() == "float32, avx2, packed linear, compiled"
+    assert router.runtime.summary() == "float32, avx2, linear packed, compiled"
     assert router.models()[0].runtime == router.runtime
