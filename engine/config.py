@@ -49,8 +49,8 @@ class EngineConfig:
         max_model_len: context limit; None means the model's own.
         num_threads: torch intra-op threads on CPU; None leaves torch's default.
         linear: how linear layers compute on CPU: "packed" (weights packed once for oneDNN,
-            `engine.packed_linear`), "plain" (`F.linear`), or auto: whichever runs decode-sized
-            products faster here, measured at start-up. CUDA always runs plain.
+            `engine.packed_linear`), "plain" (`F.linear`), or auto: per group of layers, whichever
+            runs decode-sized products faster here, measured at start-up. CUDA always runs plain.
         seed: seed for requests that sample without a seed of their own.
         compile: run each decode step as one `torch.compile`d graph (with the paged decode kernel:
             a CPU build or Triton on CUDA; about 15 s of compilation at start, cached on disk).
@@ -74,8 +74,8 @@ class EngineConfig:
     num_threads: int | None = field(default=None, metadata={
         "flag": "--threads", "help": "torch threads per engine (default: torch's choice; serve: --cpus-per-worker)"})
     linear: str = field(default=AUTO, metadata={"choices": LINEARS, "help": (
-        "linear layers on CPU: packed (weights packed once for oneDNN), plain (F.linear), or auto: the faster "
-        "for decode-sized batches here, measured at start-up")})
+        "linear layers on CPU: packed (weights packed once for oneDNN), plain (F.linear), or auto: per group of "
+        "layers, the faster for decode-sized batches here, measured at start-up")})
     seed: int = field(default=0, metadata={"help": "seed of sampled requests that give none of their own"})
     compile: bool = field(default=False, metadata={
         "help": "run each decode step as one torch.compile'd graph (faster decode; ~15 s of compiling at start, "

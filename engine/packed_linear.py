@@ -81,6 +81,7 @@ class PackedLinear(torch.nn.Module):
     def __init__(self, linear: torch.nn.Linear, batch_hint: int) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight_dtype = linear.weight.dtype
         packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
         self._holder = _Holder(packed)
         handle = next(_HANDLES)

@@ -21,7 +21,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from transformers import StoppingCriteria, StoppingCriteriaList
 
 from pdserve.bench.cpu_watch import CpuMonitor
@@ -105,19 +104,30 @@ def linear_weights(model: torch.nn.Module) -> list[torch.Tensor]:
     return [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
 
 
+def bound_linears(model: torch.nn.Module, choice: Any) -> list[torch.nn.Module]:
+    """The bound's linear layers, computed as the engine computes them: a `PackedLinear` copy for
+    each layer of a group the engine packed (`choice`, its `hardware.LinearChoice`), the plain layer
+    for the rest."""
+    from engine.packed_linear import PackedLinear, group_of
+
+    return [PackedLinear(m, 16) if choice.packs(group_of(name, m)) else m for name, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear)]
+
+
 @torch.inference_mode()
-def time_linears(weights: list[torch.Tensor], batch: int, reps: int) -> float:
-    inputs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=w.dtype) for w in weights}
+def time_linears(layers: list[torch.nn.Module], batch: int, reps: int) -> float:
+    dtypes = [m.weight.dtype if isinstance(m, torch.nn.Linear) else m.weight_dtype for m in layers]
+    inputs = {(m.in_features, d): torch.randn(batch, m.in_features, dtype=d) for m, d in zip(layers, dtypes)}
 
     def run() -> None:
-        for w in weights:
-            F.linear(inputs[w.shape[1]], w)
+        for m, d in zip(layers, dtypes):
+            m(inputs[m.in_features, d])
     return median_time(run, reps)
 
 
-def bound(model: torch.nn.Module, geo: dict[str, int], bw_gb_s: float, b: int, plan: Plan) -> Stats:
+def bound(layers: list[torch.nn.Module], geo: dict[str, int], bw_gb_s: float, b: int, plan: Plan) -> Stats:
     avg_ctx = plan.prompt_len + plan.new_tokens / 2
-    lin = time_linears(linear_weights(model), b, plan.reps)
+    lin = time_linears(layers, b, plan.reps)
     kv = geo["kv_bytes_per_token"] * b * avg_ctx / (bw_gb_s * 1e9)
     log(f"bound B={b}: linears {lin * 1e3:.1f} ms + KV {kv * 1e3:.2f} ms -> {b / (lin + kv):.1f} tok/s")
     return {"linear_s": lin, "kv_read_s": kv, "avg_context": avg_ctx, "tok_s": b / (lin + kv)}
@@ -146,6 +156,7 @@ class Bench:
     prompts: Prompts
     geo: dict[str, int]  # the model's geometry
     bw_gb_s: float  # measured read bandwidth
+    linears: list[torch.nn.Module]  # the bound's linear layers, packed where the engine's are
 
 
 def engine_run(bn: Bench, batch: int, length: int, max_tokens: int) -> Stats:
@@ -225,7 +236,7 @@ def decode_workload(bn: Bench, b: int) -> dict[str, Stats]:
     p = bn.plan
     bounds, pd_runs, tf_runs = [], [], []
     for _ in range(p.decode_reps):
-        bounds.append(bn.mon.run(lambda: bound(bn.hf, bn.geo, bn.bw_gb_s, b, p)))
+        bounds.append(bn.mon.run(lambda: bound(bn.linears, bn.geo, bn.bw_gb_s, b, p)))
         pd_runs.append(bn.mon.run(lambda: pd_run(bn, b, p.prompt_len, p.new_tokens)))
         tf_runs.append(bn.mon.run(lambda: hf_run(bn, b, p.prompt_len, p.new_tokens)))
     pd, tf = median_run(pd_runs, "decode_tok_s"), median_run(tf_runs, "decode_tok_s")
@@ -314,11 +325,12 @@ def measure(args: argparse.Namespace, plan: Plan, res: dict[str, Any]) -> None:
                bandwidth_limit_tok_s=bw * 1e9 / geo["weight_bytes"],
                compute_limit_tok_s=peak * 1e9 / (2 * geo["linear_params"]))
     eng = build_engine(args, plan, geo, choice.dtype)
-    res.update(attention_kernel=eng.runner.attention_kernel, compiled=eng.runner.compiled)
-    log(f"pdserve: decode attention {eng.runner.attention_kernel}, decode step "
-        f"{'compiled' if eng.runner.compiled else 'eager'}")
+    res.update(attention_kernel=eng.runner.attention_kernel, compiled=eng.runner.compiled,
+               linear=eng.linear_choice.summary(), linear_reason=eng.linear_choice.reason)
+    log(f"pdserve: decode attention {eng.runner.attention_kernel}, linear {eng.linear_choice.summary()}, "
+        f"decode step {'compiled' if eng.runner.compiled else 'eager'}")
     bn = Bench(plan, mon, eng, hf, Prompts(min(len(tok), geo["vocab"]), tok.all_special_ids),
-               geo, bw)
+               geo, bw, bound_linears(hf, eng.linear_choice))
     res["decode"] = {b: decode_workload(bn, b) for b in plan.batches}
     res["bound"] = {b: res["decode"][b].pop("bound") for b in plan.batches}
     res["prefill"] = {n: prefill_workload(bn, n) for n in plan.prefill_lens}

@@ -2,6 +2,8 @@
 resources, and tiny random models saved where workers can load them."""
 from __future__ import annotations
 
+import gc
+
 import pytest
 import ray
 from transformers import PreTrainedModel
@@ -17,6 +19,10 @@ def ray_cluster() -> None:
     ray.init(num_cpus=2, resources={PREFILL_RESOURCE: 4, DECODE_RESOURCE: 4}, include_dashboard=False,
              log_to_driver=False)
     yield
+    # Routers, streams and tasks of the module's tests can sit in reference cycles that hold object
+    # refs and actor handles; freed after `ray.shutdown` their destructors would call into a core
+    # worker that is gone. Free them while Ray is up.
+    gc.collect()
     ray.shutdown()
 
 
