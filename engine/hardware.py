@@ -103,7 +103,8 @@ class LinearChoice:
 
 
 ALL_LAYERS = frozenset({"*"})
-PACKED_GAIN = 0.9  # a group is packed when that takes at most this share of its plain time (a clear win, not noise)
+PACKED_GAIN = 0.9  # a group is packed when that takes at most this share of its plain time over the probe batches
+PACKED_BATCH1_LOSS = 1.1  # ... and at most this multiple of its plain time at batch 1 (lone streams stay as fast)
 
 
 def choose_linear(setting: str, device: str, packing_available: bool) -> LinearChoice:
@@ -130,11 +131,17 @@ def choose_linear(setting: str, device: str, packing_available: bool) -> LinearC
     return LinearChoice(None, "measure")
 
 
-def pick_linear(seconds: dict[str, dict[str, float]]) -> LinearChoice:
-    """The groups to pack from a probe's timings {group: {"plain": s, "packed": s}} (the same
-    products both ways): those where packing is a clear win."""
-    won = frozenset(g for g, t in seconds.items() if t["packed"] <= PACKED_GAIN * t["plain"])
-    timing = "; ".join(f"{g} {t['plain'] * 1e3:.1f} -> {t['packed'] * 1e3:.1f} ms" for g, t in sorted(seconds.items()))
+def pick_linear(seconds: dict[str, dict[str, list[float]]]) -> LinearChoice:
+    """The groups to pack from a probe's timings {group: {"plain": [s per batch], "packed": [...]}}
+    (the same products both ways, the first batch 1): those where packing is a clear win over all
+    the batches and costs batch 1 no more than noise."""
+    def wins(t: dict[str, list[float]]) -> bool:
+        return (sum(t["packed"]) <= PACKED_GAIN * sum(t["plain"])
+                and t["packed"][0] <= PACKED_BATCH1_LOSS * t["plain"][0])
+
+    won = frozenset(g for g, t in seconds.items() if wins(t))
+    timing = "; ".join(f"{g} {sum(t['plain']) * 1e3:.1f} -> {sum(t['packed']) * 1e3:.1f} ms (batch 1 "
+                       f"{t['plain'][0] * 1e3:.2f} -> {t['packed'][0] * 1e3:.2f})" for g, t in sorted(seconds.items()))
     return LinearChoice(won, f"measured on the model, plain -> packed: {timing}")
 
 

@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 _PACKED: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 _HANDLES = itertools.count()
-PROBE_BATCHES = (1, 4, 16)  # decode batch sizes the choice is measured at (their sum decides)
+PROBE_BATCHES = (1, 4, 16)  # decode batch sizes the choice is measured at (`hardware.pick_linear`)
 
 
 def available(dtype: torch.dtype = torch.float32) -> bool:
@@ -141,20 +141,20 @@ def _best_of(fn: Callable[[], object], reps: int) -> float:
 
 
 @torch.inference_mode()
-def measure(model: torch.nn.Module, reps: int = 3, layers: int = 4) -> dict[str, dict[str, float]]:
-    """Seconds of decode-sized products (batches `PROBE_BATCHES`) through up to `layers` layers of
-    each group, plain (`F.linear`) and packed: {group: {"plain": s, "packed": s}}. The packed copies
-    live only while timed."""
-    out: dict[str, dict[str, float]] = {}
+def measure(model: torch.nn.Module, reps: int = 3, layers: int = 4) -> dict[str, dict[str, list[float]]]:
+    """Seconds of decode-sized products through up to `layers` layers of each group, plain
+    (`F.linear`) and packed, one figure per batch of `PROBE_BATCHES`: {group: {"plain": [s, ...],
+    "packed": [s, ...]}}. The packed copies live only while timed."""
+    out: dict[str, dict[str, list[float]]] = {}
     for group, members in groups(model).items():
         weights = [child.weight for _, _, child in members[:layers]]
         packed = [torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in weights]
-        times = out[group] = {"plain": 0.0, "packed": 0.0}
+        times = out[group] = {"plain": [], "packed": []}
         for batch in PROBE_BATCHES:
             x = torch.randn(batch, weights[0].shape[1], dtype=weights[0].dtype)
-            times["plain"] += _best_of(lambda x=x, ws=weights: [F.linear(x, w) for w in ws], reps)
-            times["packed"] += _best_of(lambda x=x, ws=weights, ps=packed: [
-                _pointwise(x, p, None, w.shape[0]) for w, p in zip(ws, ps, strict=True)], reps)
+            times["plain"].append(_best_of(lambda x=x, ws=weights: [F.linear(x, w) for w in ws], reps))
+            times["packed"].append(_best_of(lambda x=x, ws=weights, ps=packed: [
+                _pointwise(x, p, None, w.shape[0]) for w, p in zip(ws, ps, strict=True)], reps))
     return out
 
 

@@ -75,14 +75,17 @@ def test_packed_linear_layers_where_they_cannot_run_are_refused_by_name():
 
 
 def test_a_measurement_packs_the_groups_that_clearly_win_and_says_so():
-    choice = pick_linear({"lm_head 512x64": {"plain": 0.100, "packed": 0.060},  # a clear win
-                          "up_proj 128x64": {"plain": 0.100, "packed": 0.095},  # inside the noise: stays plain
-                          "q_proj 64x64": {"plain": 0.100, "packed": 0.150}})
+    choice = pick_linear({  # seconds at batches 1, 4, 16
+        "lm_head 512x64": {"plain": [0.010, 0.040, 0.050], "packed": [0.009, 0.015, 0.036]},  # a clear win
+        "up_proj 128x64": {"plain": [0.010, 0.040, 0.050], "packed": [0.010, 0.038, 0.047]},  # noise: stays plain
+        "down_proj 64x128": {"plain": [0.010, 0.040, 0.050], "packed": [0.013, 0.020, 0.030]},  # slows batch 1
+        "q_proj 64x64": {"plain": [0.010, 0.010, 0.010], "packed": [0.015, 0.015, 0.015]}})
     assert choice.groups == {"lm_head 512x64"}
-    assert choice.packs("lm_head 512x64") and not choice.packs("q_proj 64x64")
-    assert "lm_head 512x64 100.0 -> 60.0 ms" in choice.reason and "q_proj 64x64 100.0 -> 150.0 ms" in choice.reason
+    assert choice.packs("lm_head 512x64") and not choice.packs("down_proj 64x128")
+    assert "lm_head 512x64 100.0 -> 60.0 ms (batch 1 10.00 -> 9.00)" in choice.reason
+    assert "q_proj 64x64 30.0 -> 45.0 ms" in choice.reason
     assert choice.summary() == "packed lm_head 512x64"
-    assert pick_linear({"q_proj 64x64": {"plain": 0.1, "packed": 0.2}}).summary() == "plain"
+    assert pick_linear({"q_proj 64x64": {"plain": [0.1], "packed": [0.2]}}).summary() == "plain"
     assert hardware.LinearChoice(hardware.ALL_LAYERS, "set explicitly").summary() == "packed"
 
 
