@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -32,16 +31,6 @@ def cuda_bf16(device: str) -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability(torch.device(device))[0] >= 8
 
 
-def _best_of(fn: Callable[[], None], reps: int) -> float:
-    fn()  # warm-up: first-touch of the weights, kernel selection
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 @torch.inference_mode()
 def measure(model: PreTrainedModel, reps: int = 2) -> dict[str, float]:
     """Seconds of the probe shapes through the model's linear layers, per dtype (float32, bfloat16).
@@ -59,7 +48,7 @@ def measure(model: PreTrainedModel, reps: int = 2) -> dict[str, float]:
             def run(subset: list[torch.Tensor] = subset, xs: dict = xs) -> None:
                 for w in subset:
                     F.linear(xs[w.shape[1]], w)
-            total += _best_of(run, reps)
+            total += hardware.best_of(run, reps)
         out[name] = total
         del ws
     return out

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import platform
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -230,6 +232,18 @@ def this_cpu() -> CpuInfo:
         return parse_cpuinfo(Path("/proc/cpuinfo").read_text(), arch)
     except OSError:
         return CpuInfo(platform.processor() or "unknown", frozenset(), arch)
+
+
+def best_of(fn: Callable[[], object], reps: int) -> float:
+    """The fastest of `reps` timed calls of `fn`, seconds, after one untimed call (first touch of the
+    weights, the library's kernel selection): how the start-up probes time this machine."""
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def forced_kernel() -> str | None:

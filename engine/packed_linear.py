@@ -24,7 +24,6 @@ import itertools
 import logging
 import time
 import weakref
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -130,16 +129,6 @@ def pack(model: torch.nn.Module, choice: LinearChoice | None = None, batch_hint:
     return len(swaps)
 
 
-def _best_of(fn: Callable[[], object], reps: int) -> float:
-    fn()  # warm-up: first touch of the weights, oneDNN's kernel selection
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 @torch.inference_mode()
 def measure(model: torch.nn.Module, reps: int = 3, layers: int = 4) -> dict[str, dict[str, list[float]]]:
     """Seconds of decode-sized products through up to `layers` layers of each group, plain
@@ -152,8 +141,8 @@ def measure(model: torch.nn.Module, reps: int = 3, layers: int = 4) -> dict[str,
         times = out[group] = {"plain": [], "packed": []}
         for batch in PROBE_BATCHES:
             x = torch.randn(batch, weights[0].shape[1], dtype=weights[0].dtype)
-            times["plain"].append(_best_of(lambda x=x, ws=weights: [F.linear(x, w) for w in ws], reps))
-            times["packed"].append(_best_of(lambda x=x, ws=weights, ps=packed: [
+            times["plain"].append(hardware.best_of(lambda x=x, ws=weights: [F.linear(x, w) for w in ws], reps))
+            times["packed"].append(hardware.best_of(lambda x=x, ws=weights, ps=packed: [
                 _pointwise(x, p, None, w.shape[0]) for w, p in zip(ws, ps, strict=True)], reps))
     return out
 

@@ -85,3 +85,17 @@ def test_the_turns_benchmark_reads_pdserve_s_transfer_and_cache_counters():
     text = "\n".join(lines)
     assert parse_metrics(text) == {"pdserve_kv_transfer_bytes_sum": 4096.0, "pdserve_kv_transfer_bytes_count": 2.0,
                                    "pdserve_prefix_cache_hit_tokens_total": 96.0}
+
+
+def test_the_linear_table_compares_each_batch_and_names_what_auto_packed():
+    from pdserve.bench.linear import render
+
+    run = {"decode_step_s": {"plain": {1: 0.080, 10: 0.250}, "auto": {1: 0.080, 10: 0.200}},
+           "prefill_s": {"plain": 10.0, "auto": 8.0}, "choice": "packed lm_head 49152x576", "reason": "measured"}
+    res = {"machine": {"machine_class": "AVX2 + FMA", "cpu": "test cpu", "command": "pdserve bench linear"},
+           "dtype": "float32", "compile": True, "context": 128, "reps": 3, "steps": 6, "batches": [1, 10],
+           "prompt_len": 1024, "runs": {1: run}}
+    text = render(res)
+    assert "| 1 | 10 | 250 ms (40.0) | 200 ms (50.0) | 1.25x |" in text
+    assert "| 1 | prefill 1024 | 10.00 s (102) | 8.00 s (128) | 1.25x |" in text
+    assert "auto chose linear packed lm_head 49152x576" in text and text.startswith("AVX2 + FMA (test cpu)")
