@@ -156,8 +156,9 @@ def apply(model: torch.nn.Module, setting: str, device: str) -> LinearChoice:
     """
     dtype = next(model.parameters()).dtype
     choice = hardware.choose_linear(setting, device, device == "cpu" and available(dtype))
-    if any(isinstance(m, PackedLinear) for m in model.modules()):
-        return LinearChoice(ALL_LAYERS, "the given model's layers were packed already")
+    already = frozenset(group_of(n, m) for n, m in model.named_modules() if isinstance(m, PackedLinear))
+    if already:  # an engine built on a model another engine packed: it runs as it is
+        return LinearChoice(already if groups(model) else ALL_LAYERS, "the given model was packed already")
     if choice.groups is None:
         t0 = time.perf_counter()
         choice = hardware.pick_linear(measure(model))

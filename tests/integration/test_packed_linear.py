@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams, kernels, packed_linear
+from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams, hardware, kernels, packed_linear
 from engine.packed_linear import PackedLinear
 from tests.conftest import greedy_reference, random_prompt, tiny_model
 
@@ -106,3 +106,10 @@ def test_compiled_packed_decode_matches_generate(arch):
     expected = [greedy_reference(ref, p, 16) for p in prompts]
     assert engine.generate([prompts[1]], SamplingParams(max_tokens=16))[0].output_token_ids == expected[1]
     assert [o.output_token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=16))] == expected
+
+
+def test_a_model_packed_already_is_taken_as_it_is():
+    model = tiny_model("llama", seed=9)
+    packed_linear.pack(model, hardware.LinearChoice(frozenset({"lm_head 512x64"}), "given"))
+    engine = engine_for(model, linear="plain")
+    assert engine.linear_choice.groups == {"lm_head 512x64"} and engine.describe()["linear"] == "packed lm_head 512x64"
