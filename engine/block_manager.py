@@ -19,6 +19,7 @@ import hashlib
 import threading
 from array import array
 from collections import OrderedDict, deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from engine.sequence import Sequence
@@ -44,15 +45,19 @@ def chain_key(prev_key: int | None, token_ids: tuple[int, ...]) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
-def prefix_keys(token_ids: list[int], block_size: int) -> list[int]:
-    """The keys of the full blocks of a prompt that a cache can serve: every full block before the one
-    holding the prompt's last token (whose logits must be computed)."""
-    keys: list[int] = []
+def iter_prefix_keys(token_ids: list[int], block_size: int) -> Iterator[int]:
+    """The keys of the full blocks of a prompt that a cache can serve, first block first, each hashed
+    only when asked for: every full block before the one holding the prompt's last token (whose
+    logits must be computed)."""
     key = None
     for start in range(0, len(token_ids) - block_size, block_size):
         key = chain_key(key, tuple(token_ids[start:start + block_size]))
-        keys.append(key)
-    return keys
+        yield key
+
+
+def prefix_keys(token_ids: list[int], block_size: int) -> list[int]:
+    """Every key of `iter_prefix_keys`, as a list."""
+    return list(iter_prefix_keys(token_ids, block_size))
 
 
 @dataclass(frozen=True)
@@ -132,7 +137,7 @@ class BlockManager:
             return []
         hits: list[int] = []
         bs = self.block_size
-        for i, key in enumerate(prefix_keys(token_ids, bs)):
+        for i, key in enumerate(iter_prefix_keys(token_ids, bs)):  # lazily: a miss ends the hashing
             block_id = self.cached.get(key)
             if block_id is None or self.blocks[block_id].token_ids != tuple(token_ids[i * bs:(i + 1) * bs]):
                 break
@@ -144,7 +149,9 @@ class BlockManager:
         return len(self._cached_prefix(token_ids)) * self.block_size
 
     def can_allocate(self, seq: Sequence) -> bool:
-        hits = self._cached_prefix(seq.token_ids)
+        return self._fits(seq, self._cached_prefix(seq.token_ids))
+
+    def _fits(self, seq: Sequence, hits: list[int]) -> bool:
         reusable_free = sum(1 for b in hits if self.blocks[b].ref_count == 0)
         new = self.blocks_needed(seq.num_tokens) - len(hits)
         return new + reusable_free <= self.num_free_blocks
@@ -153,8 +160,10 @@ class BlockManager:
         """Give `seq` blocks for all its tokens, reusing cached prefix blocks (not with
         `use_cache=False`: KV that will arrive from elsewhere). New blocks are keyed by `commit`."""
         assert not seq.block_table, f"{seq.request_id} already holds blocks"
-        assert self.can_allocate(seq), f"{seq.request_id}: not enough free blocks"
-        hits = self._cached_prefix(seq.token_ids) if use_cache else []
+        hits = self._cached_prefix(seq.token_ids)
+        assert self._fits(seq, hits), f"{seq.request_id}: not enough free blocks"
+        if not use_cache:
+            hits = []
         for block_id in hits:
             block = self.blocks[block_id]
             if block.ref_count == 0:

@@ -275,3 +275,13 @@ def test_prefix_caching_disabled_means_no_reuse() -> None:
     prefill(bm, c)
     assert c.num_cached_tokens == 0
     check_invariants(bm, [b, c])
+
+
+def test_prefix_keys_are_hashed_one_block_at_a_time():
+    from engine.block_manager import iter_prefix_keys, prefix_keys
+
+    tokens = list(range(1, 40))
+    keys = iter_prefix_keys(tokens, 8)
+    first = next(keys)  # the rest are not hashed until asked for: a cache miss ends the hashing
+    assert [first, *keys] == prefix_keys(tokens, 8) and len(prefix_keys(tokens, 8)) == 4
+    assert prefix_keys(tokens[:8], 8) == []  # the block holding the last token is never served
