@@ -89,6 +89,7 @@ def test_models_and_health(client, server):
     best = hardware.choose_kernel(hardware.this_cpu(), hardware.forced_kernel()).build
     assert runtime["attention"] == (best.name if best else "torch")
     assert runtime["compiled"] is (best is not None)
+    assert runtime["linear"] == "plain" or runtime["linear"].startswith("packed")  # auto: measured per group
     with urllib.request.urlopen(server.http + "/health", timeout=10) as r:
         assert r.status == 200
 

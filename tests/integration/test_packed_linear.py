@@ -40,7 +40,7 @@ def test_a_packed_layer_equals_the_plain_one(dtype, tol, rows, bias):
     assert torch.equal(op, got)
 
 
-def test_pack_swaps_every_linear_and_frees_nothing_still_in_use():
+def test_pack_swaps_every_linear_layer():
     model = tiny_model("llama", seed=1)
     linears = sum(isinstance(m, torch.nn.Linear) for m in model.modules())
     assert packed_linear.pack(model) == linears
