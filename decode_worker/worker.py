@@ -22,7 +22,7 @@ import time
 from collections.abc import Iterator
 
 from engine import EngineConfig, RequestOutput, SamplingParams
-from engine.command_loop import Stopped
+from engine.command_loop import Round, Stopped
 from engine.profiling import time_decode_step, time_mixed_step
 from kv_transfer import PeerInfo, TransferConfig, TransferState
 from worker_core import WorkerBase
@@ -149,21 +149,22 @@ class DecodeWorker(WorkerBase):
                           receiving=len(sched.receiving))
 
     # -- engine loop thread ------------------------------------------------------------------------
-    def _work(self) -> bool:
-        """One round: start requests whose KV landed, then one engine step. Returns whether busy."""
+    def _work(self) -> Round:
+        """One round: start requests whose KV landed, then one engine step. Returns BUSY while requests
+        run, WAITING while only transfers are under way (they are polled), else IDLE."""
         self._land()
         if not self.engine.has_unfinished():
-            return False
+            return Round.WAITING if self._landing else Round.IDLE
         try:
             outs = self.engine.step()
         except Exception as e:  # a step that cannot run fails its requests, not the worker
             log.exception("engine step failed on %s", self.worker_id)
             why = f"worker {self.worker_id}: its engine failed ({type(e).__name__})"
             self._fail_unfinished(ErrorKind.INTERNAL, why)
-            return False
+            return Round.WAITING if self._landing else Round.IDLE
         for out in outs:
             self._on_output(out)
-        return True
+        return Round.BUSY
 
     def _on_output(self, out: RequestOutput) -> None:
         """A step's output for one request: its stream's next item."""

@@ -6,6 +6,7 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
+from enum import IntEnum
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -14,6 +15,13 @@ log = logging.getLogger(__name__)
 
 class Stopped(RuntimeError):
     """The owning thread has stopped: the command did not run."""
+
+
+class Round(IntEnum):
+    """What one round of an owner's work left behind, i.e. when the next round is due."""
+    IDLE = 0  # nothing pending: the next round follows the next command
+    WAITING = 1  # something outside the thread is under way (a KV transfer): look again shortly
+    BUSY = 2  # more work now: the next round follows at once
 
 
 class CommandQueue:
@@ -45,11 +53,15 @@ class CommandQueue:
                 return
             fut.set_exception(self._closed)
 
-    def drain(self, wait_s: float = 0.0, after: Callable[[], None] | None = None) -> None:
-        """Run every queued command; first wait up to `wait_s` for one when none is queued. `after`
-        runs after each command, before its caller gets the result."""
+    def wake(self) -> None:
+        """Wake a `drain` that waits for a command (a no-op command nobody waits on)."""
+        self._q.put((lambda: None, Future()))
+
+    def drain(self, wait_s: float | None = 0.0, after: Callable[[], None] | None = None) -> None:
+        """Run every queued command; first wait up to `wait_s` for one when none is queued (None: until
+        one comes). `after` runs after each command, before its caller gets the result."""
         try:
-            item = self._q.get(timeout=wait_s) if wait_s > 0 else self._q.get_nowait()
+            item = self._q.get(timeout=wait_s) if wait_s is None or wait_s > 0 else self._q.get_nowait()
         except queue.Empty:
             return
         while True:
@@ -77,19 +89,21 @@ class OwnerThread:
     commands other threads hand it through `call`.
 
     Args:
-        work: one round of the owner's work; returns whether more is pending (then no idle wait).
+        work: one round of the owner's work; returns the `Round` it left: BUSY (the next round at
+            once), WAITING (after `poll_s`, or a command), IDLE (after the next command only: an idle
+            owner sleeps instead of polling).
         name: thread name.
-        idle_wait_s: how long to wait for a command when idle.
+        poll_s: how long a WAITING owner waits for a command before it looks again.
         after: runs on this thread after every command (before its caller gets the result) and after
             every round: it publishes what other threads read without waiting (a worker's load).
     """
 
-    def __init__(self, work: Callable[[], bool], name: str, idle_wait_s: float = 0.002,
+    def __init__(self, work: Callable[[], Round], name: str, poll_s: float = 0.002,
                  after: Callable[[], None] | None = None) -> None:
         self.commands = CommandQueue()
         self._work = work
         self._after = None if after is None else self._kept_alive(after, name)
-        self._idle_wait_s = idle_wait_s
+        self._waits = {Round.BUSY: 0.0, Round.WAITING: poll_s, Round.IDLE: None}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -101,6 +115,7 @@ class OwnerThread:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stop.set()
+        self.commands.wake()
         self._thread.join(timeout=timeout_s)
 
     @staticmethod
@@ -113,14 +128,16 @@ class OwnerThread:
         return run
 
     def _run(self) -> None:
-        busy = False
+        left = Round.BUSY
         while not self._stop.is_set():
-            self.commands.drain(0.0 if busy else self._idle_wait_s, self._after)
+            self.commands.drain(self._waits[left], self._after)
+            if self._stop.is_set():
+                break
             try:
-                busy = self._work()
+                left = self._work()
             except Exception:  # the owner's own handler failed: keep serving commands (abort, shutdown)
                 log.exception("%s: a round of work failed", self._thread.name)
-                busy = False
+                left = Round.WAITING
             if self._after is not None:
                 self._after()
         self.commands.drain(after=self._after)  # what was queued before the stop still runs

@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 _PACKED: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 _HANDLES = itertools.count()
 PROBE_BATCHES = (1, 4, 16)  # decode batch sizes the choice is measured at (`hardware.pick_linear`)
+BATCH_HINT = 16  # the row count oneDNN lays packed weights out for (a typical decode batch)
 
 
 def available(dtype: torch.dtype = torch.float32) -> bool:
@@ -44,7 +45,7 @@ def available(dtype: torch.dtype = torch.float32) -> bool:
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
         return False
     try:
-        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), 1)
+        _packed_weight(torch.zeros(8, 8, dtype=dtype), 1)
     except RuntimeError:  # oneDNN refuses the dtype on this CPU
         return False
     return True
@@ -67,6 +68,12 @@ def _(x: torch.Tensor, handle: torch.Tensor, bias: torch.Tensor | None, out_feat
     return x.new_empty((*x.shape[:-1], out_features))
 
 
+def _packed_weight(weight: torch.Tensor, batch_hint: int = BATCH_HINT) -> torch.Tensor:
+    """`weight` laid out by oneDNN for products of about `batch_hint` rows (the op behind torch's own
+    mkldnn linear path)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, batch_hint)
+
+
 class _Holder:
     """Keeps the packed weight alive without exposing it to torch.compile as a module tensor."""
 
@@ -77,11 +84,11 @@ class _Holder:
 class PackedLinear(torch.nn.Module):
     """An `nn.Linear` (same in/out features and bias) whose weight lives packed for oneDNN."""
 
-    def __init__(self, linear: torch.nn.Linear, batch_hint: int) -> None:
+    def __init__(self, linear: torch.nn.Linear, batch_hint: int = BATCH_HINT) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight_dtype = linear.weight.dtype
-        packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), batch_hint)
+        packed = _packed_weight(linear.weight.detach(), batch_hint)
         self._holder = _Holder(packed)
         handle = next(_HANDLES)
         _PACKED[handle] = packed
@@ -112,7 +119,7 @@ def groups(model: torch.nn.Module) -> dict[str, list[tuple[torch.nn.Module, str,
     return out
 
 
-def pack(model: torch.nn.Module, choice: LinearChoice | None = None, batch_hint: int = 16) -> int:
+def pack(model: torch.nn.Module, choice: LinearChoice | None = None, batch_hint: int = BATCH_HINT) -> int:
     """Swap the `nn.Linear` layers of `model` that `choice` names (default: all) for `PackedLinear`s, in place.
 
     Args:
@@ -137,7 +144,7 @@ def measure(model: torch.nn.Module, reps: int = 3, layers: int = 4) -> dict[str,
     out: dict[str, dict[str, list[float]]] = {}
     for group, members in groups(model).items():
         weights = [child.weight for _, _, child in members[:layers]]
-        packed = [torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in weights]
+        packed = [_packed_weight(w) for w in weights]
         times = out[group] = {"plain": [], "packed": []}
         for batch in PROBE_BATCHES:
             x = torch.randn(batch, weights[0].shape[1], dtype=weights[0].dtype)

@@ -21,6 +21,7 @@ from concurrent.futures import Future
 
 from decode_worker import DecodeWorker
 from engine import EngineConfig, RequestOutput, SamplingParams
+from engine.command_loop import Round
 from engine.sequence import Sequence
 from kv_transfer import PeerInfo, TransferConfig, TransferState
 from worker_core.protocol import ErrorKind, LoadReport, PrefillResult
@@ -127,12 +128,12 @@ class PrefillWorker(DecodeWorker):
             self._fault = None
         return True
 
-    def _work(self) -> bool:
+    def _work(self) -> Round:
         """One round: an engine step (prompt chunks, and the decode batch of requests it runs whole),
-        then free what has been sent. Returns whether work remains."""
-        busy = super()._work()
+        then free what has been sent. Sends under way are polled (WAITING)."""
+        left = super()._work()
         self._release_sent()
-        return busy
+        return max(left, Round.WAITING) if self._sending else left
 
     def _on_output(self, out: RequestOutput) -> None:
         """A prompt prefilled for a decode worker: its caller gets the first token and the connector's

@@ -17,7 +17,7 @@ import torch
 
 from engine import EngineConfig, LLMEngine
 from engine.block_manager import CacheDelta
-from engine.command_loop import OwnerThread, Stopped
+from engine.command_loop import OwnerThread, Round, Stopped
 from engine.profiling import time_prefill
 from kv_transfer import PeerInfo, TransferConfig, make_connector
 from worker_core.protocol import LoadReport, WorkerInfo
@@ -38,8 +38,8 @@ class WorkerBase:
         self._publish_load()
         self._owner = OwnerThread(self._work, name=f"engine-{self.worker_id}", after=self._after)
 
-    def _work(self) -> bool:
-        """One round of the engine loop; returns whether work remains."""
+    def _work(self) -> Round:
+        """One round of the engine loop; returns what it left (`Round`)."""
         raise NotImplementedError
 
     def _load_now(self) -> LoadReport:

@@ -110,7 +110,7 @@ def bound_linears(model: torch.nn.Module, choice: Any) -> list[torch.nn.Module]:
     for the rest."""
     from engine.packed_linear import PackedLinear, group_of
 
-    return [PackedLinear(m, 16) if choice.packs(group_of(name, m)) else m for name, m in model.named_modules()
+    return [PackedLinear(m) if choice.packs(group_of(name, m)) else m for name, m in model.named_modules()
             if isinstance(m, torch.nn.Linear)]
 
 

@@ -3,14 +3,15 @@ instead of waiting on a thread that will never answer (a worker's shutdown, then
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
-from engine.command_loop import OwnerThread, Stopped
+from engine.command_loop import OwnerThread, Round, Stopped
 
 
 def test_commands_run_on_the_owner_thread_and_errors_reach_the_caller():
-    owner = OwnerThread(lambda: False, name="owner-test")
+    owner = OwnerThread(lambda: Round.IDLE, name="owner-test")
     try:
         assert owner.call(lambda: threading.current_thread().name) == "owner-test"
         with pytest.raises(ZeroDivisionError):
@@ -22,7 +23,7 @@ def test_commands_run_on_the_owner_thread_and_errors_reach_the_caller():
 
 def test_after_stop_a_call_raises_stopped_and_never_runs():
     ran = []
-    owner = OwnerThread(lambda: False, name="owner-test")
+    owner = OwnerThread(lambda: Round.IDLE, name="owner-test")
     owner.call(lambda: ran.append("before"))
     owner.stop()
     with pytest.raises(Stopped, match="owner-test has stopped"):
@@ -34,9 +35,9 @@ def test_a_call_queued_while_the_thread_stops_gets_an_answer():
     """Callers racing the stop either run or raise Stopped; none is left waiting."""
     gate = threading.Event()
 
-    def work() -> bool:
+    def work() -> Round:
         gate.wait(0.01)
-        return False
+        return Round.WAITING
     owner = OwnerThread(work, name="owner-test")
     results: list[str] = []
 
@@ -60,7 +61,7 @@ def test_after_runs_on_the_owner_thread_after_each_command_before_its_caller_ret
     """What `after` publishes (a worker's load) is current by the time a command's caller returns."""
     state = {"n": 0}
     published: list[tuple[int, str]] = []
-    owner = OwnerThread(lambda: False, name="owner-test",
+    owner = OwnerThread(lambda: Round.IDLE, name="owner-test",
                         after=lambda: published.append((state["n"], threading.current_thread().name)))
     try:
         for i in range(1, 4):
@@ -77,8 +78,39 @@ def test_after_runs_on_the_owner_thread_after_each_command_before_its_caller_ret
 def test_a_failing_after_is_logged_and_the_thread_keeps_serving():
     def broken() -> None:
         raise RuntimeError("cannot publish")
-    owner = OwnerThread(lambda: False, name="owner-test", after=broken)
+    owner = OwnerThread(lambda: Round.IDLE, name="owner-test", after=broken)
     try:
         assert owner.call(lambda: 7) == 7 and owner.call(lambda: 8) == 8
     finally:
         owner.stop()
+
+
+def test_an_idle_owner_sleeps_until_a_command_and_a_waiting_one_polls():
+    """IDLE: no round runs until a command comes (an idle worker burns no CPU); WAITING: rounds follow
+    every `poll_s` (a transfer under way is looked at); stop wakes a sleeping owner at once."""
+    rounds = {"idle": 0, "waiting": 0}
+
+    def idle() -> Round:
+        rounds["idle"] += 1
+        return Round.IDLE
+
+    def waiting() -> Round:
+        rounds["waiting"] += 1
+        return Round.WAITING
+    sleeper = OwnerThread(idle, name="idle-owner")
+    poller = OwnerThread(waiting, name="waiting-owner", poll_s=0.005)
+    try:
+        time.sleep(0.3)
+        assert rounds["idle"] == 1  # the first round, then asleep
+        assert rounds["waiting"] >= 10
+        sleeper.call(lambda: None)  # one command: one more round (it runs after the caller returns)
+        deadline = time.monotonic() + 2.0
+        while rounds["idle"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)
+        assert rounds["idle"] == 2
+    finally:
+        t0 = time.monotonic()
+        sleeper.stop()
+        poller.stop()
+        assert time.monotonic() - t0 < 1.0
