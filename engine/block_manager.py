@@ -7,7 +7,10 @@ freed first, so the prefix cache evicts least-recently-used blocks when free blo
 
 A block is keyed by `commit` once the KV of all its tokens has been computed (or has landed
 from a prefill worker), never before: a prompt prefilled in chunks over several steps offers
-only what it has finished.
+only what it has finished. Until then a block this engine is computing is *pending* under the
+key it will get (`computing`): a prompt whose next uncached block another sequence is computing
+waits for it (`computing_prefix`) rather than computing the same KV again, so concurrent prompts
+that share a prefix (one system prompt, many first turns) compute it once.
 
 Every key that enters the cache (stored) or leaves it (evicted) goes to a `CacheEventLog`, which
 other threads read: the router learns from it which worker holds which prefix (`prefix_keys`
@@ -26,13 +29,14 @@ from engine.sequence import Sequence
 
 
 class Block:
-    __slots__ = ("block_id", "key", "ref_count", "token_ids")
+    __slots__ = ("block_id", "key", "pending", "ref_count", "token_ids")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
         self.key: int | None = None
         self.token_ids: tuple[int, ...] = ()
+        self.pending: int | None = None  # the key it gets once its KV is computed (`computing`)
 
 
 def chain_key(prev_key: int | None, token_ids: tuple[int, ...]) -> int:
@@ -116,6 +120,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}  # key -> block id
+        self.pending: dict[int, int] = {}  # key -> the block being computed for it (`computing`)
         self.num_prefix_hits = 0  # tokens served from the cache, for stats
 
     @property
@@ -143,6 +148,28 @@ class BlockManager:
                 break
             hits.append(block_id)
         return hits
+
+    def computing_prefix(self, token_ids: list[int]) -> bool:
+        """Whether the first block of `token_ids` past its cached prefix is being computed by another
+        sequence: waiting for it costs less than computing it again (its keys then reach further)."""
+        if not self.enable_prefix_caching or not self.pending:
+            return False
+        bs = self.block_size
+        for i, key in enumerate(iter_prefix_keys(token_ids, bs)):
+            block_id = self.cached.get(key)
+            if block_id is None or self.blocks[block_id].token_ids != tuple(token_ids[i * bs:(i + 1) * bs]):
+                return key in self.pending
+        return False
+
+    def computing(self, seq: Sequence) -> None:
+        """`seq`'s prompt blocks past its cached prefix are computed here from now on (not received):
+        each is pending under its key until `commit` keys it, or it is freed."""
+        if not self.enable_prefix_caching:
+            return
+        first = seq.num_cached_tokens // self.block_size
+        for i, key in enumerate(iter_prefix_keys(seq.token_ids, self.block_size)):
+            if i >= first and self.pending.setdefault(key, seq.block_table[i]) == seq.block_table[i]:
+                self.blocks[seq.block_table[i]].pending = key
 
     def cached_prefix_len(self, token_ids: list[int]) -> int:
         """Tokens of `token_ids` whose KV the prefix cache holds now."""
@@ -195,12 +222,20 @@ class BlockManager:
             block.ref_count -= 1
             assert block.ref_count >= 0
             if block.ref_count == 0:
+                self._settle(block)
                 self.free[block_id] = None
                 if block.key is None or self.cached.get(block.key) != block_id:
                     self.free.move_to_end(block_id, last=False)  # uncached: reuse before evicting
         seq.block_table = []  # num_cached_tokens stays for reporting; allocate() sets it anew
 
     # -- internals -----------------------------------------------------------------------
+    def _settle(self, block: Block) -> None:
+        """`block` is no longer being computed (keyed, or freed before it was)."""
+        if block.pending is not None:
+            if self.pending.get(block.pending) == block.block_id:
+                del self.pending[block.pending]
+            block.pending = None
+
     def _take_free(self) -> int:
         block_id, _ = self.free.popitem(last=False)  # least recently freed first
         block = self.blocks[block_id]
@@ -220,6 +255,7 @@ class BlockManager:
             block = self.blocks[seq.block_table[i]]
             chunk = tuple(seq.token_ids[i * bs:(i + 1) * bs])
             key = chain_key(key, chunk)
+            self._settle(block)
             if block.key is None:
                 block.key, block.token_ids = key, chunk
                 if self.cached.setdefault(key, block.block_id) == block.block_id:

@@ -8,7 +8,9 @@ tokens is computed (after its last chunk; every decode step). Per step:
    recently admitted sequence is preempted: its blocks are freed and it waits to be recomputed
    (its cached prefix blocks usually survive);
 2. sequences part-way through their prompt get their next chunk;
-3. waiting sequences are admitted, in order, while a sequence slot, blocks and budget remain.
+3. waiting sequences are admitted, in order, while a sequence slot, blocks and budget remain; one
+   whose next uncached prefix block another sequence is computing waits for it (its KV is reused
+   once computed) and the next ones are considered.
 Blocks are keyed for prefix reuse once their KV is computed, never before.
 """
 from __future__ import annotations
@@ -136,12 +138,17 @@ class Scheduler:
                 break
             chunks.append(self._chunk(seq, budget))
             budget -= chunks[-1].end - chunks[-1].start
-        while budget > 0 and self.waiting and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        i = 0  # waiting sequences are admitted in order, passing over those whose prefix is being computed
+        while budget > 0 and i < len(self.waiting) and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[i]
+            if self.block_manager.computing_prefix(seq.token_ids):
+                i += 1
+                continue
             if not self.block_manager.can_allocate(seq):
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             self.block_manager.allocate(seq)
+            self.block_manager.computing(seq)
             seq.num_computed_tokens = seq.num_cached_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

@@ -1,4 +1,4 @@
-"""Fixtures the integration tests share: one local Ray cluster per test module, with both pools'
+"""Fixtures the integration tests share: one local Ray cluster for the whole run, with both pools'
 resources, and tiny random models saved where workers can load them."""
 from __future__ import annotations
 
@@ -12,10 +12,12 @@ from router.pools import DECODE_RESOURCE, PREFILL_RESOURCE
 from tests.conftest import tiny_model
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def ray_cluster() -> None:
-    """A local Ray for one test module: 2 CPUs and room for 4 workers per pool (workers claim no
-    CPU: `num_cpus=0`). Shut down after the module, with every actor it started."""
+    """A local Ray for the test run: 2 CPUs and room for 4 workers per pool (workers claim no CPU:
+    `num_cpus=0`). Each module's fixtures shut down the workers they start. One cluster for the run,
+    not one per module: a driver that connects and shuts down again and again is where Ray's client
+    library crashed the test process (a segfault after a module's shutdown, now and then)."""
     ray.init(num_cpus=2, resources={PREFILL_RESOURCE: 4, DECODE_RESOURCE: 4}, include_dashboard=False,
              log_to_driver=False)
     yield

@@ -49,14 +49,16 @@ def test_a_long_prompt_never_stops_the_running_batch(tiny_pair):
     assert_all_free(engine)
 
 
-def test_a_prompt_reuses_only_the_blocks_another_has_finished_computing(tiny_pair):
+def test_a_prompt_waits_for_the_prefix_blocks_another_is_computing_and_reuses_them(tiny_pair):
+    """b arrives while a is part-way through the prefix they share: b waits for a's blocks instead of
+    computing them again, then reuses every full block of the prefix."""
     ref, model = tiny_pair
     prefix = random_prompt(100, 3)
     a, b = prefix + random_prompt(20, 4), prefix + random_prompt(30, 5)
     engine = make_engine(model, prefill_chunk_tokens=32)
     engine.add_request(a, SamplingParams(max_tokens=6), request_id="a")
     engine.step()
-    engine.step()  # a: 64 tokens computed, four 16-token blocks keyed
+    engine.step()  # a: 64 tokens computed, four 16-token blocks keyed, the next two being computed
     engine.add_request(b, SamplingParams(max_tokens=6), request_id="b")
     got: dict[str, list[int]] = {"a": [], "b": []}
     cached = {}
@@ -64,11 +66,23 @@ def test_a_prompt_reuses_only_the_blocks_another_has_finished_computing(tiny_pai
         for out in engine.step():
             got[out.request_id] += out.new_token_ids
             cached[out.request_id] = out.num_cached_tokens
-    assert cached["b"] == 64
+    assert cached["b"] == 96  # the prefix's six full blocks, all computed by a
     assert got == {"a": greedy_reference(ref, a, 6), "b": greedy_reference(ref, b, 6)}
-    c = prefix + random_prompt(9, 6)  # after both: every full block of the prefix is cached
-    out = engine.generate([c], SamplingParams(max_tokens=6))[0]
-    assert out.num_cached_tokens == 96 and out.output_token_ids == greedy_reference(ref, c, 6)
+    assert engine.stats.prefill_tokens == len(a) + len(b) - 96
+    assert_all_free(engine)
+
+
+def test_concurrent_prompts_sharing_a_prefix_compute_it_once(tiny_pair):
+    """Five first turns over one system prompt, sent at once (and one unrelated prompt): the system
+    prompt's KV is computed once, and every output equals `generate`."""
+    ref, model = tiny_pair
+    system = random_prompt(70, 7)  # four full 16-token blocks and a partial one
+    prompts = [system + random_prompt(5 + 3 * i, 30 + i) for i in range(5)] + [random_prompt(40, 40)]
+    engine = make_engine(model, prefill_chunk_tokens=32)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=8))
+    assert [o.output_token_ids for o in outs] == [greedy_reference(ref, p, 8) for p in prompts]
+    assert [o.num_cached_tokens for o in outs] == [0, 64, 64, 64, 64, 0]
+    assert engine.stats.prefill_tokens == sum(len(p) for p in prompts) - 4 * 64
     assert_all_free(engine)
 
 

@@ -18,6 +18,7 @@ def assert_all_free(engine: LLMEngine) -> None:
     bm = engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
     assert all(b.ref_count == 0 for b in bm.blocks)
+    assert not bm.pending  # nothing is left waiting to be keyed
 
 
 def test_single_and_batched_match_generate(tiny_pair):

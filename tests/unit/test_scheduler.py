@@ -181,6 +181,42 @@ def test_preempted_sequence_reuses_its_cached_prefix() -> None:
     assert batch.computed == b.num_tokens - 1 - BS
 
 
+def test_a_prompt_waits_for_a_shared_prefix_being_computed_and_reuses_it() -> None:
+    """Three prompts at once, two sharing a 3-block prefix: the shared blocks are computed once (the
+    second waits for them, then hits the cache), and the unrelated prompt is not held up."""
+    shared = list(range(100, 100 + 3 * BS))
+    a, b = make_seq(3 * BS + 2, base=0), make_seq(3 * BS + 3, base=0)
+    a.token_ids[:3 * BS] = shared
+    b.token_ids[:3 * BS] = shared
+    other = make_seq(5, base=500)
+    sched = make(a, b, other, chunk=2 * BS)
+    first = step(sched)
+    assert [s for s, _, _ in chunks(first)] == [a, other]  # b passed over: its next block is a's
+    assert list(sched.waiting) == [b]
+    step(sched)  # a's second chunk: the shared prefix is in the cache now
+    computed = 0
+    while sched.has_unfinished():
+        batch = step(sched)
+        computed += sum(end - start for s, start, end in chunks(batch) if s is b)
+    assert b.num_cached_tokens == 3 * BS
+    assert computed == 3  # only b's own tokens
+    assert b.finish_reason is FinishReason.LENGTH and not sched.block_manager.pending
+
+
+def test_a_prompt_waiting_for_a_shared_prefix_goes_ahead_when_its_computer_is_aborted() -> None:
+    shared = list(range(100, 100 + 3 * BS))
+    a, b = make_seq(3 * BS + 2), make_seq(3 * BS + 3)
+    a.token_ids[:3 * BS] = shared
+    b.token_ids[:3 * BS] = shared
+    sched = make(a, b, chunk=BS)
+    step(sched)
+    assert list(sched.waiting) == [b]
+    sched.abort(a.request_id)
+    assert not sched.block_manager.pending
+    batch = step(sched)
+    assert chunks(batch) == [(b, BS, 2 * BS)]  # a's first block was computed: b reuses it, computes the rest
+
+
 def test_abort_waiting_and_running() -> None:
     run, wait = make_seq(6, base=0), make_seq(6, base=50)
     sched = make(run, wait, num_blocks=8, max_num_seqs=1)
@@ -276,6 +312,7 @@ def test_random_workload_runs_to_completion(seed: int, num_blocks: int, max_num_
         assert all(b.ref_count == held.count(b.block_id) >= 0 for b in bm.blocks)
         assert all(not s.block_table for s in sched.waiting)
     assert bm.num_free_blocks == num_blocks and all(b.ref_count == 0 for b in bm.blocks)
+    assert not bm.pending and all(b.pending is None for b in bm.blocks)
     for s in all_seqs:
         assert s.finish_reason is FinishReason.LENGTH
         assert s.num_output_tokens == s.sampling.max_tokens
