@@ -23,7 +23,7 @@ from collections.abc import Iterator
 
 from engine import EngineConfig, RequestOutput, SamplingParams
 from engine.command_loop import Round, Stopped
-from engine.profiling import time_decode_step, time_mixed_step
+from engine.profiling import time_decode_steps, time_mixed_step
 from kv_transfer import PeerInfo, TransferConfig, TransferState
 from worker_core import WorkerBase
 from worker_core.protocol import ErrorKind, FeedEntry, LoadReport, StreamItem
@@ -134,8 +134,7 @@ class DecodeWorker(WorkerBase):
 
     def profile_decode(self, batches: list[int], context: int, steps: int = 4) -> list[float]:
         """Seconds of one decode step at each batch size, sequences of about `context` tokens (call while idle)."""
-        return self._owner.call(lambda: [time_decode_step(self.engine, b, context, steps, seed=i)
-                                         for i, b in enumerate(batches)])
+        return self._owner.call(lambda: time_decode_steps(self.engine, batches, context, steps))
 
     def profile_mixed(self, batch: int, context: int, chunk: int) -> tuple[float, int]:
         """Seconds of one step that prefills a prompt chunk of at most `chunk` tokens beside a decode

@@ -46,16 +46,26 @@ def _abort(engine: LLMEngine, ids: list[str]) -> None:
         engine.abort(rid)
 
 
-def time_decode_step(engine: LLMEngine, batch: int, context: int, steps: int = 4, seed: int = 0) -> float:
-    """Median seconds of one decode step of `batch` sequences holding about `context` tokens each."""
-    ids = _decoding(engine, batch, context, steps, random.Random(seed), f"decode-{seed}")
+def time_decode_steps(engine: LLMEngine, batches: list[int], context: int, steps: int = 4,
+                      seed: int = 0) -> list[float]:
+    """Median seconds of one decode step at each batch size of `batches`, sequences of about `context`
+    tokens. One prefill serves every size: the largest batch is started and stepped once untimed (a
+    first step pays one-off costs), then timed, then aborted down to each smaller size in turn."""
+    sizes = sorted(set(batches), reverse=True)
+    ids = _decoding(engine, sizes[0], context, len(sizes) * steps + 1, random.Random(seed), f"decode-{seed}")
     try:
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            engine.step()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        engine.step()
+        median: dict[int, float] = {}
+        for size in sizes:
+            _abort(engine, ids[size:])
+            del ids[size:]
+            times = []
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                engine.step()
+                times.append(time.perf_counter() - t0)
+            median[size] = statistics.median(times)
+        return [median[b] for b in batches]
     finally:
         _abort(engine, ids)
 

@@ -2,7 +2,8 @@
 
 1. Prefill time by prompt length on a prefill worker, and on a decode worker (local prefill).
 2. Decode step time by batch size on a decode worker, and what a decode batch adds to a step that
-   prefills a chunk beside it.
+   prefills a chunk beside it. The prefill worker's probes run while the decode worker's do (each
+   worker computes on its own cores, as when serving).
 3. KV transfer time by size between a prefill and a decode worker, over the configured backend.
 4. The extra round trips of the remote path (actor call latency).
 Each probe runs on an idle worker and leaves every block free. The first call of each kind is
@@ -89,18 +90,22 @@ async def calibrate(pools: Pools, info: WorkerInfo) -> CostModel:
     t0 = time.perf_counter()
     decode = pools.decode[0]
     lengths = _lengths(info.max_model_len, info.num_blocks, info.block_size)
-    local = await _prefill_fit(decode, lengths)
     batches = sorted({b for b in (1, 4, 16, 32) if b <= info.max_num_seqs} | {1})
     context = min(64, lengths[-1])
-    step_times = await decode.profile_decode.remote([batches[0]] + batches, context)
-    steps = tuple(zip(batches, step_times[1:]))
-    ride = await _decode_ride(decode, local, dict(steps), context, min(info.prefill_chunk_tokens, lengths[-1]),
-                              info.max_num_seqs)
-    rtt = await _round_trip_s(decode)
-    if pools.prefill:
-        prefill = await _prefill_fit(pools.prefill[0], lengths)
+
+    async def decode_side() -> tuple[LinearFit, tuple[tuple[int, float], ...], float, float]:
+        local = await _prefill_fit(decode, lengths)
+        steps = tuple(zip(batches, await decode.profile_decode.remote(batches, context)))
+        ride = await _decode_ride(decode, local, dict(steps), context, min(info.prefill_chunk_tokens, lengths[-1]),
+                                  info.max_num_seqs)
+        return local, steps, ride, await _round_trip_s(decode)
+
+    if pools.prefill:  # the two workers' own probes at once, then the transfer between them
+        (local, steps, ride, rtt), prefill = await asyncio.gather(decode_side(),
+                                                                  _prefill_fit(pools.prefill[0], lengths))
         transfer = await _transfer_fit(pools.prefill[0], decode, pools, info, lengths)
     else:
+        local, steps, ride, rtt = await decode_side()
         prefill, transfer = local, LinearFit(0.0, 0.0)
     cost = CostModel(prefill=prefill, local_prefill=local, decode_step=steps, transfer=transfer,
                      kv_bytes_per_token=info.kv_bytes_per_token, num_layers=info.num_layers, hop_s=3 * rtt,

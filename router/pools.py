@@ -49,14 +49,21 @@ class Pools:
         self.prefill, self.decode, self.prefill_peers, self.decode_peers = [], [], [], []
 
 
-def _start(cls: type, resource: str, name: str, engine_config: EngineConfig, transfer_config: TransferConfig,
-           num_cpus: float) -> tuple[ray.actor.ActorHandle, PeerInfo]:
+def _launch(cls: type, resource: str, name: str, engine_config: EngineConfig, transfer_config: TransferConfig,
+            num_cpus: float) -> tuple[ray.actor.ActorHandle, ray.ObjectRef]:
+    """Start an actor; returns it and the ref of its transfer address (ready once it has started)."""
     gpus = 1 if engine_config.device.startswith("cuda") else 0
     worker_id = f"{name}-{uuid.uuid4().hex[:6]}"
     actor = ray.remote(cls).options(name=worker_id, namespace=NAMESPACE, resources={resource: 1}, num_cpus=num_cpus,
                                     num_gpus=gpus, max_concurrency=_MAX_CONCURRENCY).remote(
         engine_config, transfer_config, worker_id)
-    return actor, ray.get(actor.peer_info.remote())
+    return actor, actor.peer_info.remote()
+
+
+def _start(cls: type, resource: str, name: str, engine_config: EngineConfig, transfer_config: TransferConfig,
+           num_cpus: float) -> tuple[ray.actor.ActorHandle, PeerInfo]:
+    actor, peer = _launch(cls, resource, name, engine_config, transfer_config, num_cpus)
+    return actor, ray.get(peer)
 
 
 _KINDS = {"prefill": (PrefillWorker, PREFILL_RESOURCE), "decode": (DecodeWorker, DECODE_RESOURCE)}
@@ -96,15 +103,32 @@ def replace_worker(pools: Pools, pool: str, index: int, engine_config: EngineCon
 def create_pools(num_prefill: int, num_decode: int, engine_config: EngineConfig,
                  transfer_config: TransferConfig, num_cpus: float = 1,
                  on_started: Callable[[], None] | None = None) -> Pools:
-    """Start `num_prefill` prefill and `num_decode` decode actors on the connected Ray cluster, one at
-    a time (`on_started()` after each). The first (a prefill worker where there are any) settles what
-    `dtype="auto"` leaves open: the rest, and replacements started with `pools.engine_config`, run
-    the dtype it chose, so that KV moves between any two of them."""
+    """Start `num_prefill` prefill and `num_decode` decode actors on the connected Ray cluster
+    (`on_started()` as each is up), all at once (a worker's start is mostly compiling, on its own
+    cores). With `dtype="auto"` the first (a prefill worker where there are any) starts alone and
+    settles it: the rest, and replacements started with `pools.engine_config`, run the dtype it chose,
+    so that KV moves between any two of them."""
     pools = Pools(engine_config=engine_config)
-    for pool in ["prefill"] * num_prefill + ["decode"] * num_decode:
-        actor = add_worker(pools, pool, pools.engine_config, transfer_config, num_cpus)
-        if pools.engine_config.dtype == AUTO:
-            pools.engine_config = replace(pools.engine_config, dtype=ray.get(actor.info.remote()).dtype)
+    kinds = ["prefill"] * num_prefill + ["decode"] * num_decode
+    if kinds and engine_config.dtype == AUTO:
+        actor = add_worker(pools, kinds.pop(0), engine_config, transfer_config, num_cpus)
+        pools.engine_config = replace(engine_config, dtype=ray.get(actor.info.remote()).dtype)
         if on_started is not None:
             on_started()
+    counts = {"prefill": len(pools.prefill), "decode": len(pools.decode)}
+    launched = []
+    for pool in kinds:
+        launched.append((pool, *_launch(*_KINDS[pool], f"{pool}-{counts[pool]}", pools.engine_config,
+                                        transfer_config, num_cpus)))
+        counts[pool] += 1
+    waiting = [peer for _, _, peer in launched]
+    while waiting:
+        ready, waiting = ray.wait(waiting, num_returns=1)
+        ray.get(ready)  # a worker that failed to start raises here
+        if on_started is not None:
+            on_started()
+    for pool, actor, peer in launched:
+        actors, peers = _lists(pools, pool)
+        actors.append(actor)
+        peers.append(ray.get(peer))
     return pools
