@@ -1,22 +1,27 @@
-"""Linear layers with their weights packed once for oneDNN, the CPU's matrix library.
+"""Linear layers computed the fastest way on this CPU: plain `F.linear`, packed once for oneDNN (the
+CPU's matrix library), or pdserve's own small-batch kernel.
 
 A decode step multiplies a few rows (one per running sequence) by every weight matrix of the
 model. A plain `F.linear` can run those skinny products well below what the CPU does; oneDNN,
 given a weight reordered once into its own blocked layout, runs them faster at the batch sizes
 decode lives at, but pays a fixed cost per call that small matrices at batch 1 do not earn back
-(BENCHMARKS.md, "packed linear layers"). So the choice is per group of layers (one name and
-shape: "gate_proj 1536x576", "lm_head 49152x576"): `EngineConfig(linear="auto")` times each
-group's own weights both ways at start-up (`measure`, decided by `hardware.pick_linear`), and
-`pack` swaps the winners' `nn.Linear`s for `PackedLinear`s that hold only the reordered copy (the
-original is freed unless something else, such as tied input embeddings, still holds it). Prefill
-runs through the same layers.
+(BENCHMARKS.md, "packed linear layers"); the kernel (`engine.kernels`, fp32 with AVX2 + FMA)
+streams each weight once for all the rows with no fixed cost to speak of. So the choice is per
+group of layers (one name and shape: "gate_proj 1536x576", "lm_head 49152x576"):
+`EngineConfig(linear="auto")` times each group's own weights every way at start-up (`measure`,
+decided by `hardware.pick_linear`), and `pack` swaps the winners' `nn.Linear`s for
+`PackedLinear`s that hold only the reordered copy (the original is freed unless something else,
+such as tied input embeddings, still holds it) or `KernelLinear`s. Prefill runs through the same
+layers.
 
 torch.compile cannot take a packed (opaque oneDNN) tensor as a graph input, so the compiled decode
 step calls the op `pdserve_linear::packed_linear` with a handle (a 0-d int64 buffer per layer) and
 the op looks the packed weight up: every decoder layer keeps one compiled region, its handles as
 inputs. Eager calls skip the op and call oneDNN directly.
 
-CPU only (`available` says whether this torch build and CPU can pack a dtype); no Ray.
+The compiled decode step reaches the kernel through the op `pdserve_linear::kernel_linear` (its
+weight a plain graph input). CPU only (`available` says whether this torch build and CPU can pack a
+dtype, `kernel_available` whether the kernel runs); no Ray.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ import itertools
 import logging
 import time
 import weakref
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -104,7 +110,54 @@ class PackedLinear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def group_of(name: str, linear: torch.nn.Linear | PackedLinear) -> str:
+def _kernel():
+    from engine import kernels
+
+    return kernels.active().kernel
+
+
+def kernel_available(dtype: torch.dtype) -> bool:
+    """Whether pdserve's linear kernel runs here: fp32, and a kernel build with AVX2 + FMA loaded."""
+    if dtype != torch.float32:
+        return False
+    kernel = _kernel()
+    return kernel is not None and kernel.has_linear
+
+
+def _kernel_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    y = _kernel().linear(x.reshape(-1, x.shape[-1]), weight, bias)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+@torch.library.custom_op("pdserve_linear::kernel_linear", mutates_args=())
+def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`x @ weight.T + bias` through pdserve's small-batch kernel (the compiled decode step's entry)."""
+    return _kernel_forward(x, weight, bias)
+
+
+@kernel_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+class KernelLinear(torch.nn.Module):
+    """An `nn.Linear` (its own weight and bias, fp32) computed by pdserve's small-batch kernel."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return kernel_linear(x, self.weight, self.bias)
+        return _kernel_forward(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def group_of(name: str, linear: torch.nn.Linear | PackedLinear | KernelLinear) -> str:
     """A layer's group: its attribute name and weight shape, e.g. "gate_proj 1536x576"."""
     return f"{name.rsplit('.', 1)[-1]} {linear.out_features}x{linear.in_features}"
 
@@ -120,37 +173,51 @@ def groups(model: torch.nn.Module) -> dict[str, list[tuple[torch.nn.Module, str,
 
 
 def pack(model: torch.nn.Module, choice: LinearChoice | None = None, batch_hint: int = BATCH_HINT) -> int:
-    """Swap the `nn.Linear` layers of `model` that `choice` names (default: all) for `PackedLinear`s, in place.
+    """Swap the `nn.Linear` layers of `model` that `choice` packs (default: all) for `PackedLinear`s and
+    those it puts on the kernel for `KernelLinear`s, in place.
 
     Args:
         model: a CPU model in its serving dtype (float32 or bfloat16), in eval mode.
-        choice: which groups to pack (`hardware.LinearChoice`); None packs every layer.
+        choice: which groups go which way (`hardware.LinearChoice`); None packs every layer.
         batch_hint: the row count oneDNN lays the weights out for (a typical decode batch).
     Returns:
-        how many layers were packed.
+        how many layers were swapped.
     """
-    swaps = [m for group, members in groups(model).items() if choice is None or choice.packs(group)
-             for m in members]
-    for parent, name, child in swaps:
-        setattr(parent, name, PackedLinear(child, batch_hint))
-    return len(swaps)
+    swaps = 0
+    for group, members in groups(model).items():
+        if choice is None or choice.packs(group):
+            make = partial(PackedLinear, batch_hint=batch_hint)
+        elif choice.uses_kernel(group):
+            make = KernelLinear
+        else:
+            continue
+        for parent, name, child in members:
+            setattr(parent, name, make(child))
+            swaps += 1
+    return swaps
 
 
 @torch.inference_mode()
-def measure(model: torch.nn.Module, reps: int = 3, layers: int = 4) -> dict[str, dict[str, list[float]]]:
-    """Seconds of decode-sized products through up to `layers` layers of each group, plain
-    (`F.linear`) and packed, one figure per batch of `PROBE_BATCHES`: {group: {"plain": [s, ...],
-    "packed": [s, ...]}}. The packed copies live only while timed."""
+def measure(model: torch.nn.Module, reps: int = 3, layers: int = 4,
+            kernel: bool = False) -> dict[str, dict[str, list[float]]]:
+    """Seconds of decode-sized products through up to `layers` layers of each group, plain (`F.linear`),
+    packed and, with `kernel`, on pdserve's kernel, one figure per batch of `PROBE_BATCHES`:
+    {group: {"plain": [s, ...], "packed": [s, ...], "kernel": [s, ...]}}. The packed copies live
+    only while timed."""
     out: dict[str, dict[str, list[float]]] = {}
     for group, members in groups(model).items():
         weights = [child.weight for _, _, child in members[:layers]]
         packed = [_packed_weight(w) for w in weights]
-        times = out[group] = {"plain": [], "packed": []}
+        ways = {"plain": lambda x, ws=weights: [F.linear(x, w) for w in ws],
+                "packed": lambda x, ws=weights, ps=packed: [_pointwise(x, p, None, w.shape[0])
+                                                            for w, p in zip(ws, ps, strict=True)]}
+        if kernel:
+            ways["kernel"] = lambda x, ws=weights: [_kernel_forward(x, w, None) for w in ws]
+        times = out[group] = {way: [] for way in ways}
         for batch in PROBE_BATCHES:
             x = torch.randn(batch, weights[0].shape[1], dtype=weights[0].dtype)
-            times["plain"].append(hardware.best_of(lambda x=x, ws=weights: [F.linear(x, w) for w in ws], reps))
-            times["packed"].append(hardware.best_of(lambda x=x, ws=weights, ps=packed: [
-                _pointwise(x, p, None, w.shape[0]) for w, p in zip(ws, ps, strict=True)], reps))
+            for way, run in ways.items():
+                times[way].append(hardware.best_of(lambda x=x, run=run: run(x), reps))
     return out
 
 
@@ -163,13 +230,15 @@ def apply(model: torch.nn.Module, setting: str, device: str) -> LinearChoice:
     """
     dtype = next(model.parameters()).dtype
     choice = hardware.choose_linear(setting, device, device == "cpu" and available(dtype))
-    already = frozenset(group_of(n, m) for n, m in model.named_modules() if isinstance(m, PackedLinear))
-    if already:  # an engine built on a model another engine packed: it runs as it is
-        return LinearChoice(already if groups(model) else ALL_LAYERS, "the given model was packed already")
+    packed = frozenset(group_of(n, m) for n, m in model.named_modules() if isinstance(m, PackedLinear))
+    on_kernel = frozenset(group_of(n, m) for n, m in model.named_modules() if isinstance(m, KernelLinear))
+    if packed or on_kernel:  # an engine built on a model another engine swapped: it runs as it is
+        return LinearChoice(packed if groups(model) or on_kernel else ALL_LAYERS,
+                            "the given model was swapped already", kernel=on_kernel)
     if choice.groups is None:
         t0 = time.perf_counter()
-        choice = hardware.pick_linear(measure(model))
-        log.info("linear auto: probed plain and packed in %.2f s", time.perf_counter() - t0)
+        choice = hardware.pick_linear(measure(model, kernel=kernel_available(dtype)))
+        log.info("linear auto: probed plain, packed and kernel in %.2f s", time.perf_counter() - t0)
     n = pack(model, choice)
-    log.info("linear layers %s (%d packed), because %s", choice.summary(), n, choice.reason)
+    log.info("linear layers %s (%d swapped), because %s", choice.summary(), n, choice.reason)
     return choice

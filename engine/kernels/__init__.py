@@ -25,7 +25,7 @@ from engine import hardware
 from engine.hardware import KernelBuild
 
 log = logging.getLogger(__name__)
-_SRC = Path(__file__).with_name("paged_attention.c")
+_SRC = Path(__file__).with_name("cpu_kernels.c")
 _BASE_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno", "-ffp-contract=fast",
                "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math")
 MAX_GROUP = 64  # query heads per kv head the portable kernel's stack arrays hold
@@ -71,6 +71,29 @@ class Kernel:
         return out
 
 
+    @property
+    def has_linear(self) -> bool:
+        """Whether this build holds the small-batch linear kernel (fp32; builds with AVX2 + FMA)."""
+        return hasattr(self.lib, "pdserve_linear_f32")
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """`x @ weight.T (+ bias)` for the few rows of a decode step, fp32.
+
+        Args:
+            x: [M, K]; weight: [N, K]; bias: [N] or None (made contiguous where they are not).
+        Returns:
+            [M, N].
+        """
+        x, weight = x.contiguous(), weight.contiguous()
+        bias = None if bias is None else bias.contiguous()
+        (m, k), n = x.shape, weight.shape[0]
+        out = torch.empty(m, n, dtype=torch.float32)
+        p = ctypes.c_void_p
+        self.lib.pdserve_linear_f32(p(x.data_ptr()), p(weight.data_ptr()), None if bias is None else p(bias.data_ptr()),
+                                    p(out.data_ptr()), m, n, k, torch.get_num_threads())
+        return out
+
+
 def _compile(compiler: list[str], src: Path, flags: list[str], libs: list[str], name: str) -> Path:
     """`src` compiled into a shared library in the cache, once per source and flags."""
     from engine.model_store import cache_root
@@ -102,7 +125,7 @@ def _compiler(env: str, *names: str) -> list[str]:
 
 def _build(build: KernelBuild) -> Path:
     return _compile(_compiler("CC", "gcc", "cc"), _SRC, [*_BASE_FLAGS, *build.cflags], ["-lm"],
-                    f"paged_attention-{build.name}")
+                    f"cpu_kernels-{build.name}")
 
 
 def _self_check(kernel: Kernel) -> None:
@@ -124,6 +147,14 @@ def _self_check(kernel: Kernel) -> None:
         err = float((out.float() - want).abs().max())
         if not err <= tol:
             raise KernelError(f"differs from the reference attention in {dtype} (max error {err:.3g})")
+    if kernel.has_linear:  # every tile height, a tail of w's rows and of K, with and without bias
+        w, bias = torch.randn(13, 20, generator=g), torch.randn(13, generator=g)
+        for m in (1, 2, 3, 7):
+            x = torch.randn(m, 20, generator=g)
+            for b in (None, bias):
+                err = float((kernel.linear(x, w, b) - torch.nn.functional.linear(x, w, b)).abs().max())
+                if not err <= 1e-4:
+                    raise KernelError(f"its linear kernel differs from torch's (max error {err:.3g})")
 
 
 _loaded: dict[str, Kernel] = {}

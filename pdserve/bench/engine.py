@@ -106,12 +106,14 @@ def linear_weights(model: torch.nn.Module) -> list[torch.Tensor]:
 
 def bound_linears(model: torch.nn.Module, choice: Any) -> list[torch.nn.Module]:
     """The bound's linear layers, computed as the engine computes them: a `PackedLinear` copy for
-    each layer of a group the engine packed (`choice`, its `hardware.LinearChoice`), the plain layer
-    for the rest."""
-    from engine.packed_linear import PackedLinear, group_of
+    each layer of a group the engine packed (`choice`, its `hardware.LinearChoice`), a `KernelLinear`
+    for each of a group on pdserve's kernel, the plain layer for the rest."""
+    from engine.packed_linear import KernelLinear, PackedLinear, group_of
 
-    return [PackedLinear(m) if choice.packs(group_of(name, m)) else m for name, m in model.named_modules()
-            if isinstance(m, torch.nn.Linear)]
+    def way(name: str, m: torch.nn.Linear) -> torch.nn.Module:
+        group = group_of(name, m)
+        return PackedLinear(m) if choice.packs(group) else KernelLinear(m) if choice.uses_kernel(group) else m
+    return [way(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
 
 
 @torch.inference_mode()

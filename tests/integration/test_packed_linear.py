@@ -1,5 +1,5 @@
-"""Packed linear layers (`engine.packed_linear`): the op equals `F.linear`, an engine with packed
-layers serves the same greedy tokens as transformers `generate` (fp32), eager and compiled, and
+"""Packed and kernel linear layers (`engine.packed_linear`): each op equals `F.linear`, an engine
+with them serves the same greedy tokens as transformers `generate` (fp32), eager and compiled, and
 `linear="auto"` measures and says why."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams, hardware, kernels, packed_linear
-from engine.packed_linear import PackedLinear
+from engine.packed_linear import KernelLinear, PackedLinear
 from tests.conftest import greedy_reference, random_prompt, tiny_model
 
 pytestmark = pytest.mark.skipif(not packed_linear.available(), reason="this torch build has no oneDNN")
@@ -75,12 +75,13 @@ def test_auto_measures_each_group_packs_the_winners_and_says_why():
     assert {"q_proj 64x64", "k_proj 32x64", "down_proj 64x128", "lm_head 512x64"} <= all_groups
     engine = engine_for(model, linear="auto")
     choice = engine.linear_choice
-    assert choice.reason.startswith("measured on the model, plain -> packed: ")
+    assert choice.reason.startswith("measured on the model: ")
     assert all(g in choice.reason for g in all_groups) and choice.groups <= all_groups
+    assert ("kernel" in choice.reason) == packed_linear.kernel_available(torch.float32)
     assert engine.describe()["linear"] == choice.summary()
-    packed = {packed_linear.group_of(n, m) for n, m in engine.runner.model.named_modules()
-              if isinstance(m, PackedLinear)}
-    assert packed == set(choice.groups)
+    swapped = {way: {packed_linear.group_of(n, m) for n, m in engine.runner.model.named_modules()
+                     if isinstance(m, cls)} for way, cls in (("packed", PackedLinear), ("kernel", KernelLinear))}
+    assert swapped == {"packed": set(choice.groups), "kernel": set(choice.kernel)}
     prompt = random_prompt(30, seed=3)
     ref = tiny_model("llama", seed=8)
     assert engine.generate([prompt], SamplingParams(max_tokens=12))[0].output_token_ids == greedy_reference(ref, prompt, 12)
@@ -113,3 +114,42 @@ def test_a_model_packed_already_is_taken_as_it_is():
     packed_linear.pack(model, hardware.LinearChoice(frozenset({"lm_head 512x64"}), "given"))
     engine = engine_for(model, linear="plain")
     assert engine.linear_choice.groups == {"lm_head 512x64"} and engine.describe()["linear"] == "packed lm_head 512x64"
+
+
+needs_kernel = pytest.mark.skipif(not packed_linear.kernel_available(torch.float32),
+                                  reason="the linear kernel needs a C compiler and AVX2 + FMA")
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 10, 17])
+@pytest.mark.parametrize("shape", [(96, 160), (20, 13)])  # 13 rows of w, K = 20: both tails
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_kernel_layer_equals_the_plain_one(rows, shape, bias):
+    torch.manual_seed(rows)
+    linear = torch.nn.Linear(*shape, bias=bias).requires_grad_(False)
+    x = torch.randn(1, rows, shape[0])
+    want = F.linear(x, linear.weight, linear.bias)
+    got = KernelLinear(linear)(x)
+    assert got.shape == want.shape
+    assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())
+    assert torch.equal(torch.ops.pdserve_linear.kernel_linear(x, linear.weight, linear.bias), got)
+
+
+def on_kernel(model) -> hardware.LinearChoice:
+    """Every group of `model` on the kernel."""
+    return hardware.LinearChoice(frozenset(), "given", kernel=frozenset(packed_linear.groups(model)))
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_kernel_engine_matches_generate(arch, compile):
+    """Every linear layer on the kernel (qwen2: with biases), eager and in the compiled decode step."""
+    ref = tiny_model(arch, seed=12)
+    model = copy.deepcopy(ref)
+    assert packed_linear.pack(model, on_kernel(model)) == sum(isinstance(m, torch.nn.Linear) for m in ref.modules())
+    engine = engine_for(model, linear="auto", compile=compile)
+    assert engine.describe()["linear"].startswith("kernel ") and engine.runner.compiled == compile
+    prompts = [random_prompt(n, seed=n) for n in (5, 37, 80)]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=16))
+    assert [o.output_token_ids for o in outs] == [greedy_reference(ref, p, 16) for p in prompts]

@@ -82,11 +82,26 @@ def test_a_measurement_packs_the_groups_that_clearly_win_and_says_so():
         "q_proj 64x64": {"plain": [0.010, 0.010, 0.010], "packed": [0.015, 0.015, 0.015]}})
     assert choice.groups == {"lm_head 512x64"}
     assert choice.packs("lm_head 512x64") and not choice.packs("down_proj 64x128")
-    assert "lm_head 512x64 100.0 -> 60.0 ms (batch 1 10.00 -> 9.00)" in choice.reason
-    assert "q_proj 64x64 30.0 -> 45.0 ms" in choice.reason
+    assert "lm_head 512x64 plain 100.0 ms (batch 1 10.00) / packed 60.0 ms (batch 1 9.00)" in choice.reason
+    assert "q_proj 64x64 plain 30.0 ms (batch 1 10.00) / packed 45.0 ms" in choice.reason
     assert choice.summary() == "packed lm_head 512x64"
     assert pick_linear({"q_proj 64x64": {"plain": [0.1], "packed": [0.2]}}).summary() == "plain"
     assert hardware.LinearChoice(hardware.ALL_LAYERS, "set explicitly").summary() == "packed"
+
+
+def test_a_measurement_with_the_kernel_picks_the_fastest_way_that_clearly_wins():
+    choice = pick_linear({  # seconds at batches 1, 4, 16
+        "lm_head 512x64": {"plain": [0.010, 0.040, 0.050], "packed": [0.009, 0.015, 0.036],
+                           "kernel": [0.009, 0.016, 0.040]},  # both win, packed by more
+        "up_proj 128x64": {"plain": [0.010, 0.040, 0.050], "packed": [0.013, 0.020, 0.030],
+                           "kernel": [0.008, 0.030, 0.040]},  # packed slows batch 1; the kernel wins
+        "q_proj 64x64": {"plain": [0.010, 0.010, 0.010], "packed": [0.015, 0.015, 0.015],
+                         "kernel": [0.010, 0.010, 0.0095]}})  # noise: stays plain
+    assert choice.groups == {"lm_head 512x64"} and choice.kernel == {"up_proj 128x64"}
+    assert choice.uses_kernel("up_proj 128x64") and not choice.packs("up_proj 128x64")
+    assert choice.summary() == "packed lm_head 512x64; kernel up_proj 128x64"
+    assert "kernel 78.0 ms (batch 1 8.00)" in choice.reason
+    assert hardware.LinearChoice(frozenset(), "m", kernel=frozenset({"a 2x2"})).summary() == "kernel a 2x2"
 
 
 @pytest.mark.parametrize("flags,arch,want", [

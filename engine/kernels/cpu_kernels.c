@@ -1,4 +1,7 @@
-/* One layer of a decode step straight over the paged KV pool: write each sequence's new
+/* pdserve's CPU kernels: paged decode attention (below), and small-batch linear layers
+ * (`pdserve_linear_f32`, at the end).
+ *
+ * One layer of a decode step straight over the paged KV pool: write each sequence's new
  * key and value at its slot, then attend its one query token over its blocks, read in
  * place through the block table (no gather, no padding), with fp32 accumulation and
  * softmax for fp32 and bf16 caches.
@@ -419,6 +422,68 @@ void paged_decode_bf16 SIGNATURE(uint16_t) {
 #endif
     BY_DIM(decode_bf16);
 }
+
+#ifdef HAVE_AVX2
+/* Small-batch linear layers, fp32: y[M, N] = x[M, K] w[N, K]^T (+ bias[N]) for the few rows of a decode
+ * step. Each step of K loads 4 rows of w once for a tile of up to 3 rows of x (12 accumulators in
+ * registers) and prefetches the next 4 rows of w, which stream from memory once while the tiles of
+ * x re-read the current ones from L1. Threads split N. Built only where AVX2 + FMA are: elsewhere the
+ * symbol is missing and callers use torch. */
+#define LIN_NB 4
+#define LIN_TILE(MB)                                                                                        \
+    static inline void lin_tile##MB(const float* x, const float* w, const float* bias, float* y, int m0,  \
+                                    int n0, int N, int K) {                                                \
+        __m256 acc[MB][LIN_NB];                                                                            \
+        const float* wr[LIN_NB];                                                                           \
+        const float* xr[MB];                                                                               \
+        for (int j = 0; j < LIN_NB; j++) wr[j] = w + (int64_t)(n0 + j) * K;                                \
+        for (int i = 0; i < MB; i++) {                                                                     \
+            xr[i] = x + (int64_t)(m0 + i) * K;                                                             \
+            for (int j = 0; j < LIN_NB; j++) acc[i][j] = _mm256_setzero_ps();                              \
+        }                                                                                                  \
+        int k = 0;                                                                                         \
+        for (; k + 8 <= K; k += 8) {                                                                       \
+            __m256 wv[LIN_NB];                                                                             \
+            for (int j = 0; j < LIN_NB; j++) {                                                             \
+                wv[j] = _mm256_loadu_ps(wr[j] + k);                                                        \
+                _mm_prefetch((const char*)(wr[j] + LIN_NB * (int64_t)K + k), _MM_HINT_T0);                 \
+            }                                                                                              \
+            for (int i = 0; i < MB; i++) {                                                                 \
+                const __m256 xv = _mm256_loadu_ps(xr[i] + k);                                              \
+                for (int j = 0; j < LIN_NB; j++) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);        \
+            }                                                                                              \
+        }                                                                                                  \
+        for (int i = 0; i < MB; i++)                                                                       \
+            for (int j = 0; j < LIN_NB; j++) {                                                             \
+                __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc[i][j]), _mm256_extractf128_ps(acc[i][j], 1)); \
+                h = _mm_add_ps(h, _mm_movehl_ps(h, h));                                                    \
+                float s = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));                                \
+                for (int kk = k; kk < K; kk++) s += xr[i][kk] * wr[j][kk];                                 \
+                y[(int64_t)(m0 + i) * N + n0 + j] = s + (bias ? bias[n0 + j] : 0.0f);                      \
+            }                                                                                              \
+    }
+LIN_TILE(1)
+LIN_TILE(2)
+LIN_TILE(3)
+
+void pdserve_linear_f32(const float* x, const float* w, const float* bias, float* y, int M, int N, int K,
+                        int nthreads) {
+    const int blocks = N / LIN_NB;
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1)
+    for (int b = 0; b < blocks; b++) {
+        int m = 0;
+        for (; m + 3 <= M; m += 3) lin_tile3(x, w, bias, y, m, b * LIN_NB, N, K);
+        if (M - m == 2) lin_tile2(x, w, bias, y, m, b * LIN_NB, N, K);
+        else if (M - m == 1) lin_tile1(x, w, bias, y, m, b * LIN_NB, N, K);
+    }
+    for (int n = blocks * LIN_NB; n < N; n++) /* rows of w past the last block of 4 */
+        for (int m = 0; m < M; m++) {
+            float s = bias ? bias[n] : 0.0f;
+            for (int k = 0; k < K; k++) s += x[(int64_t)m * K + k] * w[(int64_t)n * K + k];
+            y[(int64_t)m * N + n] = s;
+        }
+}
+#endif
 
 /* The widest vector path compiled into this build: the loader checks it is the build it asked for. */
 const char* pdserve_kernel_isa(void) {
