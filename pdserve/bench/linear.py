@@ -1,10 +1,10 @@
-"""`pdserve bench linear`: decode steps and a prefill with plain linear layers and with the layers
-`linear="auto"` packs for oneDNN, side by side on this machine.
+"""`pdserve bench linear`: decode steps and a prefill with plain linear layers and with the ways
+`linear="auto"` picks per group (packed for oneDNN, pdserve's kernel), side by side on this machine.
 
 For each thread count (one core, as a worker of the default layout computes, and the node's
 `--threads`), one fresh process (torch's thread count is process-wide) holds two engines of the
-same model: `linear="plain"` and `linear="auto"` (which measures and packs the groups that win,
-`engine.packed_linear`). For each decode batch both engines hold the same number of running
+same model: `linear="plain"` and `linear="auto"` (which measures every way and swaps the groups that
+win, `engine.packed_linear`). For each decode batch both engines hold the same number of running
 sequences; their timed windows of `--steps` steps alternate over `--reps` rounds, so both see the
 same machine (this VM's speed drifts by tens of percent within minutes). Then one prefill of
 `--prompt-len` tokens each, alternating too. Writes raw JSON and prints the markdown table.
