@@ -19,8 +19,9 @@ step calls the op `pdserve_linear::packed_linear` with a handle (a 0-d int64 buf
 the op looks the packed weight up: every decoder layer keeps one compiled region, its handles as
 inputs. Eager calls skip the op and call oneDNN directly.
 
-The compiled decode step reaches the kernel through the op `pdserve_linear::kernel_linear` (its
-weight a plain graph input). CPU only (`available` says whether this torch build and CPU can pack a
+Eager and compiled, a `KernelLinear` calls the kernel's C++ operator `pdserve_cpu::linear` (the
+Python op `pdserve_linear::kernel_linear` over ctypes where that did not build); its weight is a
+plain graph input. CPU only (`available` says whether this torch build and CPU can pack a
 dtype, `kernel_available` whether the kernel runs); no Ray.
 """
 from __future__ import annotations
@@ -131,8 +132,16 @@ def _kernel_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 
 @torch.library.custom_op("pdserve_linear::kernel_linear", mutates_args=())
 def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`x @ weight.T + bias` through pdserve's small-batch kernel (the compiled decode step's entry)."""
+    """`x @ weight.T + bias` through pdserve's small-batch kernel over ctypes (where its C++ operator
+    `pdserve_cpu::linear` did not build)."""
     return _kernel_forward(x, weight, bias)
+
+
+def _kernel_op():
+    """The kernel's C++ operator, or the Python one over ctypes: what a `KernelLinear` calls."""
+    from engine import kernels
+
+    return kernels.active().linear_op or kernel_linear
 
 
 @kernel_linear.register_fake
@@ -147,11 +156,10 @@ class KernelLinear(torch.nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
+        self._op = _kernel_op()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():
-            return kernel_linear(x, self.weight, self.bias)
-        return _kernel_forward(x, self.weight, self.bias)
+        return self._op(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"

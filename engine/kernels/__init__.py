@@ -201,15 +201,23 @@ def _fake_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, slot
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
+def _fake_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
 def _torch_op(kernel: Kernel) -> tuple[object | None, str]:
     """`torch.ops.pdserve_cpu.paged_decode` bound to `kernel` (built once, ~15 s, cached), or None and
-    why not (the ctypes path then serves, a little slower per call)."""
+    why not (the ctypes path then serves, a little slower per call). `torch.ops.pdserve_cpu.linear`
+    comes with it where the build holds the linear kernel."""
     try:
         path = _build_op()
         torch.ops.load_library(str(path))
-        ctypes.CDLL(str(path)).pdserve_bind(ctypes.cast(kernel.lib.paged_decode_f32, ctypes.c_void_p),
-                                            ctypes.cast(kernel.lib.paged_decode_bf16, ctypes.c_void_p))
+        entry = [ctypes.cast(kernel.lib.paged_decode_f32, ctypes.c_void_p),
+                 ctypes.cast(kernel.lib.paged_decode_bf16, ctypes.c_void_p),
+                 ctypes.cast(kernel.lib.pdserve_linear_f32, ctypes.c_void_p) if kernel.has_linear else None]
+        ctypes.CDLL(str(path)).pdserve_bind(*entry)
         torch.library.register_fake("pdserve_cpu::paged_decode")(_fake_decode)
+        torch.library.register_fake("pdserve_cpu::linear")(_fake_linear)
     except (KernelError, OSError, RuntimeError) as e:
         return None, f"ctypes calls: the torch operator did not build ({e})"
     return torch.ops.pdserve_cpu.paged_decode.default, "a torch operator"
@@ -224,6 +232,13 @@ class Selection:
     reason: str
     op: object | None = None
     calls: str = ""
+
+    @property
+    def linear_op(self) -> object | None:
+        """The linear kernel's torch operator (None: not built, or the build holds no linear kernel)."""
+        if self.op is None or self.kernel is None or not self.kernel.has_linear:
+            return None
+        return torch.ops.pdserve_cpu.linear.default
 
     @property
     def name(self) -> str:

@@ -1,15 +1,18 @@
-// `torch.ops.pdserve_cpu.paged_decode`: the paged decode kernel as a real torch operator, so a
-// compiled decode step calls it through the dispatcher with no Python in between. One library per
-// process; `pdserve_bind` points it at the loaded kernel build's entry points (see __init__.py).
+// `torch.ops.pdserve_cpu.paged_decode` and `torch.ops.pdserve_cpu.linear`: the paged decode kernel and
+// the small-batch linear kernel as real torch operators, so a compiled decode step calls them through
+// the dispatcher with no Python in between. One library per process; `pdserve_bind` points it at the
+// loaded kernel build's entry points (see __init__.py).
 // Like the Python op it replaces, it writes the new K/V into `kv_layer` without declaring the
 // mutation: a declared one would make the compiled graph copy the pool; nothing else in the graph
 // reads the pool.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
 #include <cstdint>
+#include <optional>
 
 namespace {
 
@@ -43,16 +46,43 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_new, const at::
     return out;
 }
 
+using LinearFn = void (*)(const float*, const float*, const float*, float*, int, int, int, int);
+LinearFn linear_fn = nullptr;
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+    TORCH_CHECK(linear_fn != nullptr, "no linear kernel bound (a kernel build with AVX2 + FMA holds it)");
+    TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "linear: float32 only");
+    TORCH_CHECK(weight.dim() == 2 && x.dim() >= 1 && x.size(-1) == weight.size(1),
+                "x [..., K] and weight [N, K] disagree");
+    const at::Tensor xc = x.reshape({-1, x.size(-1)}).contiguous(), wc = weight.contiguous();
+    at::Tensor bc;
+    if (bias.has_value()) {
+        bc = bias->contiguous();
+        TORCH_CHECK(bc.scalar_type() == at::kFloat && bc.numel() == wc.size(0), "bias must be [N] float32");
+    }
+    at::Tensor out = at::empty({xc.size(0), wc.size(0)}, xc.options());
+    linear_fn(xc.data_ptr<float>(), wc.data_ptr<float>(), bias.has_value() ? bc.data_ptr<float>() : nullptr,
+              out.data_ptr<float>(), xc.size(0), wc.size(0), wc.size(1), at::get_num_threads());
+    std::vector<int64_t> sizes = x.sizes().vec();
+    sizes.back() = wc.size(0);
+    return out.view(sizes);
+}
+
 }  // namespace
 
-extern "C" void pdserve_bind(void* f32, void* bf16) {
+extern "C" void pdserve_bind(void* f32, void* bf16, void* lin) {
     f32_fn = reinterpret_cast<DecodeFn>(f32);
     bf16_fn = reinterpret_cast<DecodeFn>(bf16);
+    linear_fn = reinterpret_cast<LinearFn>(lin);
 }
 
 TORCH_LIBRARY(pdserve_cpu, m) {
     m.def("paged_decode(Tensor q, Tensor k_new, Tensor v_new, Tensor slots, Tensor kv_layer, Tensor tables, "
           "Tensor ctx, float scale) -> Tensor");
+    m.def("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) { m.impl("paged_decode", &paged_decode); }
+TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
+    m.impl("paged_decode", &paged_decode);
+    m.impl("linear", &linear);
+}

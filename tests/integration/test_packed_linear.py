@@ -132,7 +132,10 @@ def test_a_kernel_layer_equals_the_plain_one(rows, shape, bias):
     got = KernelLinear(linear)(x)
     assert got.shape == want.shape
     assert float((got - want).abs().max()) <= 1e-5 * float(want.abs().max())
-    assert torch.equal(torch.ops.pdserve_linear.kernel_linear(x, linear.weight, linear.bias), got)
+    assert torch.equal(torch.ops.pdserve_linear.kernel_linear(x, linear.weight, linear.bias), got)  # over ctypes
+    if kernels.active().op is not None:  # the C++ operator is what a KernelLinear calls where it built
+        assert kernels.active().linear_op is not None
+        assert torch.equal(torch.ops.pdserve_cpu.linear(x, linear.weight, linear.bias), got)
 
 
 def on_kernel(model) -> hardware.LinearChoice:
