@@ -9,6 +9,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/linear.h>
 #include <torch/library.h>
 
 #include <cstdint>
@@ -48,12 +49,14 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_new, const at::
 
 using LinearFn = void (*)(const float*, const float*, const float*, float*, int, int, int, int);
 LinearFn linear_fn = nullptr;
+int64_t linear_max_rows = 0;  // more rows than this: torch's own linear (bound with the kernel)
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
     TORCH_CHECK(linear_fn != nullptr, "no linear kernel bound (a kernel build with AVX2 + FMA holds it)");
     TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "linear: float32 only");
     TORCH_CHECK(weight.dim() == 2 && x.dim() >= 1 && x.size(-1) == weight.size(1),
                 "x [..., K] and weight [N, K] disagree");
+    if (x.numel() / x.size(-1) > linear_max_rows) return at::linear(x, weight, bias);
     const at::Tensor xc = x.reshape({-1, x.size(-1)}).contiguous(), wc = weight.contiguous();
     at::Tensor bc;
     if (bias.has_value()) {
@@ -70,10 +73,11 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
 
 }  // namespace
 
-extern "C" void pdserve_bind(void* f32, void* bf16, void* lin) {
+extern "C" void pdserve_bind(void* f32, void* bf16, void* lin, int64_t lin_max_rows) {
     f32_fn = reinterpret_cast<DecodeFn>(f32);
     bf16_fn = reinterpret_cast<DecodeFn>(bf16);
     linear_fn = reinterpret_cast<LinearFn>(lin);
+    linear_max_rows = lin_max_rows;
 }
 
 TORCH_LIBRARY(pdserve_cpu, m) {

@@ -121,7 +121,7 @@ needs_kernel = pytest.mark.skipif(not packed_linear.kernel_available(torch.float
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 10, 17])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 10, 17, kernels.LINEAR_MAX_ROWS + 1])  # the last: torch's
 @pytest.mark.parametrize("shape", [(96, 160), (20, 13)])  # 13 rows of w, K = 20: both tails
 @pytest.mark.parametrize("bias", [False, True])
 def test_a_kernel_layer_equals_the_plain_one(rows, shape, bias):
