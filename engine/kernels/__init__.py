@@ -72,7 +72,6 @@ class Kernel:
             tables.shape[1], ctypes.c_float(scale), torch.get_num_threads())
         return out
 
-
     @property
     def has_linear(self) -> bool:
         """Whether this build holds the small-batch linear kernel (fp32; builds with AVX2 + FMA)."""
