@@ -155,6 +155,7 @@ class KernelLinear(torch.nn.Module):
     def __init__(self, linear: torch.nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight_dtype = linear.weight.dtype  # as `PackedLinear` has it
         self.weight, self.bias = linear.weight, linear.bias
         self._op = _kernel_op()
 

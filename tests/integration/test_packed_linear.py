@@ -156,3 +156,15 @@ def test_kernel_engine_matches_generate(arch, compile):
     prompts = [random_prompt(n, seed=n) for n in (5, 37, 80)]
     outs = engine.generate(prompts, SamplingParams(max_tokens=16))
     assert [o.output_token_ids for o in outs] == [greedy_reference(ref, p, 16) for p in prompts]
+
+
+@needs_kernel
+def test_the_engine_benchmarks_bound_times_the_layers_the_way_the_engine_computes_them():
+    from pdserve.bench.engine import bound_linears, time_linears
+
+    model = tiny_model("llama", seed=13)
+    choice = hardware.LinearChoice(frozenset({"lm_head 512x64"}), "given", kernel=frozenset({"q_proj 64x64"}))
+    layers = bound_linears(model, choice)
+    kinds = {type(m).__name__ for m in layers}
+    assert kinds == {"Linear", "PackedLinear", "KernelLinear"}
+    assert time_linears(layers, 4, 1) > 0
