@@ -40,7 +40,8 @@ class ServeConfig:
         num_prefill / num_decode: workers per pool (num_prefill may be 0: local prefill only).
         cpus_per_worker: Ray CPUs each actor claims.
         lend_threads: a prefill worker with nothing to prefill lends its threads to the decode worker on
-            its node (`router.elastic`).
+            its node (`router.elastic`), where the decode worker measures faster with them; not with
+            `router.flip_roles`, the other way to use an idle prefill worker.
         host: interface both servers bind (loopback by default; 0.0.0.0 exposes them).
         http_port / grpc_port: their ports (0 picks a free one).
         ssl_certfile / ssl_keyfile: TLS for both servers (both or neither); protect_metrics: /metrics
@@ -56,8 +57,9 @@ class ServeConfig:
     num_prefill: int = field(default=1, metadata={"flag": "--prefill", "help": "prefill workers (0: local prefill only)"})
     num_decode: int = field(default=1, metadata={"flag": "--decode", "help": "decode workers (>= 1)"})
     cpus_per_worker: float = field(default=1.0, metadata={"help": "Ray CPUs each worker claims"})
-    lend_threads: bool = field(default=False, metadata={
-        "help": "an idle prefill worker lends its threads to the decode worker on its node until a prompt comes"})
+    lend_threads: bool = field(default=True, metadata={
+        "help": "an idle prefill worker lends its threads to the decode worker on its node until a prompt comes, "
+        "where that measures faster at start-up (not with --flip-roles)"})
     host: str = field(default="127.0.0.1", metadata={"help": "interface to bind (0.0.0.0 exposes the server)"})
     http_port: int = field(default=8000, metadata={"help": "OpenAI-compatible HTTP port (0: any free)",
                                                    "aliases": ("--port",)})
@@ -81,8 +83,6 @@ class ServeConfig:
                 raise ValueError(f"{name}: must be in [0, 65535] (0 = any free port), got {getattr(self, name)}")
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
             raise ValueError("ssl_certfile / ssl_keyfile: give both (a certificate and its key) or neither")
-        if self.lend_threads and self.router.flip_roles:
-            raise ValueError("lend_threads / flip_roles: two ways to use an idle prefill worker; choose one")
 
     @property
     def tls(self) -> TlsFiles | None:
@@ -168,11 +168,14 @@ async def serve(cfg: ServeConfig, ready: asyncio.Event | None = None, stop: asyn
             return replace_worker(pools, pool, index, pools.engine_config, cfg.transfer, cfg.cpus_per_worker)
 
         lender = None
-        if cfg.lend_threads and pools.prefill and cfg.engine.num_threads:
+        if cfg.lend_threads and not cfg.router.flip_roles and pools.prefill and cfg.engine.num_threads:
             from router.elastic import ThreadLender
 
+            print("[pdserve] measuring what idle prefill workers' threads buy the decode workers beside them ...",
+                  file=sys.stderr, flush=True)
             lender = await asyncio.get_running_loop().run_in_executor(
-                None, ThreadLender.on_same_nodes, pools, cfg.engine.num_threads)
+                None, ThreadLender.on_same_nodes, pools, cfg.engine.num_threads, cfg.router.load_poll_s)
+            print(f"[pdserve] lent threads: {lender.describe()}", file=sys.stderr, flush=True)
         router = Router(pools, p_infos, d_infos, tokenizer, model_dir, cfg.router, cost, respawn=respawn,
                         lender=lender)
         await router.poll_once()

@@ -5,13 +5,18 @@ either way it is back to prefill the moment a prompt is sent to it.
 `ThreadLender` lifecycle:
 1. At start the router pairs each prefill worker with a decode worker on the same Ray node (one
    each; workers on nodes of their own stay unpaired); each paired decode worker compiles its decode
-   step for the lent thread count then (a compiled step is specialised to its thread count).
+   step for the lent thread count then (a compiled step is specialised to its thread count) and
+   measures how much faster it computes with it (`WorkerBase.profile_threads`). A pair whose decode
+   worker gains less than `MIN_SPEEDUP` is not paired: lending would only move work around.
 2. After every load poll, `rebalance` lends a pair's threads (the decode worker runs with both
    workers' threads) once the router's book has shown the prefill worker with no prompt tokens
    queued for two polls in a row.
 3. `reclaim` (the placer, as it books a prompt on a prefill worker) gives them back at once: the
    decode worker returns to its own threads at its next step, and the prefill worker computes with
-   its own (for at most that one step both share the cores).
+   its own (for at most that one step both share the cores). While a loan lasts the placer shows it
+   to the policy (`loans`): the borrower's local prefills and steps are faster, and a prompt sent to
+   the lender costs the borrower's batch the loan until it is lent again (`relend_s` after the
+   lender's queue empties).
 4. A replaced worker starts with its own threads: `reset` forgets the pair's loan.
 Threads change between engine steps only (a worker command), never inside one.
 
@@ -45,10 +50,13 @@ if TYPE_CHECKING:
     from router.book import PoolBook
     from router.pools import Pools
 
+from router.policy import Loan
+
 log = logging.getLogger(__name__)
 
 
 IDLE_POLLS = 2  # polls of a prefill worker with nothing queued before its compute goes to decode
+MIN_SPEEDUP = 1.1  # a decode worker must compute at least this much faster with lent threads to borrow them
 
 
 class Elastic(Protocol):
@@ -56,6 +64,9 @@ class Elastic(Protocol):
 
     def rebalance(self, queued_tokens: list[int]) -> None:
         """After a load poll, with the book's prompt tokens queued on each prefill worker."""
+
+    def loans(self) -> dict[int, Loan]:
+        """The loans standing now, by prefill worker index (for the policy's view)."""
 
     def reclaim(self, prefill: int) -> None:
         """A prompt is being booked on prefill worker `prefill`: it is a prefill worker again, now."""
@@ -72,23 +83,28 @@ class Elastic(Protocol):
 class _Pair:
     prefill: int  # index into the pools
     decode: int
+    speedup: float  # how much faster the decode worker computes with the loan
     idle_polls: int = 0  # consecutive polls with nothing queued on the prefill worker
     lent: bool = False
 
 
 class ThreadLender:
-    """Args: pools: the live workers; pairs: (prefill index, decode index) of workers sharing a node;
-    threads: each worker's own thread count."""
+    """Args: pools: the live workers; pairs: (prefill index, decode index, the decode worker's speedup
+    with the loan) of workers sharing a node; threads: each worker's own thread count; poll_s: seconds
+    between the router's load polls (a loan comes `IDLE_POLLS` polls after the lender's queue empties)."""
 
-    def __init__(self, pools: Pools, pairs: list[tuple[int, int]], threads: int) -> None:
+    def __init__(self, pools: Pools, pairs: list[tuple[int, int, float]], threads: int, poll_s: float) -> None:
         self._pools, self._threads = pools, threads
-        self._pairs = [_Pair(p, d) for p, d in pairs]
-        self.loans = 0  # times threads were lent, for tests and logs
+        self._pairs = [_Pair(p, d, speedup) for p, d, speedup in pairs]
+        self.relend_s = IDLE_POLLS * poll_s
+        self.lent_count = 0  # times threads were lent, for tests and logs
 
     @classmethod
-    def on_same_nodes(cls, pools: Pools, threads: int) -> ThreadLender:
-        """Pair the workers by the Ray node they run on, and have each paired decode worker compile its
-        decode step for the lent thread count now rather than at its first loan (blocking)."""
+    def on_same_nodes(cls, pools: Pools, threads: int, poll_s: float,
+                      min_speedup: float = MIN_SPEEDUP) -> ThreadLender:
+        """Pair the workers by the Ray node they run on; each paired decode worker compiles its decode
+        step for the lent thread count now rather than at its first loan, and measures what the loan
+        buys it; pairs that gain less than `min_speedup` are dropped (blocking, seconds)."""
         nodes = ray.get([w.node_id.remote() for w in pools.prefill + pools.decode])
         prefill_nodes, decode_nodes = nodes[:len(pools.prefill)], nodes[len(pools.prefill):]
         free = list(range(len(decode_nodes)))
@@ -99,11 +115,21 @@ class ThreadLender:
                 free.remove(d)
                 pairs.append((p, d))
         ray.get([pools.decode[d].prepare_threads.remote(2 * threads) for _, d in pairs])
-        return cls(pools, pairs, threads)
+        speedups = ray.get([pools.decode[d].profile_threads.remote(2 * threads) for _, d in pairs])
+        for (p, d), speedup in zip(pairs, speedups):
+            log.info("decode worker %d computes %.2fx as fast with prefill worker %d's threads%s", d, speedup, p,
+                     "" if speedup >= min_speedup else f" (< {min_speedup}x: it does not borrow them)")
+        return cls(pools, [(p, d, max(1.0, s)) for (p, d), s in zip(pairs, speedups) if s >= min_speedup],
+                   threads, poll_s)
 
     @property
     def pairs(self) -> list[tuple[int, int]]:
         return [(x.prefill, x.decode) for x in self._pairs]
+
+    def describe(self) -> str:
+        """The pairs for a start-up line, e.g. "decode worker 0 borrows prefill worker 0's (1.54x faster)"."""
+        return "; ".join(f"decode worker {x.decode} borrows prefill worker {x.prefill}'s ({x.speedup:.2f}x faster)"
+                         for x in self._pairs) or "none (no pair of workers on one node gains from it)"
 
     @property
     def moved(self) -> int:
@@ -113,13 +139,16 @@ class ThreadLender:
         """Whether decode worker `decode` runs with a prefill worker's threads now."""
         return any(x.lent and x.decode == decode for x in self._pairs)
 
+    def loans(self) -> dict[int, Loan]:
+        return {x.prefill: Loan(x.decode, x.speedup, self.relend_s) for x in self._pairs if x.lent}
+
     def rebalance(self, queued_tokens: list[int]) -> None:
         """After a poll, with the book's prompt tokens queued on each prefill worker: lend where idle."""
         for x in self._pairs:
             x.idle_polls = x.idle_polls + 1 if queued_tokens[x.prefill] == 0 else 0
             if x.idle_polls >= IDLE_POLLS and not x.lent:
                 x.lent = True
-                self.loans += 1
+                self.lent_count += 1
                 self._set(x.decode, 2 * self._threads)
 
     def reclaim(self, prefill: int) -> None:
@@ -166,6 +195,9 @@ class RoleFlipper:
     @property
     def moved(self) -> int:
         return sum(slot.accepting for slot in self._book.flex)
+
+    def loans(self) -> dict[int, Loan]:
+        return {}  # a flipped worker's compute shows as its flex slot instead
 
     def flipped(self, prefill: int) -> bool:
         """Whether prefill worker `prefill` takes decode requests now."""

@@ -118,15 +118,17 @@ class Placer:
             return None
 
     def _state(self, avoid: frozenset[str] | set[str], keys: list[int], unflipped: bool = False) -> PoolState:
-        """The book's view for one request: workers in `avoid` unhealthy, and the tokens of the prompt
-        (`keys`: its `prefix_keys`) each worker's cache holds. A flex slot is its prefill worker's engine."""
+        """The book's view for one request: workers in `avoid` unhealthy, the tokens of the prompt
+        (`keys`: its `prefix_keys`) each worker's cache holds, and the threads lent now. A flex slot is
+        its prefill worker's engine."""
         state, n, bs = self.book.state(unflipped), len(self.book.decode), self._block_size
+        loans = self.elastic.loans() if self.elastic is not None else {}
 
         def held(pool: str, index: int) -> int:
             return self.prefix.matched(pool, index, keys) * bs if keys else 0
         return PoolState(
-            tuple(replace(p, healthy=p.healthy and p.worker_id not in avoid, cached_tokens=held("prefill", i))
-                  for i, p in enumerate(state.prefill)),
+            tuple(replace(p, healthy=p.healthy and p.worker_id not in avoid, cached_tokens=held("prefill", i),
+                          loan=loans.get(i)) for i, p in enumerate(state.prefill)),
             tuple(replace(d, healthy=d.healthy and d.worker_id not in avoid,
                           cached_tokens=held("decode", i) if i < n else held("prefill", i - n))
                   for i, d in enumerate(state.decode)))

@@ -7,7 +7,10 @@ transfer (of what D lacks) not hidden behind the last chunk's later layers and t
 local pays D's queued local prefills and the prefill in chunks, each in a step that also decodes D's
 running batch (what that adds is measured), and D's batch loses what those steps take beyond its own
 decode steps (requests there still waiting for their KV lose nothing: under a burst of long prompts
-D prefills its share instead of leaving every prompt queued on P). Each option costs TTFT / TTFT
+D prefills its share instead of leaving every prompt queued on P). A decode worker computing with a prefill
+worker's lent threads (`Loan`) is that much faster at both; a prompt sent to that prefill worker
+takes the threads back, which the policy prices as what the borrower's running batch loses until
+they are lent again. Each option costs TTFT / TTFT
 target + decode slowdown + crowding (what one more sequence in D's batch costs those already there)
 + 1 per missed SLO (a lost request of goodput); the cheapest wins, ties go remote. So the switch
 point follows measured prefill, transfer and decode-step costs; no hard-coded thresholds. With a
@@ -23,7 +26,7 @@ from dataclasses import dataclass, replace
 
 from router.cost_model import Correction, CostModel, OutputLengthEstimator
 
-__all__ = ["POLICIES", "AlwaysLocalPolicy", "AlwaysRemotePolicy", "CostModel", "DecodeLoad", "NoCapacity",
+__all__ = ["POLICIES", "AlwaysLocalPolicy", "AlwaysRemotePolicy", "CostModel", "DecodeLoad", "Loan", "NoCapacity",
            "OutputLengthEstimator", "Placement", "Policy", "PoolState", "PrefillLoad", "RatioPolicy",
            "RequestFeatures", "RoundRobinPolicy", "make_policy"]
 
@@ -51,16 +54,37 @@ class RequestFeatures:
 
 
 @dataclass(frozen=True)
+class Loan:
+    """A prefill worker's threads lent to decode worker `decode` (`router.elastic.ThreadLender`), which
+    computes `speedup` times faster with them (measured); a prompt sent to the prefill worker takes them
+    back until `relend_s` after its queue empties."""
+
+    decode: int
+    speedup: float
+    relend_s: float
+
+    def __post_init__(self) -> None:
+        if self.decode < 0:
+            raise ValueError(f"decode must be an index >= 0, got {self.decode}")
+        if not (math.isfinite(self.speedup) and self.speedup >= 1):
+            raise ValueError(f"speedup must be a finite number >= 1, got {self.speedup!r}")
+        if not (math.isfinite(self.relend_s) and self.relend_s >= 0):
+            raise ValueError(f"relend_s must be a finite number >= 0, got {self.relend_s!r}")
+
+
+@dataclass(frozen=True)
 class PrefillLoad:
     """Args: worker_id: the worker. queued_tokens: prompt tokens waiting on it (>= 0). healthy: usable.
     decoding: requests it runs whole (flipped to decode), whose decode rows ride in its prefill steps.
-    cached_tokens: leading tokens of the request's prompt its prefix cache holds (it computes the rest)."""
+    cached_tokens: leading tokens of the request's prompt its prefix cache holds (it computes the rest).
+    loan: its threads, lent to a decode worker now (None: it computes with them itself)."""
 
     worker_id: str
     queued_tokens: int
     healthy: bool = True
     decoding: int = 0
     cached_tokens: int = 0
+    loan: Loan | None = None
 
     def __post_init__(self) -> None:
         for name in ("queued_tokens", "decoding", "cached_tokens"):
@@ -111,6 +135,15 @@ class PoolState:
     def __post_init__(self) -> None:
         object.__setattr__(self, "prefill", tuple(self.prefill))
         object.__setattr__(self, "decode", tuple(self.decode))
+        for p in self.prefill:
+            if p.loan is not None and p.loan.decode >= len(self.decode):
+                raise ValueError(f"prefill worker {p.worker_id} lends to decode index {p.loan.decode}, "
+                                 f"beyond the {len(self.decode)} decode workers")
+
+    def speedup(self, decode: int) -> float:
+        """How much faster than calibrated decode worker `decode` computes now (threads lent to it)."""
+        return max((p.loan.speedup for p in self.prefill if p.loan is not None and p.loan.decode == decode),
+                   default=1.0)
 
 
 @dataclass(frozen=True)
@@ -177,28 +210,35 @@ def _uncached(req: RequestFeatures, cached_tokens: int) -> int:
 
 
 def _remote(cost: CostModel, req: RequestFeatures, state: PoolState, p: int, d: int) -> _Option:
-    step = cost.step_s(state.decode[d].running + 1)
     load = state.prefill[p]
+    loan = load.loan  # the prompt takes P's threads back from the decode worker they are lent to
+    step = cost.step_s(state.decode[d].running + 1) / (1.0 if loan and loan.decode == d else state.speedup(d))
     n = _uncached(req, load.cached_tokens)  # what P computes; it ships what D lacks
     prefill, slowdown = cost.prefill_s(n), 1.0
     if load.decoding:  # flipped to decode: the prompt's chunks run beside P's own batch, which they hold up
         prefill = cost.local_prefill_wall_s(n, load.decoding)
         slowdown += load.decoding * cost.local_stall_s(n, load.decoding) / (req.expected_output_tokens * step)
-    ttft = (load.queued_tokens * cost.prefill.per_unit_s + prefill
-            + cost.exposed_transfer_s(_uncached(req, state.decode[d].cached_tokens)) + cost.hop_s + step / 2)
+    queued = load.queued_tokens * cost.prefill.per_unit_s
+    if loan:  # the borrower's decoding batch runs 1 / speedup as fast until the threads are lent again
+        borrower = state.decode[loan.decode]
+        lost = (queued + prefill + loan.relend_s) * (1 - 1 / loan.speedup)
+        slowdown += (borrower.running - borrower.awaiting_kv) * lost / (req.expected_output_tokens * step)
+    ttft = (queued + prefill + cost.exposed_transfer_s(_uncached(req, state.decode[d].cached_tokens))
+            + cost.hop_s + step / 2)
     return _Option("remote", p, d, ttft, step, slowdown, _crowding(cost, state.decode[d].running))
 
 
 def _local(cost: CostModel, req: RequestFeatures, state: PoolState, d: int) -> _Option:
-    load = state.decode[d]
-    step = cost.step_s(load.running + 1)
+    load, speedup = state.decode[d], state.speedup(d)  # lent threads speed D's prefill and steps alike
+    step = cost.step_s(load.running + 1) / speedup
     decoding = load.running - load.awaiting_kv  # the rest wait for their KV from a prefill worker
     n = _uncached(req, load.cached_tokens)  # D's cache serves the rest
     queued = cost.local_prefill_s(load.queued_prefill_tokens) if load.queued_prefill_tokens else 0.0
-    ttft = queued + cost.local_prefill_wall_s(n, decoding) + step / 2
+    ttft = (queued + cost.local_prefill_wall_s(n, decoding)) / speedup + step / 2
     # what the chunks cost the sequences they hold up (D's decoding batch + this request, standing for its
     # co-arrivals), spread over this request's output
-    slowdown = 1.0 + (decoding + 1) * cost.local_stall_s(n, decoding) / (req.expected_output_tokens * step)
+    stall = cost.local_stall_s(n, decoding) / speedup
+    slowdown = 1.0 + (decoding + 1) * stall / (req.expected_output_tokens * step)
     return _Option("local", None, d, ttft, step * slowdown, slowdown, _crowding(cost, load.running))
 
 

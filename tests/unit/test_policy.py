@@ -13,6 +13,7 @@ from router.policy import (
     AlwaysLocalPolicy,
     AlwaysRemotePolicy,
     DecodeLoad,
+    Loan,
     NoCapacity,
     Placement,
     PoolState,
@@ -460,3 +461,54 @@ def test_a_burst_of_long_prompts_shares_the_prefill_between_the_pools() -> None:
     for b in bookings:
         book.finished(b)
     assert (book.decode[0].running, book.decode[0].queued_prefill_tokens, book.prefill[0].queued_tokens) == (0, 0, 0)
+
+
+# --- lent threads: the borrower computes faster; a prompt sent to the lender costs the borrower's batch ---
+
+def lent(queued: int = 0, speedup: float = 1.75, relend_s: float = 2.0) -> PrefillLoad:
+    return PrefillLoad("p", queued, loan=Loan(0, speedup, relend_s))
+
+
+def test_a_loan_speeds_the_borrower_s_local_estimates_by_its_measured_speedup() -> None:
+    n, out, running = 600, 100, 6
+    own = make_policy("always_local", COST).place(req(n, out), pools(decode=[dec(running)]))
+    loaned = make_policy("always_local", COST).place(req(n, out), pools([lent()], [dec(running)]))
+    assert loaned.est_ttft_s == pytest.approx(own.est_ttft_s / 1.75)
+    assert loaned.est_tpot_s == pytest.approx(own.est_tpot_s / 1.75)  # the stall shrinks with the steps
+
+
+def test_a_prompt_sent_to_a_lender_prices_the_loan_its_borrower_s_batch_loses() -> None:
+    """Decode-heavy: short prompts, a batch of 10 decoding on the borrower. With the prefill worker's
+    threads lent, a prompt that went remote (a busy batch makes local dearer, see above) stays local:
+    sending it away would cost the batch the loan for the prefill and until it is lent again. A long
+    prompt still goes remote, and the longer the loan takes to come back the dearer remote gets."""
+    policy = RatioPolicy(COST, *TARGETS)
+    assert policy.place(req(128, 128), pools(decode=[dec(10)])).path == "remote"
+    assert policy.place(req(128, 128), pools([lent()], [dec(10)])).path == "local"
+    assert policy.place(req(3000, 16), pools([lent()], [dec(10)])).path == "remote"
+    remote = make_policy("always_remote", COST)
+    quick, slow = (remote.place(req(128, 128), pools([lent(relend_s=r)], [dec(10)])) for r in (0.5, 5.0))
+    assert quick.path == slow.path == "remote" and quick.est_ttft_s == pytest.approx(slow.est_ttft_s)
+    priced = [policy._priced(_remote_option(req(128, 128), pools([lent(relend_s=r)], [dec(10)]))).cost
+              for r in (0.5, 5.0)]
+    assert priced[0] < priced[1]
+    # nothing is lost where the borrower's batch only waits for its KV
+    waiting = pools([lent()], [dec(10, awaiting_kv=10)])
+    assert _remote_option(req(128, 128), waiting).slowdown == pytest.approx(1.0)
+
+
+def _remote_option(request: RequestFeatures, state: PoolState):
+    from router.policy import _remote
+
+    return _remote(COST, request, state, 0, 0)
+
+
+def test_loans_are_checked() -> None:
+    with pytest.raises(ValueError, match="speedup"):
+        Loan(0, 0.9, 1.0)
+    with pytest.raises(ValueError, match="relend_s"):
+        Loan(0, 1.5, -1.0)
+    with pytest.raises(ValueError, match="decode index 3"):
+        PoolState((PrefillLoad("p", 0, loan=Loan(3, 1.5, 1.0)),), (dec(),))
+    assert pools([lent()], [dec(), dec(wid="e")]).speedup(0) == 1.75
+    assert pools([lent()], [dec(), dec(wid="e")]).speedup(1) == 1.0
