@@ -17,7 +17,8 @@ either way it is back to prefill the moment a prompt is sent to it.
    to the policy (`loans`): the borrower's local prefills and steps are faster, and a prompt sent to
    the lender costs the borrower's batch the loan until it is lent again (`relend_s` after the
    lender's queue empties).
-4. A replaced worker starts with its own threads: `reset` forgets the pair's loan.
+4. A replaced worker starts with its own threads: `reset` forgets the pair's loan; a replaced decode
+   worker borrows again once its step is compiled for the lent count.
 Threads change between engine steps only (a worker command), never inside one.
 
 `RoleFlipper` lifecycle (a prefill worker is a decode worker too, see `prefill_worker`):
@@ -86,6 +87,7 @@ class _Pair:
     speedup: float  # how much faster the decode worker computes with the loan
     idle_polls: int = 0  # consecutive polls with nothing queued on the prefill worker
     lent: bool = False
+    ready: bool = True  # the decode worker's step is compiled for the lent thread count
 
 
 class ThreadLender:
@@ -146,7 +148,7 @@ class ThreadLender:
         """After a poll, with the book's prompt tokens queued on each prefill worker: lend where idle."""
         for x in self._pairs:
             x.idle_polls = x.idle_polls + 1 if queued_tokens[x.prefill] == 0 else 0
-            if x.idle_polls >= IDLE_POLLS and not x.lent:
+            if x.idle_polls >= IDLE_POLLS and not x.lent and x.ready:
                 x.lent = True
                 self.lent_count += 1
                 self._set(x.decode, 2 * self._threads)
@@ -161,12 +163,24 @@ class ThreadLender:
                     self._set(x.decode, self._threads)
 
     def reset(self, pool: str, index: int) -> None:
-        """Worker `index` of `pool` was replaced: it (or its partner) starts over from its own threads."""
+        """Worker `index` of `pool` was replaced: it (or its partner) starts over from its own threads. A
+        new decode worker borrows again once its step is compiled for the lent count (in the background)."""
         for x in self._pairs:
             if (pool == "prefill" and x.prefill == index) or (pool == "decode" and x.decode == index):
                 if x.lent and pool == "prefill":  # the decode partner still has the loan: take it back
                     self._set(x.decode, self._threads)
                 x.lent, x.idle_polls = False, 0
+                if pool == "decode":
+                    x.ready = False
+                    asyncio.get_running_loop().create_task(self._prepare(x))
+
+    async def _prepare(self, pair: _Pair) -> None:
+        try:
+            await self._pools.decode[pair.decode].prepare_threads.remote(2 * self._threads)
+        except ray.exceptions.RayError as e:  # it died too: its own replacement prepares again
+            log.debug("decode worker %d did not prepare for lent threads: %r", pair.decode, e)
+        else:
+            pair.ready = True
 
     def _set(self, decode: int, threads: int) -> None:
         ref = self._pools.decode[decode].set_threads.remote(threads)  # applied between its steps

@@ -13,9 +13,16 @@ from router.policy import Loan, Placement
 
 class FakeWorker:
     def __init__(self, calls: list, index: int) -> None:
+        self.compiled = asyncio.Event()
+
         async def set_threads(n: int) -> None:
             calls.append((index, n))
+
+        async def prepare_threads(n: int) -> None:
+            await self.compiled.wait()
+            calls.append((index, f"prepared {n}"))
         self.set_threads = SimpleNamespace(remote=set_threads)
+        self.prepare_threads = SimpleNamespace(remote=prepare_threads)
 
 
 def lender(pairs=((0, 0),), decode: int = 1, threads: int = 1) -> tuple[ThreadLender, list]:
@@ -66,7 +73,9 @@ def test_a_busy_prefill_worker_keeps_its_threads() -> None:
 
 def test_only_paired_workers_lend_and_a_replacement_starts_over() -> None:
     async def main():
-        lend, calls = lender(pairs=((1, 0),), decode=2)  # prefill 1 shares a node with decode 0; prefill 0 alone
+        calls: list = []
+        workers = SimpleNamespace(decode=[FakeWorker(calls, i) for i in range(2)])
+        lend = ThreadLender(workers, [(1, 0, 1.5)], 1, poll_s=1.0)  # prefill 1 shares a node with decode 0; 0 alone
         for _ in range(2):
             lend.rebalance([0, 0])
         await settle()
@@ -82,6 +91,15 @@ def test_only_paired_workers_lend_and_a_replacement_starts_over() -> None:
         lend.reset("decode", 0)  # a fresh decode worker starts with its own threads
         await settle()
         assert calls == [(0, 2), (0, 1), (0, 2)] and not lend.lent_to(0)
+        for _ in range(3):  # and borrows only once its step is compiled for the lent count
+            lend.rebalance([0, 0])
+        await settle()
+        assert calls == [(0, 2), (0, 1), (0, 2)] and not lend.lent_to(0)
+        workers.decode[0].compiled.set()
+        await settle()
+        lend.rebalance([0, 0])
+        await settle()
+        assert calls == [(0, 2), (0, 1), (0, 2), (0, "prepared 2"), (0, 2)] and lend.lent_to(0)
     asyncio.run(main())
 
 
