@@ -39,9 +39,9 @@ class ServeConfig:
         address: Ray cluster to join (None: start a local one; "auto": the one this machine belongs to).
         num_prefill / num_decode: workers per pool (num_prefill may be 0: local prefill only).
         cpus_per_worker: Ray CPUs each actor claims.
-        lend_threads: a prefill worker with nothing to prefill lends its threads to the decode worker on
-            its node (`router.elastic`), where the decode worker measures faster with them; not with
-            `router.flip_roles`, the other way to use an idle prefill worker.
+        lend_threads: a prefill worker and a decode worker on one node lend each other their threads
+            whenever one has nothing to compute (`router.elastic`), where they measure faster with
+            them; not with `router.flip_roles`, the other way to use an idle prefill worker.
         host: interface both servers bind (loopback by default; 0.0.0.0 exposes them).
         http_port / grpc_port: their ports (0 picks a free one).
         ssl_certfile / ssl_keyfile: TLS for both servers (both or neither); protect_metrics: /metrics
@@ -58,8 +58,8 @@ class ServeConfig:
     num_decode: int = field(default=1, metadata={"flag": "--decode", "help": "decode workers (>= 1)"})
     cpus_per_worker: float = field(default=1.0, metadata={"help": "Ray CPUs each worker claims"})
     lend_threads: bool = field(default=True, metadata={
-        "help": "an idle prefill worker lends its threads to the decode worker on its node until a prompt comes, "
-        "where that measures faster at start-up (not with --flip-roles)"})
+        "help": "a prefill and a decode worker on one node lend each other their threads while one has nothing "
+        "to compute, where that measures faster at start-up (not with --flip-roles)"})
     host: str = field(default="127.0.0.1", metadata={"help": "interface to bind (0.0.0.0 exposes the server)"})
     http_port: int = field(default=8000, metadata={"help": "OpenAI-compatible HTTP port (0: any free)",
                                                    "aliases": ("--port",)})
@@ -171,7 +171,7 @@ async def serve(cfg: ServeConfig, ready: asyncio.Event | None = None, stop: asyn
         if cfg.lend_threads and not cfg.router.flip_roles and pools.prefill and cfg.engine.num_threads:
             from router.elastic import ThreadLender
 
-            print("[pdserve] measuring what idle prefill workers' threads buy the decode workers beside them ...",
+            print("[pdserve] measuring what a worker gains with the threads of the other role's worker beside it ...",
                   file=sys.stderr, flush=True)
             lender = await asyncio.get_running_loop().run_in_executor(
                 None, ThreadLender.on_same_nodes, pools, cfg.engine.num_threads, cfg.router.load_poll_s)

@@ -2,22 +2,27 @@
 threads to the decode worker on its node (`ThreadLender`), or serves decode itself (`RoleFlipper`);
 either way it is back to prefill the moment a prompt is sent to it.
 
-`ThreadLender` lifecycle:
+`ThreadLender` lifecycle (both ways: whichever worker of a pair has nothing to compute lends its
+threads to the other):
 1. At start the router pairs each prefill worker with a decode worker on the same Ray node (one
    each; workers on nodes of their own stay unpaired); each paired decode worker compiles its decode
    step for the lent thread count then (a compiled step is specialised to its thread count) and
-   measures how much faster it computes with it (`WorkerBase.profile_threads`). A pair whose decode
-   worker gains less than `MIN_SPEEDUP` is not paired: lending would only move work around.
-2. After every load poll, `rebalance` lends a pair's threads (the decode worker runs with both
-   workers' threads) once the router's book has shown the prefill worker with no prompt tokens
-   queued for two polls in a row.
-3. `reclaim` (the placer, as it books a prompt on a prefill worker) gives them back at once: the
-   decode worker returns to its own threads at its next step, and the prefill worker computes with
-   its own (for at most that one step both share the cores). While a loan lasts the placer shows it
-   to the policy (`loans`): the borrower's local prefills and steps are faster, and a prompt sent to
-   the lender costs the borrower's batch the loan until it is lent again (`relend_s` after the
-   lender's queue empties).
-4. A replaced worker starts with its own threads: `reset` forgets the pair's loan; a replaced decode
+   measures how much faster it computes with it (`WorkerBase.profile_threads`). A pair that gains
+   less than `MIN_SPEEDUP` is not paired: lending would only move work around.
+2. After every load poll, `rebalance` looks at the router's book: a decode worker that has computed
+   nothing (no request decoding or prefilling there; those waiting for their KV do not count) for
+   two polls in a row lends its threads to the prefill worker, where prompts come first (a prompt-
+   heavy load prefills with both workers' threads); otherwise a prefill worker with no prompt
+   tokens queued for two polls lends its threads to the decode worker (decode-heavy load decodes
+   with both).
+3. The lender takes them back the moment it has work: `reclaim` (the placer books a prompt on the
+   prefill worker) and `occupy` (a request starts computing on the decode worker: its local
+   prefill is booked, or its remote prefill is done). The borrower returns to its own threads at
+   its next step (for at most that one step both share the cores). While a loan lasts the placer
+   shows it to the policy (`loans`): the borrower computes faster, and a request that takes the
+   threads back is charged what the borrower's work loses (until they are lent again, `relend_s`
+   after the lender runs out of work).
+4. A replaced worker starts with its own threads: `reset` ends the pair's loans; a replaced decode
    worker borrows again once its step is compiled for the lent count.
 Threads change between engine steps only (a worker command), never inside one.
 
@@ -63,17 +68,22 @@ MIN_SPEEDUP = 1.1  # a decode worker must compute at least this much faster with
 class Elastic(Protocol):
     """What the router tells a mechanism that moves compute between roles."""
 
-    def rebalance(self, queued_tokens: list[int]) -> None:
-        """After a load poll, with the book's prompt tokens queued on each prefill worker."""
-
-    def loans(self) -> dict[int, Loan]:
-        """The loans standing now, by prefill worker index (for the policy's view)."""
+    def rebalance(self, queued_tokens: list[int], decoding: list[int]) -> None:
+        """After a load poll, with the book's prompt tokens queued on each prefill worker and the
+        requests each decode worker decodes or prefills itself (not those waiting for their KV)."""
 
     def reclaim(self, prefill: int) -> None:
         """A prompt is being booked on prefill worker `prefill`: it is a prefill worker again, now."""
 
+    def occupy(self, decode: int) -> None:
+        """A request starts computing on decode worker `decode` (a local prefill booked, or a remote
+        one done): it computes with its own threads again, now."""
+
     def reset(self, pool: str, index: int) -> None:
         """Worker `index` of `pool` was replaced: it starts in its own role."""
+
+    def loans(self) -> dict[int, Loan]:
+        """The loans standing now, by prefill worker index (for the policy's view)."""
 
     @property
     def moved(self) -> int:
@@ -84,29 +94,34 @@ class Elastic(Protocol):
 class _Pair:
     prefill: int  # index into the pools
     decode: int
-    speedup: float  # how much faster the decode worker computes with the loan
+    speedup: float  # how much faster a worker of the pair computes with both workers' threads
     idle_polls: int = 0  # consecutive polls with nothing queued on the prefill worker
-    lent: bool = False
+    quiet_polls: int = 0  # consecutive polls with nothing computing on the decode worker
+    lent: bool = False  # the decode worker computes with both workers' threads
+    borrowed: bool = False  # the prefill worker does
     ready: bool = True  # the decode worker's step is compiled for the lent thread count
 
 
 class ThreadLender:
-    """Args: pools: the live workers; pairs: (prefill index, decode index, the decode worker's speedup
-    with the loan) of workers sharing a node; threads: each worker's own thread count; poll_s: seconds
-    between the router's load polls (a loan comes `IDLE_POLLS` polls after the lender's queue empties)."""
+    """Args: pools: the live workers; pairs: (prefill index, decode index, how much faster either
+    computes with both workers' threads) of workers sharing a node; threads: each worker's own thread
+    count; poll_s: seconds between the router's load polls (a loan comes `IDLE_POLLS` polls after the
+    lender runs out of work)."""
 
     def __init__(self, pools: Pools, pairs: list[tuple[int, int, float]], threads: int, poll_s: float) -> None:
         self._pools, self._threads = pools, threads
         self._pairs = [_Pair(p, d, speedup) for p, d, speedup in pairs]
         self.relend_s = IDLE_POLLS * poll_s
-        self.lent_count = 0  # times threads were lent, for tests and logs
+        self.lent_count = 0  # times a prefill worker's threads were lent, for tests and logs
+        self.borrowed_count = 0  # times a decode worker's were
 
     @classmethod
     def on_same_nodes(cls, pools: Pools, threads: int, poll_s: float,
                       min_speedup: float = MIN_SPEEDUP) -> ThreadLender:
         """Pair the workers by the Ray node they run on; each paired decode worker compiles its decode
         step for the lent thread count now rather than at its first loan, and measures what the loan
-        buys it; pairs that gain less than `min_speedup` are dropped (blocking, seconds)."""
+        buys it (a decode step and a prefill: the same engine on the same node, so the prefill worker
+        gains as much); pairs that gain less than `min_speedup` are dropped (blocking, seconds)."""
         nodes = ray.get([w.node_id.remote() for w in pools.prefill + pools.decode])
         prefill_nodes, decode_nodes = nodes[:len(pools.prefill)], nodes[len(pools.prefill):]
         free = list(range(len(decode_nodes)))
@@ -120,7 +135,7 @@ class ThreadLender:
         speedups = ray.get([pools.decode[d].profile_threads.remote(2 * threads) for _, d in pairs])
         for (p, d), speedup in zip(pairs, speedups):
             log.info("decode worker %d computes %.2fx as fast with prefill worker %d's threads%s", d, speedup, p,
-                     "" if speedup >= min_speedup else f" (< {min_speedup}x: it does not borrow them)")
+                     "" if speedup >= min_speedup else f" (< {min_speedup}x: they lend each other none)")
         return cls(pools, [(p, d, max(1.0, s)) for (p, d), s in zip(pairs, speedups) if s >= min_speedup],
                    threads, poll_s)
 
@@ -129,9 +144,9 @@ class ThreadLender:
         return [(x.prefill, x.decode) for x in self._pairs]
 
     def describe(self) -> str:
-        """The pairs for a start-up line, e.g. "decode worker 0 borrows prefill worker 0's (1.54x faster)"."""
-        return "; ".join(f"decode worker {x.decode} borrows prefill worker {x.prefill}'s ({x.speedup:.2f}x faster)"
-                         for x in self._pairs) or "none (no pair of workers on one node gains from it)"
+        """The pairs for a start-up line, e.g. "prefill worker 0 and decode worker 0 (1.54x faster with both's)"."""
+        return "; ".join(f"prefill worker {x.prefill} and decode worker {x.decode} ({x.speedup:.2f}x faster "
+                         "with both's)" for x in self._pairs) or "none (no pair of workers on one node gains from it)"
 
     @property
     def moved(self) -> int:
@@ -141,38 +156,71 @@ class ThreadLender:
         """Whether decode worker `decode` runs with a prefill worker's threads now."""
         return any(x.lent and x.decode == decode for x in self._pairs)
 
-    def loans(self) -> dict[int, Loan]:
-        return {x.prefill: Loan(x.decode, x.speedup, self.relend_s) for x in self._pairs if x.lent}
+    def borrowing(self, prefill: int) -> bool:
+        """Whether prefill worker `prefill` runs with a decode worker's threads now."""
+        return any(x.borrowed and x.prefill == prefill for x in self._pairs)
 
-    def rebalance(self, queued_tokens: list[int]) -> None:
-        """After a poll, with the book's prompt tokens queued on each prefill worker: lend where idle."""
+    def loans(self) -> dict[int, Loan]:
+        return {x.prefill: Loan(x.decode, x.speedup, self.relend_s, to_decode=x.lent)
+                for x in self._pairs if x.lent or x.borrowed}
+
+    def rebalance(self, queued_tokens: list[int], decoding: list[int]) -> None:
+        """After a poll: a pair whose decode worker has computed nothing for `IDLE_POLLS` polls lends its
+        threads to the prefill worker (prompts come there first); otherwise one whose prefill worker has
+        had nothing queued that long lends them to the decode worker."""
         for x in self._pairs:
             x.idle_polls = x.idle_polls + 1 if queued_tokens[x.prefill] == 0 else 0
-            if x.idle_polls >= IDLE_POLLS and not x.lent and x.ready:
+            x.quiet_polls = x.quiet_polls + 1 if decoding[x.decode] == 0 else 0
+            if x.quiet_polls >= IDLE_POLLS:
+                if not x.borrowed:
+                    self._end_loan(x)
+                    x.borrowed = True
+                    self.borrowed_count += 1
+                    self._set("prefill", x.prefill, 2 * self._threads)
+            elif x.idle_polls >= IDLE_POLLS and x.ready and not x.lent:
+                self._end_borrow(x)
                 x.lent = True
                 self.lent_count += 1
-                self._set(x.decode, 2 * self._threads)
+                self._set("decode", x.decode, 2 * self._threads)
 
     def reclaim(self, prefill: int) -> None:
-        """A prompt is being sent to prefill worker `prefill`: its threads come back now."""
+        """A prompt is being sent to prefill worker `prefill`: threads it lent come back now."""
         for x in self._pairs:
             if x.prefill == prefill:
                 x.idle_polls = 0
-                if x.lent:
-                    x.lent = False
-                    self._set(x.decode, self._threads)
+                self._end_loan(x)
+
+    def occupy(self, decode: int) -> None:
+        """A request starts computing on decode worker `decode`: threads it lent come back now (the
+        prefill worker computes with its own from its next step)."""
+        for x in self._pairs:
+            if x.decode == decode:
+                x.quiet_polls = 0
+                self._end_borrow(x)
 
     def reset(self, pool: str, index: int) -> None:
-        """Worker `index` of `pool` was replaced: it (or its partner) starts over from its own threads. A
-        new decode worker borrows again once its step is compiled for the lent count (in the background)."""
+        """Worker `index` of `pool` was replaced: it (and its partner) start over from their own threads.
+        A new decode worker borrows again once its step is compiled for the lent count (in the background)."""
         for x in self._pairs:
             if (pool == "prefill" and x.prefill == index) or (pool == "decode" and x.decode == index):
-                if x.lent and pool == "prefill":  # the decode partner still has the loan: take it back
-                    self._set(x.decode, self._threads)
-                x.lent, x.idle_polls = False, 0
-                if pool == "decode":
-                    x.ready = False
+                if pool == "prefill":  # the survivor gives back what it holds; a new worker has its own
+                    self._end_loan(x)
+                    x.borrowed = False
+                else:
+                    self._end_borrow(x)
+                    x.lent, x.ready = False, False
                     asyncio.get_running_loop().create_task(self._prepare(x))
+                x.idle_polls = x.quiet_polls = 0
+
+    def _end_loan(self, x: _Pair) -> None:
+        if x.lent:
+            x.lent = False
+            self._set("decode", x.decode, self._threads)
+
+    def _end_borrow(self, x: _Pair) -> None:
+        if x.borrowed:
+            x.borrowed = False
+            self._set("prefill", x.prefill, self._threads)
 
     async def _prepare(self, pair: _Pair) -> None:
         try:
@@ -182,16 +230,17 @@ class ThreadLender:
         else:
             pair.ready = True
 
-    def _set(self, decode: int, threads: int) -> None:
-        ref = self._pools.decode[decode].set_threads.remote(threads)  # applied between its steps
-        asyncio.get_running_loop().create_task(_quietly(ref, decode, threads))
+    def _set(self, pool: str, index: int, threads: int) -> None:
+        workers = self._pools.decode if pool == "decode" else self._pools.prefill
+        ref = workers[index].set_threads.remote(threads)  # applied between its steps
+        asyncio.get_running_loop().create_task(_quietly(ref, pool, index, threads))
 
 
-async def _quietly(ref: ray.ObjectRef, decode: int, threads: int) -> None:
+async def _quietly(ref: ray.ObjectRef, pool: str, index: int, threads: int) -> None:
     try:
         await ref
     except ray.exceptions.RayError as e:  # a dead worker: its replacement starts with its own threads
-        log.debug("decode worker %d did not take %d threads: %r", decode, threads, e)
+        log.debug("%s worker %d did not take %d threads: %r", pool, index, threads, e)
 
 
 class RoleFlipper:
@@ -217,7 +266,7 @@ class RoleFlipper:
         """Whether prefill worker `prefill` takes decode requests now."""
         return self._book.flex[prefill].accepting
 
-    def rebalance(self, queued_tokens: list[int]) -> None:
+    def rebalance(self, queued_tokens: list[int], decoding: list[int]) -> None:
         for i, queued in enumerate(queued_tokens):
             self._idle[i] = self._idle[i] + 1 if queued == 0 else 0
             slot = self._book.flex[i]
@@ -229,6 +278,9 @@ class RoleFlipper:
     def reclaim(self, prefill: int) -> None:
         self._idle[prefill] = 0
         self._book.flex[prefill].accepting = False
+
+    def occupy(self, decode: int) -> None:
+        pass  # a decode worker's compute stays its own
 
     def reset(self, pool: str, index: int) -> None:
         if pool == "prefill":

@@ -59,7 +59,8 @@ class HealthMonitor:
                                for pool, actors in (("prefill", self._pools.prefill), ("decode", self._pools.decode))
                                for i, actor in enumerate(actors) if (pool, i) not in self.respawning))
         if self._placer.elastic is not None:
-            self._placer.elastic.rebalance([s.queued_tokens for s in self._placer.slots("prefill")])
+            self._placer.elastic.rebalance([s.queued_tokens for s in self._placer.slots("prefill")],
+                                           [s.running - s.awaiting_kv for s in self._placer.slots("decode")])
             self._metrics.elastic.set(self._placer.elastic.moved)
 
     async def _poll(self, pool: str, index: int, actor: ray.actor.ActorHandle) -> None:

@@ -134,8 +134,11 @@ class Placer:
                   for i, d in enumerate(state.decode)))
 
     def _admit(self, placement: Placement, prompt_tokens: int, max_tokens: int) -> Booking:
-        if placement.prefill is not None and self.elastic is not None:
-            self.elastic.reclaim(placement.prefill)  # back to prefill (its threads, its role) before its prompt comes
+        if self.elastic is not None:
+            if placement.prefill is not None:
+                self.elastic.reclaim(placement.prefill)  # back to prefill (its threads, its role) before its prompt
+            else:
+                self.elastic.occupy(placement.decode)  # D prefills it: its threads come back first
         booking = self.book.admit(placement, prompt_tokens, max_tokens)
         self._metrics.in_flight.inc()
         return booking
@@ -148,6 +151,8 @@ class Placer:
 
     def prefilled(self, booking: Booking) -> None:
         """Its prefill is over (first token known, or it ended before). Idempotent."""
+        if booking.prefill_open and booking.prefill is not None and booking.open and self.elastic is not None:
+            self.elastic.occupy(booking.placement.decode)  # it decodes on D now: D's threads come back
         self.book.prefilled(booking)
 
     def release(self, booking: Booking, output_tokens: int, outcome: str) -> None:

@@ -7,11 +7,13 @@ transfer (of what D lacks) not hidden behind the last chunk's later layers and t
 local pays D's queued local prefills and the prefill in chunks, each in a step that also decodes D's
 running batch (what that adds is measured), and D's batch loses what those steps take beyond its own
 decode steps (requests there still waiting for their KV lose nothing: under a burst of long prompts
-D prefills its share instead of leaving every prompt queued on P). A decode worker computing with a prefill
-worker's lent threads (`Loan`) is that much faster at both; a prompt sent to that prefill worker
-takes the threads back, which the policy prices as what the borrower's running batch loses until
-they are lent again. Each option costs TTFT / TTFT
-target + decode slowdown + crowding (what one more sequence in D's batch costs those already there)
+D prefills its share instead of leaving every prompt queued on P). A decode worker computing with a
+prefill worker's lent threads (`Loan`) is that much faster at both, and a prompt sent to that prefill
+worker takes the threads back, priced as what the borrower's running batch loses until they are
+lent again; a prefill worker computing with a decode worker's threads prefills that much faster,
+and a local prefill on that decode worker takes them back, priced as the delay it adds to P's
+queue. Each option costs (TTFT + that delay) / TTFT target + decode slowdown + crowding (what one
+more sequence in D's batch costs those already there)
 + 1 per missed SLO (a lost request of goodput); the cheapest wins, ties go remote. So the switch
 point follows measured prefill, transfer and decode-step costs; no hard-coded thresholds. With a
 `Correction`, every estimate is multiplied by what serving has shown the cost model to miss (actual /
@@ -55,13 +57,15 @@ class RequestFeatures:
 
 @dataclass(frozen=True)
 class Loan:
-    """A prefill worker's threads lent to decode worker `decode` (`router.elastic.ThreadLender`), which
-    computes `speedup` times faster with them (measured); a prompt sent to the prefill worker takes them
-    back until `relend_s` after its queue empties."""
+    """Threads lent between a prefill worker and decode worker `decode` on one node
+    (`router.elastic.ThreadLender`): the prefill worker's to the decode worker (`to_decode`), or the
+    decode worker's to the prefill worker. The borrower computes `speedup` times faster with them
+    (measured); the lender takes them back when it gets work, until `relend_s` after it runs out."""
 
     decode: int
     speedup: float
     relend_s: float
+    to_decode: bool = True
 
     def __post_init__(self) -> None:
         if self.decode < 0:
@@ -142,8 +146,13 @@ class PoolState:
 
     def speedup(self, decode: int) -> float:
         """How much faster than calibrated decode worker `decode` computes now (threads lent to it)."""
-        return max((p.loan.speedup for p in self.prefill if p.loan is not None and p.loan.decode == decode),
-                   default=1.0)
+        return max((p.loan.speedup for p in self.prefill
+                    if p.loan is not None and p.loan.to_decode and p.loan.decode == decode), default=1.0)
+
+    def lending(self, decode: int) -> int | None:
+        """The prefill worker computing with decode worker `decode`'s threads now, if any."""
+        return next((i for i, p in enumerate(self.prefill)
+                     if p.loan is not None and not p.loan.to_decode and p.loan.decode == decode), None)
 
 
 @dataclass(frozen=True)
@@ -187,11 +196,12 @@ class _Option:
     tpot_s: float
     slowdown: float
     crowding: float = 0.0  # what joining D's batch costs the sequences already there (see `_crowding`)
+    delay_s: float = 0.0  # what it adds to the TTFT of prompts queued elsewhere (taking lent threads back)
     cost: float = 0.0
 
     def describe(self) -> str:
         return (f"{self.path} ttft={self.ttft_s:.4f}s tpot={self.tpot_s:.4f}s slowdown={self.slowdown:.4f} "
-                f"crowding={self.crowding:.4f} cost={self.cost:.4f}")
+                f"crowding={self.crowding:.4f} delay={self.delay_s:.4f}s cost={self.cost:.4f}")
 
 
 def _crowding(cost: CostModel, running: int) -> float:
@@ -211,17 +221,18 @@ def _uncached(req: RequestFeatures, cached_tokens: int) -> int:
 
 def _remote(cost: CostModel, req: RequestFeatures, state: PoolState, p: int, d: int) -> _Option:
     load = state.prefill[p]
-    loan = load.loan  # the prompt takes P's threads back from the decode worker they are lent to
-    step = cost.step_s(state.decode[d].running + 1) / (1.0 if loan and loan.decode == d else state.speedup(d))
+    lent = load.loan if load.loan and load.loan.to_decode else None  # the prompt takes P's threads back
+    fast = load.loan.speedup if load.loan and not load.loan.to_decode else 1.0  # P computes with D's threads
+    step = cost.step_s(state.decode[d].running + 1) / (1.0 if lent and lent.decode == d else state.speedup(d))
     n = _uncached(req, load.cached_tokens)  # what P computes; it ships what D lacks
-    prefill, slowdown = cost.prefill_s(n), 1.0
+    prefill, slowdown = cost.prefill_s(n) / fast, 1.0
     if load.decoding:  # flipped to decode: the prompt's chunks run beside P's own batch, which they hold up
         prefill = cost.local_prefill_wall_s(n, load.decoding)
         slowdown += load.decoding * cost.local_stall_s(n, load.decoding) / (req.expected_output_tokens * step)
-    queued = load.queued_tokens * cost.prefill.per_unit_s
-    if loan:  # the borrower's decoding batch runs 1 / speedup as fast until the threads are lent again
-        borrower = state.decode[loan.decode]
-        lost = (queued + prefill + loan.relend_s) * (1 - 1 / loan.speedup)
+    queued = load.queued_tokens * cost.prefill.per_unit_s / fast
+    if lent:  # the borrower's decoding batch runs 1 / speedup as fast until the threads are lent again
+        borrower = state.decode[lent.decode]
+        lost = (queued + prefill + lent.relend_s) * (1 - 1 / lent.speedup)
         slowdown += (borrower.running - borrower.awaiting_kv) * lost / (req.expected_output_tokens * step)
     ttft = (queued + prefill + cost.exposed_transfer_s(_uncached(req, state.decode[d].cached_tokens))
             + cost.hop_s + step / 2)
@@ -239,7 +250,10 @@ def _local(cost: CostModel, req: RequestFeatures, state: PoolState, d: int) -> _
     # co-arrivals), spread over this request's output
     stall = cost.local_stall_s(n, decoding) / speedup
     slowdown = 1.0 + (decoding + 1) * stall / (req.expected_output_tokens * step)
-    return _Option("local", None, d, ttft, step * slowdown, slowdown, _crowding(cost, load.running))
+    delay = 0.0
+    if (p := state.lending(d)) is not None:  # D takes its threads back: P's queue computes 1 / speedup as fast
+        delay = state.prefill[p].queued_tokens * cost.prefill.per_unit_s * (1 - 1 / state.prefill[p].loan.speedup)
+    return _Option("local", None, d, ttft, step * slowdown, slowdown, _crowding(cost, load.running), delay)
 
 
 def _candidates(request: RequestFeatures, state: PoolState) -> tuple[list[int], list[int]]:
@@ -372,7 +386,7 @@ class RatioPolicy(Policy):
         self.tpot_target_s = tpot_target_s
 
     def _priced(self, opt: _Option) -> _Option:
-        cost = (opt.ttft_s / self.ttft_target_s + (opt.slowdown - 1.0) + opt.crowding
+        cost = ((opt.ttft_s + opt.delay_s) / self.ttft_target_s + (opt.slowdown - 1.0) + opt.crowding
                 + (opt.ttft_s > self.ttft_target_s) + (opt.tpot_s > self.tpot_target_s))
         return replace(opt, cost=float(cost))
 

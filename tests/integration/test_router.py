@@ -218,44 +218,51 @@ def test_request_timeout_aborts_it_everywhere(cluster):
     assert_all_free(cluster[1])
 
 
-def test_an_idle_prefill_worker_lends_its_threads_and_gets_them_back_with_a_prompt(cluster):
-    """Workers on one node: with nothing to prefill, the decode worker computes with both workers'
-    threads; a prompt booked on the prefill worker takes them back; output stays exact."""
+def test_idle_workers_lend_their_threads_both_ways_and_get_them_back_with_work(cluster):
+    """Workers on one node: with nothing to compute on the decode worker, the prefill worker prefills
+    with both workers' threads until a request decodes there; with nothing to prefill and a request
+    decoding, the decode worker computes with both until a prompt is booked on the prefill worker.
+    Output stays exact on every path."""
     from router.elastic import IDLE_POLLS, ThreadLender
 
     ref, pools, infos, cost, path = cluster
-    decode = pools.decode[0]
+    prefill, decode = pools.prefill[0], pools.decode[0]
 
-    async def threads_become(n: int) -> None:
+    async def threads_become(worker, n: int) -> None:
         for _ in range(100):
-            if (await decode.load.remote()).threads == n:
+            if (await worker.load.remote()).threads == n:
                 return
             await asyncio.sleep(0.05)
-        raise AssertionError(f"the decode worker never computed with {n} threads")
+        raise AssertionError(f"the worker never computed with {n} threads")
 
     async def main():
         lender = ThreadLender.on_same_nodes(pools, threads=1, poll_s=1.0, min_speedup=0.0)  # a tiny model
         assert lender.pairs == [(0, 0)]
         router = Router(pools, infos[:1], infos[1:], None, path, RouterConfig(policy="always_remote"), cost,
                         lender=lender)
-        await threads_become(1)
         for _ in range(IDLE_POLLS):
             await router.poll_once()
-        await threads_become(2)
-        assert list(lender.loans()) == [0] and lender.loans()[0].decode == 0  # the policy sees the loan
+        await threads_become(prefill, 2)  # nothing anywhere: prompts come to the prefill worker first
+        assert lender.loans()[0].to_decode is False and (await decode.load.remote()).threads == 1
         prompt = random_prompt(60, 77)
-        tokens, _ = await collect(router, prompt, 10)  # booked on the prefill worker: the loan ends
-        await threads_become(1)
+        tokens, _ = await collect(router, prompt, 10)  # prefilled with both; decoding takes them back
+        await threads_become(prefill, 1)
         assert tokens == greedy_reference(ref, prompt, 10)
-        for _ in range(IDLE_POLLS):
-            await router.poll_once()
-        await threads_become(2)  # idle again: lent again, and decode stays exact with both threads
-        local = Router(pools, infos[:1], infos[1:], None, path, RouterConfig(policy="always_local"), cost)
-        tokens, _ = await collect(local, prompt, 10)
-        assert tokens == greedy_reference(ref, prompt, 10)
-        await decode.set_threads.remote(1)
+        stream = await router.submit(GenerateRequest(prompt=prompt, sampling=SamplingParams(max_tokens=400)))
+        tokens = []
+        async for chunk in stream:
+            if not tokens:  # its first token: it decodes now, with nothing to prefill: the other way
+                for _ in range(IDLE_POLLS):
+                    await router.poll_once()
+                await threads_become(decode, 2)
+                assert lender.loans()[0].to_decode is True
+            tokens += chunk.token_ids
+        assert tokens == greedy_reference(ref, prompt, 400)  # exact across the thread change
+        await collect(router, random_prompt(30, 78), 2)  # a prompt booked on the prefill worker
+        await threads_become(decode, 1)
+        for worker in (prefill, decode):
+            await worker.set_threads.remote(1)
         await router.stop_polling()
-        await local.stop_polling()
     asyncio.run(main())
     assert_all_free(pools)
 

@@ -21,6 +21,8 @@ from router.policy import (
     RatioPolicy,
     RequestFeatures,
     RoundRobinPolicy,
+    _local,
+    _remote,
     make_policy,
 )
 
@@ -498,8 +500,6 @@ def test_a_prompt_sent_to_a_lender_prices_the_loan_its_borrower_s_batch_loses() 
 
 
 def _remote_option(request: RequestFeatures, state: PoolState):
-    from router.policy import _remote
-
     return _remote(COST, request, state, 0, 0)
 
 
@@ -512,3 +512,21 @@ def test_loans_are_checked() -> None:
         PoolState((PrefillLoad("p", 0, loan=Loan(3, 1.5, 1.0)),), (dec(),))
     assert pools([lent()], [dec(), dec(wid="e")]).speedup(0) == 1.75
     assert pools([lent()], [dec(), dec(wid="e")]).speedup(1) == 1.0
+
+
+def test_a_prefill_worker_with_the_decode_worker_s_threads_prefills_faster_and_local_prefill_takes_them_back(
+        ) -> None:
+    """Prompt-heavy, the decode worker idle and its threads lent to the prefill worker: remote prefill
+    (and P's queue) is that much faster; a local prefill on D would take the threads back and delay
+    every prompt queued on P, which is priced."""
+    borrowing = PrefillLoad("p", 2000, loan=Loan(0, 1.6, 2.0, to_decode=False))
+    own, fast = (make_policy("always_remote", COST).place(req(1024, 16), pools([p], [dec()]))
+                 for p in (PrefillLoad("p", 2000), borrowing))
+    exposed = COST.exposed_transfer_s(1024) + COST.hop_s + COST.step_s(1) / 2
+    assert fast.est_ttft_s - exposed == pytest.approx((own.est_ttft_s - exposed) / 1.6)
+    state = pools([borrowing], [dec()])
+    assert state.lending(0) == 0 and state.speedup(0) == 1.0  # D computes with its own threads
+    assert _local(COST, req(1024, 16), state, 0).delay_s == pytest.approx(
+        2000 * COST.prefill.per_unit_s * (1 - 1 / 1.6))
+    assert _local(COST, req(1024, 16), pools([PrefillLoad("p", 2000)], [dec()]), 0).delay_s == 0.0
+    assert RatioPolicy(COST, *TARGETS).place(req(1024, 16), state).path == "remote"
