@@ -98,22 +98,19 @@ def time_mixed_step(engine: LLMEngine, batch: int, context: int, chunk: int, ste
         _abort(engine, ids)
 
 
-def time_threads_speedup(engine: LLMEngine, threads: int, batch: int = 8, context: int = 16,
+def time_threads_speedup(engine: LLMEngine, threads: int, rounds: int = 3, batch: int = 8, context: int = 16,
                          prompt_tokens: int = 128) -> float:
     """How much faster the engine computes with `threads` torch threads than with its current count:
     the time of a decode step of `batch` sequences plus a prefill of `prompt_tokens`, with the current
-    count over with `threads`, each timed after a warm-up (the current count is restored; call after
-    the engine's decode step is ready for both counts)."""
-    def work() -> float:
+    count over with `threads`; the median of `rounds` interleaved pairs, after a warm-up of each (the
+    current count is restored; call after the engine's decode step is ready for both counts)."""
+    def work(n: int) -> float:
+        torch.set_num_threads(n)
         return time_decode_steps(engine, [batch], context)[0] + time_prefill(engine, prompt_tokens)
 
     own = torch.get_num_threads()
-    work()  # warm-ups, one per count: one-off costs (new shapes, thread pools) stay out of the ratio
-    base = work()
-    torch.set_num_threads(threads)
     try:
-        work()
-        more = work()
+        work(own), work(threads)  # one-off costs (new shapes, thread pools) stay out of the ratios
+        return statistics.median(work(own) / work(threads) for _ in range(rounds))
     finally:
         torch.set_num_threads(own)
-    return base / more

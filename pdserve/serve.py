@@ -40,8 +40,8 @@ class ServeConfig:
         num_prefill / num_decode: workers per pool (num_prefill may be 0: local prefill only).
         cpus_per_worker: Ray CPUs each actor claims.
         lend_threads: a prefill worker and a decode worker on one node lend each other their threads
-            whenever one has nothing to compute (`router.elastic`), where they measure faster with
-            them; not with `router.flip_roles`, the other way to use an idle prefill worker.
+            whenever one has nothing to compute (`router.elastic`; CPU workers); not with
+            `router.flip_roles`, the other way to use an idle prefill worker.
         host: interface both servers bind (loopback by default; 0.0.0.0 exposes them).
         http_port / grpc_port: their ports (0 picks a free one).
         ssl_certfile / ssl_keyfile: TLS for both servers (both or neither); protect_metrics: /metrics
@@ -59,7 +59,7 @@ class ServeConfig:
     cpus_per_worker: float = field(default=1.0, metadata={"help": "Ray CPUs each worker claims"})
     lend_threads: bool = field(default=True, metadata={
         "help": "a prefill and a decode worker on one node lend each other their threads while one has nothing "
-        "to compute, where that measures faster at start-up (not with --flip-roles)"})
+        "to compute (CPU workers; not with --flip-roles)"})
     host: str = field(default="127.0.0.1", metadata={"help": "interface to bind (0.0.0.0 exposes the server)"})
     http_port: int = field(default=8000, metadata={"help": "OpenAI-compatible HTTP port (0: any free)",
                                                    "aliases": ("--port",)})
@@ -168,7 +168,8 @@ async def serve(cfg: ServeConfig, ready: asyncio.Event | None = None, stop: asyn
             return replace_worker(pools, pool, index, pools.engine_config, cfg.transfer, cfg.cpus_per_worker)
 
         lender = None
-        if cfg.lend_threads and not cfg.router.flip_roles and pools.prefill and cfg.engine.num_threads:
+        if (cfg.lend_threads and not cfg.router.flip_roles and pools.prefill and cfg.engine.num_threads
+                and cfg.engine.device == "cpu"):  # threads are CPU compute
             from router.elastic import ThreadLender
 
             print("[pdserve] measuring what a worker gains with the threads of the other role's worker beside it ...",

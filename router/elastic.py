@@ -7,8 +7,9 @@ threads to the other):
 1. At start the router pairs each prefill worker with a decode worker on the same Ray node (one
    each; workers on nodes of their own stay unpaired); each paired decode worker compiles its decode
    step for the lent thread count then (a compiled step is specialised to its thread count) and
-   measures how much faster it computes with it (`WorkerBase.profile_threads`). A pair that gains
-   less than `MIN_SPEEDUP` is not paired: lending would only move work around.
+   measures how much faster it computes with it (`WorkerBase.profile_threads`), which the policy
+   prices loans with. Threads are CPU compute: `pdserve serve` lends only between CPU workers (a GPU
+   worker's compute is its device; flipping roles moves that).
 2. After every load poll, `rebalance` looks at the router's book: a decode worker that has computed
    nothing (no request decoding or prefilling there; those waiting for their KV do not count) for
    two polls in a row lends its threads to the prefill worker, where prompts come first (a prompt-
@@ -62,7 +63,6 @@ log = logging.getLogger(__name__)
 
 
 IDLE_POLLS = 2  # polls of a prefill worker with nothing queued before its compute goes to decode
-MIN_SPEEDUP = 1.1  # a decode worker must compute at least this much faster with lent threads to borrow them
 
 
 class Elastic(Protocol):
@@ -116,12 +116,12 @@ class ThreadLender:
         self.borrowed_count = 0  # times a decode worker's were
 
     @classmethod
-    def on_same_nodes(cls, pools: Pools, threads: int, poll_s: float,
-                      min_speedup: float = MIN_SPEEDUP) -> ThreadLender:
+    def on_same_nodes(cls, pools: Pools, threads: int, poll_s: float) -> ThreadLender:
         """Pair the workers by the Ray node they run on; each paired decode worker compiles its decode
         step for the lent thread count now rather than at its first loan, and measures what the loan
         buys it (a decode step and a prefill: the same engine on the same node, so the prefill worker
-        gains as much); pairs that gain less than `min_speedup` are dropped (blocking, seconds)."""
+        is taken to gain as much; at least 1: a noisy measurement never makes a loan look harmful)
+        (blocking, seconds)."""
         nodes = ray.get([w.node_id.remote() for w in pools.prefill + pools.decode])
         prefill_nodes, decode_nodes = nodes[:len(pools.prefill)], nodes[len(pools.prefill):]
         free = list(range(len(decode_nodes)))
@@ -134,10 +134,8 @@ class ThreadLender:
         ray.get([pools.decode[d].prepare_threads.remote(2 * threads) for _, d in pairs])
         speedups = ray.get([pools.decode[d].profile_threads.remote(2 * threads) for _, d in pairs])
         for (p, d), speedup in zip(pairs, speedups):
-            log.info("decode worker %d computes %.2fx as fast with prefill worker %d's threads%s", d, speedup, p,
-                     "" if speedup >= min_speedup else f" (< {min_speedup}x: they lend each other none)")
-        return cls(pools, [(p, d, max(1.0, s)) for (p, d), s in zip(pairs, speedups) if s >= min_speedup],
-                   threads, poll_s)
+            log.info("decode worker %d computes %.2fx as fast with prefill worker %d's threads", d, speedup, p)
+        return cls(pools, [(p, d, max(1.0, s)) for (p, d), s in zip(pairs, speedups)], threads, poll_s)
 
     @property
     def pairs(self) -> list[tuple[int, int]]:
@@ -146,7 +144,7 @@ class ThreadLender:
     def describe(self) -> str:
         """The pairs for a start-up line, e.g. "prefill worker 0 and decode worker 0 (1.54x faster with both's)"."""
         return "; ".join(f"prefill worker {x.prefill} and decode worker {x.decode} ({x.speedup:.2f}x faster "
-                         "with both's)" for x in self._pairs) or "none (no pair of workers on one node gains from it)"
+                         "with both's)" for x in self._pairs) or "none (no prefill and decode worker share a node)"
 
     @property
     def moved(self) -> int:

@@ -236,8 +236,8 @@ def test_idle_workers_lend_their_threads_both_ways_and_get_them_back_with_work(c
         raise AssertionError(f"the worker never computed with {n} threads")
 
     async def main():
-        lender = ThreadLender.on_same_nodes(pools, threads=1, poll_s=1.0, min_speedup=0.0)  # a tiny model
-        assert lender.pairs == [(0, 0)]
+        lender = ThreadLender.on_same_nodes(pools, threads=1, poll_s=1.0)
+        assert lender.pairs == [(0, 0)] and "decode worker 0" in lender.describe()
         router = Router(pools, infos[:1], infos[1:], None, path, RouterConfig(policy="always_remote"), cost,
                         lender=lender)
         for _ in range(IDLE_POLLS):
