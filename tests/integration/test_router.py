@@ -274,7 +274,7 @@ def test_an_idle_prefill_worker_flips_to_decode_and_back_while_its_requests_run(
     follows. Every request equals `generate`; no block leaks."""
     from router.elastic import IDLE_POLLS
 
-    ref, pools, infos, cost, _ = cluster
+    ref, pools, infos, _, _ = cluster
     p_id = infos[0].worker_id
 
     async def main():
