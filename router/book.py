@@ -16,12 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from router.policy import DecodeLoad, Placement, PoolState, PrefillLoad
+from router.prefix_index import Promise
 
 
 @dataclass(eq=False)
 class PrefillSlot:
     worker_id: str
-    queued_tokens: int = 0  # prompt tokens sent to it and not yet prefilled
+    queued_tokens: int = 0  # prompt tokens it computes for the prompts sent to it, not yet prefilled
     healthy: bool = True
 
 
@@ -33,7 +34,7 @@ class DecodeSlot:
     max_num_seqs: int
     running: int = 0  # requests placed on it and not finished
     reserved_blocks: int = 0  # worst-case KV blocks of those requests
-    queued_prefill_tokens: int = 0  # local prefills not yet done
+    queued_prefill_tokens: int = 0  # prompt tokens it computes for local prefills not yet done
     awaiting_kv: int = 0  # of `running`, remote prefills not yet done (their KV is on its way)
     healthy: bool = True
     flex: bool = False  # a prefill worker's: local path only (it never receives KV)
@@ -53,8 +54,10 @@ class Booking:
     prompt_tokens: int
     max_tokens: int
     blocks: int
+    computed_tokens: int  # the prompt tokens queued on the worker that prefills it (its cache holds the rest)
     prefill_open: bool = True
     open: bool = True
+    promise: Promise | None = None  # its prompt's prefix keys, promised to the worker computing it
 
 
 class PoolBook:
@@ -95,14 +98,16 @@ class PoolBook:
         """Book a placed request on its workers."""
         d = self.decode_slot(placement.decode)
         p = self.prefill[placement.prefill] if placement.path == "remote" else None
-        booking = Booking(placement, p, d, prompt_tokens, max_tokens, d.blocks_for(prompt_tokens + max_tokens))
+        computed = min(prompt_tokens, placement.computed_tokens or prompt_tokens)
+        booking = Booking(placement, p, d, prompt_tokens, max_tokens, d.blocks_for(prompt_tokens + max_tokens),
+                          computed)
         d.running += 1
         d.reserved_blocks += booking.blocks
         if p is not None:
-            p.queued_tokens += prompt_tokens
+            p.queued_tokens += computed
             d.awaiting_kv += 1
         else:
-            d.queued_prefill_tokens += prompt_tokens
+            d.queued_prefill_tokens += computed
         return booking
 
     @staticmethod
@@ -111,10 +116,10 @@ class PoolBook:
         if booking.prefill_open:
             booking.prefill_open = False
             if booking.prefill is not None:
-                booking.prefill.queued_tokens -= booking.prompt_tokens
+                booking.prefill.queued_tokens -= booking.computed_tokens
                 booking.decode.awaiting_kv -= 1
             else:
-                booking.decode.queued_prefill_tokens -= booking.prompt_tokens
+                booking.decode.queued_prefill_tokens -= booking.computed_tokens
 
     def finished(self, booking: Booking) -> None:
         """The request left its decode worker. Idempotent."""

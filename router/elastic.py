@@ -89,6 +89,10 @@ class Elastic(Protocol):
     def moved(self) -> int:
         """Prefill workers whose compute serves decode now."""
 
+    @property
+    def moved_to_prefill(self) -> int:
+        """Decode workers whose compute serves prefill now."""
+
 
 @dataclass
 class _Pair:
@@ -149,6 +153,10 @@ class ThreadLender:
     @property
     def moved(self) -> int:
         return sum(x.lent for x in self._pairs)
+
+    @property
+    def moved_to_prefill(self) -> int:
+        return sum(x.borrowed for x in self._pairs)
 
     def lent_to(self, decode: int) -> bool:
         """Whether decode worker `decode` runs with a prefill worker's threads now."""
@@ -256,6 +264,10 @@ class RoleFlipper:
     @property
     def moved(self) -> int:
         return sum(slot.accepting for slot in self._book.flex)
+
+    @property
+    def moved_to_prefill(self) -> int:
+        return 0  # a decode worker keeps its role
 
     def loans(self) -> dict[int, Loan]:
         return {}  # a flipped worker's compute shows as its flex slot instead

@@ -53,8 +53,8 @@ class HealthMonitor:
             await asyncio.gather(self._poller, return_exceptions=True)
 
     async def poll_once(self) -> None:
-        """Ask every worker for its load at once (a silent one holds up no other); then idle prefill workers'
-        compute goes to decode (`router.elastic`)."""
+        """Ask every worker for its load at once (a silent one holds up no other); then idle workers'
+        compute goes to the other role (`router.elastic`)."""
         await asyncio.gather(*(self._poll(pool, i, actor)
                                for pool, actors in (("prefill", self._pools.prefill), ("decode", self._pools.decode))
                                for i, actor in enumerate(actors) if (pool, i) not in self.respawning))
@@ -62,6 +62,7 @@ class HealthMonitor:
             self._placer.elastic.rebalance([s.queued_tokens for s in self._placer.slots("prefill")],
                                            [s.running - s.awaiting_kv for s in self._placer.slots("decode")])
             self._metrics.elastic.set(self._placer.elastic.moved)
+            self._metrics.elastic_decode.set(self._placer.elastic.moved_to_prefill)
 
     async def _poll(self, pool: str, index: int, actor: ray.actor.ActorHandle) -> None:
         slot = self._placer.slots(pool)[index]

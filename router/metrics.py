@@ -87,6 +87,8 @@ class Metrics:
                                     "carried: an engine step's, for all of its requests", buckets=_COUNT, registry=r)
         self.elastic = Gauge("pdserve_elastic_prefill_workers", "Prefill workers whose compute serves decode now "
                              "(threads lent or role flipped)", registry=r)
+        self.elastic_decode = Gauge("pdserve_elastic_decode_workers", "Decode workers whose threads serve prefill "
+                                    "now (lent to the prefill worker on their node)", registry=r)
         self.prefix_index = Gauge("pdserve_prefix_index_keys", "Cached block keys the router knows of, all workers",
                                   registry=r)
         self.cached_tokens = Counter("pdserve_prefix_cache_hit_tokens", "Prompt tokens served from a worker's "

@@ -2,13 +2,13 @@
 
 Request lifecycle here:
 1. `place` (after admission): the policy places the request on the pools as the book sees them,
-   each worker with the part of the prompt its prefix cache holds (`PrefixIndex`, which the health
-   poll keeps up): remote prefill on P and decode on D, or local prefill on D. With no decode
-   worker that has room it waits in the `WaitQueue` and tries again. The worst-case KV blocks are
-   booked on D.
+   each worker with the part of the prompt its prefix cache holds or is promised (`PrefixIndex`,
+   which the health poll keeps up): remote prefill on P and decode on D, or local prefill on D.
+   With no decode worker that has room it waits in the `WaitQueue` and tries again. The worst-case
+   KV blocks are booked on D, and the prompt's prefix is promised to the worker computing it.
 2. `prefilled`: the first token is known (or the request ended before): P's queue shrinks.
-3. `release`: the request left D (finished, failed or moved): its blocks are unbooked and the
-   waiters try again. `replan` places a running request again after a failure, away from the
+3. `release`: the request left D (finished, failed or moved): its blocks are unbooked, its promise
+   withdrawn, and the waiters try again. `replan` places a running request again after a failure, away from the
    workers that failed it.
 Health results (`set_healthy`) and replaced workers (`replace_worker`) land here too. This is the
 only code that changes the book, with the `RoleFlipper` it owns (which opens and closes flex
@@ -78,23 +78,27 @@ class Placer:
         """Place and book a new request (`prompt`: its token ids); waits (bounded; until its own monotonic
         `deadline` at most) while no decode worker has room. Raises OverloadedError, DeadlineExceeded,
         InvalidRequestError."""
-        placement = await self._place(features, prompt, self.policy, frozenset(), deadline)
+        keys = self._keys(prompt)
+        placement = await self._place(features, keys, self.policy, frozenset(), deadline)
         self._metrics.decisions.labels(self.policy.name, placement.path, placement.reason).inc()
         self._metrics.prompt_tokens.inc(features.prompt_tokens)
-        return self._admit(placement, features.prompt_tokens, features.max_tokens)
+        return self._admit(placement, features.prompt_tokens, features.max_tokens, keys)
 
     async def replan(self, prompt: list[int], max_tokens: int, avoid: set[str], local: bool) -> Booking:
         """Place a running request again, away from the workers in `avoid`; `local` forces local prefill."""
         policy = self._local_policy if local else self.policy
-        features = RequestFeatures(len(prompt), max_tokens, max_tokens)
-        placement = await self._place(features, prompt, policy, avoid, None)
+        features, keys = RequestFeatures(len(prompt), max_tokens, max_tokens), self._keys(prompt)
+        placement = await self._place(features, keys, policy, avoid, None)
         self._metrics.decisions.labels(policy.name, placement.path, "recovery").inc()
-        return self._admit(placement, len(prompt), max_tokens)
+        return self._admit(placement, len(prompt), max_tokens, keys)
 
-    async def _place(self, features: RequestFeatures, prompt: list[int], policy: Policy,
+    def _keys(self, prompt: list[int]) -> list[int]:
+        """The prompt's prefix keys when placement is prefix-aware (none otherwise)."""
+        return prefix_keys(prompt, self._block_size) if self.config.prefix_aware else []
+
+    async def _place(self, features: RequestFeatures, keys: list[int], policy: Policy,
                      avoid: frozenset[str] | set[str], deadline: float | None) -> Placement:
         limit = self.queue.limit(deadline)
-        keys = prefix_keys(prompt, self._block_size) if self.config.prefix_aware else []
         while True:
             placement = self._priced_place(policy, features, self._state(avoid, keys))
             if isinstance(self.elastic, RoleFlipper) and self.elastic.moved:
@@ -133,13 +137,18 @@ class Placer:
                           cached_tokens=held("decode", i) if i < n else held("prefill", i - n))
                   for i, d in enumerate(state.decode)))
 
-    def _admit(self, placement: Placement, prompt_tokens: int, max_tokens: int) -> Booking:
+    def _admit(self, placement: Placement, prompt_tokens: int, max_tokens: int, keys: list[int]) -> Booking:
         if self.elastic is not None:
             if placement.prefill is not None:
                 self.elastic.reclaim(placement.prefill)  # back to prefill (its threads, its role) before its prompt
             else:
                 self.elastic.occupy(placement.decode)  # D prefills it: its threads come back first
         booking = self.book.admit(placement, prompt_tokens, max_tokens)
+        if keys:  # the worker computing the prompt holds its prefix from now on, as the next prompt sees it
+            n = len(self.book.decode)
+            pool, index = (("prefill", placement.prefill) if placement.prefill is not None else
+                           ("decode", placement.decode) if placement.decode < n else ("prefill", placement.decode - n))
+            booking.promise = self.prefix.promise(pool, index, keys)
         self._metrics.in_flight.inc()
         return booking
 
@@ -159,6 +168,8 @@ class Placer:
         """It left its decode worker with `outcome`. Idempotent."""
         if not booking.open:
             return
+        if booking.promise is not None:
+            booking.promise.withdraw()
         self.book.finished(booking)
         self._metrics.in_flight.dec()
         if outcome in ("stop", "length"):

@@ -81,7 +81,7 @@ class PrefillLoad:
     """Args: worker_id: the worker. queued_tokens: prompt tokens waiting on it (>= 0). healthy: usable.
     decoding: requests it runs whole (flipped to decode), whose decode rows ride in its prefill steps.
     cached_tokens: leading tokens of the request's prompt its prefix cache holds (it computes the rest).
-    loan: its threads, lent to a decode worker now (None: it computes with them itself)."""
+    loan: threads lent between it and a decode worker now, either way (None: each computes with its own)."""
 
     worker_id: str
     queued_tokens: int
@@ -160,7 +160,8 @@ class Placement:
     """Args: path: "remote" | "local". prefill: index into PoolState.prefill (None for local).
     decode: index into PoolState.decode. reason: short label for metrics. est_ttft_s / est_tpot_s: the
     cost model's estimates. detail: human-readable numbers for debug logs. cost: what the ratio policy
-    priced it at (None from the fixed policies)."""
+    priced it at (None from the fixed policies). computed_tokens: the prompt tokens the worker that
+    prefills it computes (its cache holds or is promised the rest; None: all of them)."""
 
     path: str
     prefill: int | None
@@ -170,6 +171,7 @@ class Placement:
     est_tpot_s: float
     detail: str = ""
     cost: float | None = None
+    computed_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.path not in PATHS:
@@ -181,6 +183,8 @@ class Placement:
             raise ValueError(f"prefill / decode must be indices >= 0, got {self.prefill!r} / {self.decode}")
         if not self.reason:
             raise ValueError("reason must be a non-empty label")
+        if self.computed_tokens is not None and self.computed_tokens < 1:
+            raise ValueError(f"computed_tokens must be >= 1 or None, got {self.computed_tokens}")
 
 
 class NoCapacity(Exception):
@@ -195,6 +199,7 @@ class _Option:
     ttft_s: float
     tpot_s: float
     slowdown: float
+    computed: int  # prompt tokens the prefilling worker computes
     crowding: float = 0.0  # what joining D's batch costs the sequences already there (see `_crowding`)
     delay_s: float = 0.0  # what it adds to the TTFT of prompts queued elsewhere (taking lent threads back)
     cost: float = 0.0
@@ -236,7 +241,7 @@ def _remote(cost: CostModel, req: RequestFeatures, state: PoolState, p: int, d: 
         slowdown += (borrower.running - borrower.awaiting_kv) * lost / (req.expected_output_tokens * step)
     ttft = (queued + prefill + cost.exposed_transfer_s(_uncached(req, state.decode[d].cached_tokens))
             + cost.hop_s + step / 2)
-    return _Option("remote", p, d, ttft, step, slowdown, _crowding(cost, state.decode[d].running))
+    return _Option("remote", p, d, ttft, step, slowdown, n, _crowding(cost, state.decode[d].running))
 
 
 def _local(cost: CostModel, req: RequestFeatures, state: PoolState, d: int) -> _Option:
@@ -253,7 +258,7 @@ def _local(cost: CostModel, req: RequestFeatures, state: PoolState, d: int) -> _
     delay = 0.0
     if (p := state.lending(d)) is not None:  # D takes its threads back: P's queue computes 1 / speedup as fast
         delay = state.prefill[p].queued_tokens * cost.prefill.per_unit_s * (1 - 1 / state.prefill[p].loan.speedup)
-    return _Option("local", None, d, ttft, step * slowdown, slowdown, _crowding(cost, load.running), delay)
+    return _Option("local", None, d, ttft, step * slowdown, slowdown, n, _crowding(cost, load.running), delay)
 
 
 def _candidates(request: RequestFeatures, state: PoolState) -> tuple[list[int], list[int]]:
@@ -315,7 +320,7 @@ class _FixedPolicy(Policy):
         opt = _remote(self.cost, request, state, p, d) if p is not None else _local(self.cost, request, state, d)
         opt = _corrected(opt, self.correction)
         assert opt.path == path
-        return Placement(path, p, d, reason, opt.ttft_s, opt.tpot_s, opt.describe())
+        return Placement(path, p, d, reason, opt.ttft_s, opt.tpot_s, opt.describe(), computed_tokens=opt.computed)
 
 
 class AlwaysRemotePolicy(_FixedPolicy):
@@ -406,7 +411,8 @@ class RatioPolicy(Policy):
         others = [o for o in options if o.path != best.path]
         detail = best.describe() + (f" | best {min(others, key=key).describe()}" if others else "")
         reason = f"cheapest_{best.path}" if prefill else "no_prefill_worker"
-        return Placement(best.path, best.prefill, best.decode, reason, best.ttft_s, best.tpot_s, detail, best.cost)
+        return Placement(best.path, best.prefill, best.decode, reason, best.ttft_s, best.tpot_s, detail, best.cost,
+                         best.computed)
 
 
 def make_policy(name: str, cost: CostModel, ttft_target_s: float | None = None,

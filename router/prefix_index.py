@@ -2,18 +2,24 @@
 
 Lifecycle: the health poll asks each worker for its cache events after the last one it applied
 (`acked`) and `apply`s them (a worker that was asked from 0, or whose log no longer reaches back
-that far, sends all it holds and the copy is replaced). `matched` tells the placer how many
-leading blocks of a prompt (`engine.block_manager.prefix_keys`) a worker holds. A replaced worker
-starts empty (`reset`). A copy is at most one poll behind its worker: the policy prices what it
+that far, sends all it holds and the copy is replaced). The placer `promise`s each booked prompt's
+keys to the worker that will compute it, until the request ends (`Promise.withdraw`): a prompt
+that shares the prefix and arrives before the worker has reported those blocks (concurrent first
+turns over one system prompt) is placed where the prefix is being computed, and the worker's engine
+waits for it there instead of computing it again. `matched` tells the placer how many leading
+blocks of a prompt (`engine.block_manager.prefix_keys`) a worker holds or is promised. A replaced
+worker starts empty (`reset`; promises made to the old one no longer count). A copy is at most one poll behind its worker: the policy prices what it
 shows, and the decode worker's own reservation decides what is really reused, so a stale entry
 costs a misjudged placement, never a wrong token.
 
 Memory: one key per cached block of each worker, so bounded by the workers' KV pools (at most
 `KEY_BYTES` per key, measured: 100k cached blocks take under 13 MB), whatever the number of
-distinct prefixes served. Pure: no Ray, no torch.
+distinct prefixes served; promises: the prompt blocks of the requests in flight. Pure: no Ray, no
+torch.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from engine.block_manager import CacheDelta
@@ -27,11 +33,29 @@ class _Copy:
     acked: int = 0
 
 
+@dataclass(eq=False)
+class Promise:
+    """A booked prompt's keys counted as held by the worker computing it, until `withdraw` (idempotent)."""
+
+    held: Counter[int]  # the worker's promised keys (a replaced worker's are dropped with their counter)
+    keys: tuple[int, ...]
+    open: bool = True
+
+    def withdraw(self) -> None:
+        if self.open:
+            self.open = False
+            self.held.subtract(self.keys)
+            for key in self.keys:
+                if self.held[key] <= 0:
+                    del self.held[key]
+
+
 class PrefixIndex:
-    """Per worker (pool, index): the keys of the blocks its prefix cache holds."""
+    """Per worker (pool, index): the keys of the blocks its prefix cache holds, and those promised to it."""
 
     def __init__(self) -> None:
         self._copies: dict[tuple[str, int], _Copy] = {}
+        self._promised: dict[tuple[str, int], Counter[int]] = {}
 
     def acked(self, pool: str, index: int) -> int:
         """The last event number applied for the worker (0: none; ask for everything)."""
@@ -51,15 +75,22 @@ class PrefixIndex:
     def reset(self, pool: str, index: int) -> None:
         """The worker was replaced: its successor's cache starts empty."""
         self._copies.pop((pool, index), None)
+        self._promised.pop((pool, index), None)
+
+    def promise(self, pool: str, index: int, keys: list[int]) -> Promise:
+        """`keys` (a booked prompt's `prefix_keys`) count as held by the worker that computes the prompt
+        until the returned promise is withdrawn."""
+        held = self._promised.setdefault((pool, index), Counter())
+        held.update(keys)
+        return Promise(held, tuple(keys))
 
     def matched(self, pool: str, index: int, keys: list[int]) -> int:
-        """How many leading blocks of `keys` (a prompt's `prefix_keys`) the worker holds."""
-        copy = self._copies.get((pool, index))
-        if copy is None:
-            return 0
+        """How many leading blocks of `keys` (a prompt's `prefix_keys`) the worker holds or is promised."""
+        copy, promised = self._copies.get((pool, index)), self._promised.get((pool, index))
+        held = copy.keys if copy is not None else frozenset()
         n = 0
         for key in keys:
-            if key not in copy.keys:
+            if key not in held and not (promised and key in promised):
                 break
             n += 1
         return n

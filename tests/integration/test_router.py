@@ -244,6 +244,7 @@ def test_idle_workers_lend_their_threads_both_ways_and_get_them_back_with_work(c
             await router.poll_once()
         await threads_become(prefill, 2)  # nothing anywhere: prompts come to the prefill worker first
         assert lender.loans()[0].to_decode is False and (await decode.load.remote()).threads == 1
+        assert "pdserve_elastic_decode_workers 1.0" in router.metrics_text()[0].decode()
         prompt = random_prompt(60, 77)
         tokens, _ = await collect(router, prompt, 10)  # prefilled with both; decoding takes them back
         await threads_become(prefill, 1)
@@ -335,4 +336,30 @@ def test_the_next_turn_of_a_conversation_reuses_what_the_workers_hold(cluster, p
     assert f'pdserve_prefix_cache_hit_tokens_total{{path="{path}",worker="{worker}"}} {float(held * bs)}' in text
     if path == "remote":  # turn 1's 5 blocks, then turn 2's 7 but the 4 the decode worker held
         assert f"pdserve_kv_transfer_bytes_sum {float((5 + 7 - held) * bs * kv_bytes)}" in text
+    assert_all_free(pools)
+
+
+def test_a_prompt_in_flight_promises_its_prefix_to_the_worker_computing_it(cluster):
+    """Two turns over one system prompt arrive together: the second is placed before the first's blocks
+    are reported (no poll between), yet the router sees the prefix on the worker computing the first;
+    both equal `generate`; the promise ends with the requests and every block returns."""
+    ref, pools, infos = cluster[0], cluster[1], cluster[2]
+    bs = infos[1].block_size
+    system = random_prompt(64, seed=970)
+    first, second = system + random_prompt(8, seed=971), system + random_prompt(8, seed=972)
+
+    async def main():
+        router = make_router(cluster, policy="always_local")
+        stream = await router.submit(GenerateRequest(prompt=first, sampling=SamplingParams(max_tokens=20)))
+        promised = router.placer.prefix.matched("decode", 0, prefix_keys(second, bs))
+        two = asyncio.ensure_future(collect(router, second, 20))
+        one = [t async for chunk in stream for t in chunk.token_ids]
+        tokens, _ = await two
+        return router, promised, one, tokens
+
+    router, promised, one, two = asyncio.run(main())
+    assert promised == 64 // bs  # the shared blocks, before the worker reported any
+    assert one == greedy_reference(ref, first, 20) and two == greedy_reference(ref, second, 20)
+    assert router.placer.prefix.matched("decode", 0, prefix_keys(second, bs)) == 0  # withdrawn; no poll yet
+    assert router.book.decode[0].queued_prefill_tokens == 0
     assert_all_free(pools)

@@ -102,3 +102,43 @@ def test_the_index_of_100k_distinct_prefixes_stays_within_its_stated_bound() -> 
     finally:
         tracemalloc.stop()
     assert index.size() == 100_000 and used <= 100_000 * KEY_BYTES, used
+
+
+def test_a_prompt_booked_on_a_worker_promises_it_the_prefix_until_the_request_ends() -> None:
+    """Concurrent first turns over one system prompt: before the worker computing the first one has
+    reported a block, the second sees the prefix on it (the engine there waits for it rather than
+    computing it again). The promise ends with the request, and one made to a replaced worker does not
+    count for its successor."""
+    index = PrefixIndex()
+    system = list(range(100))
+    first, second = prefix_keys(system + [7] * 20, 16), prefix_keys(system + [9] * 20, 16)
+    promise = index.promise("prefill", 0, first)
+    assert index.matched("prefill", 0, second) == 6 and index.matched("decode", 0, second) == 0
+    again = index.promise("prefill", 0, first)  # two requests, one prefix
+    promise.withdraw()
+    promise.withdraw()  # idempotent
+    assert index.matched("prefill", 0, second) == 6
+    again.withdraw()
+    assert index.matched("prefill", 0, second) == 0
+    stale = index.promise("decode", 1, first)
+    index.reset("decode", 1)
+    fresh = index.promise("decode", 1, second)
+    stale.withdraw()  # the old worker's request ends after its replacement took new work
+    assert index.matched("decode", 1, second) == 7
+    fresh.withdraw()
+    assert index.matched("decode", 1, second) == 0
+
+
+def test_the_book_queues_only_what_the_prefilling_worker_computes() -> None:
+    """A prompt whose prefix the worker holds queues only the rest there, and the policy's next
+    estimate sees that queue, not the whole prompt."""
+    from router.book import DecodeSlot, PoolBook, PrefillSlot
+
+    book = PoolBook([PrefillSlot("p")], [DecodeSlot("d", 10_000, 16, 64)])
+    state = PoolState((PrefillLoad("p", 0, cached_tokens=1920),), (DecodeLoad("d", 0, 10_000, 16),))
+    pl = RatioPolicy(COST, *TARGETS).place(RequestFeatures(2000, 20, 20), state)
+    assert pl.path == "remote" and pl.computed_tokens == 80
+    booking = book.admit(pl, 2000, 20)
+    assert book.state().prefill[0].queued_tokens == 80 and booking.computed_tokens == 80
+    book.prefilled(booking)
+    assert book.state().prefill[0].queued_tokens == 0
