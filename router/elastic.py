@@ -1,6 +1,7 @@
-"""Compute moved between roles, two ways: a prefill worker with nothing to prefill either lends its
-threads to the decode worker on its node (`ThreadLender`), or serves decode itself (`RoleFlipper`);
-either way it is back to prefill the moment a prompt is sent to it.
+"""Compute moved between roles, two ways: the prefill and decode worker of a node lend each other
+their threads whenever one has nothing to compute (`ThreadLender`), or a prefill worker with nothing
+to prefill serves decode itself (`RoleFlipper`); either way the lender has its compute back the
+moment it gets work.
 
 `ThreadLender` lifecycle (both ways: whichever worker of a pair has nothing to compute lends its
 threads to the other):
@@ -62,7 +63,7 @@ from router.policy import Loan
 log = logging.getLogger(__name__)
 
 
-IDLE_POLLS = 2  # polls of a prefill worker with nothing queued before its compute goes to decode
+IDLE_POLLS = 2  # polls of a worker with nothing to compute before its compute goes to the other role
 
 
 class Elastic(Protocol):
