@@ -8,8 +8,8 @@ Request lifecycle here:
    KV blocks are booked on D, and the prompt's prefix is promised to the worker computing it.
 2. `prefilled`: the first token is known (or the request ended before): P's queue shrinks.
 3. `release`: the request left D (finished, failed or moved): its blocks are unbooked, its promise
-   withdrawn, and the waiters try again. `replan` places a running request again after a failure, away from the
-   workers that failed it.
+   withdrawn, and the waiters try again. `replan` places a running request again after a failure,
+   away from the workers that failed it.
 Health results (`set_healthy`) and replaced workers (`replace_worker`) land here too. This is the
 only code that changes the book, with the `RoleFlipper` it owns (which opens and closes flex
 slots); both run on the router's event loop.
@@ -125,7 +125,7 @@ class Placer:
         """The book's view for one request: workers in `avoid` unhealthy, the tokens of the prompt
         (`keys`: its `prefix_keys`) each worker's cache holds, and the threads lent now. A flex slot is
         its prefill worker's engine."""
-        state, n, bs = self.book.state(unflipped), len(self.book.decode), self._block_size
+        state, bs = self.book.state(unflipped), self._block_size
         loans = self.elastic.loans() if self.elastic is not None else {}
 
         def held(pool: str, index: int) -> int:
@@ -133,9 +133,14 @@ class Placer:
         return PoolState(
             tuple(replace(p, healthy=p.healthy and p.worker_id not in avoid, cached_tokens=held("prefill", i),
                           loan=loans.get(i)) for i, p in enumerate(state.prefill)),
-            tuple(replace(d, healthy=d.healthy and d.worker_id not in avoid,
-                          cached_tokens=held("decode", i) if i < n else held("prefill", i - n))
+            tuple(replace(d, healthy=d.healthy and d.worker_id not in avoid, cached_tokens=held(*self._engine(i)))
                   for i, d in enumerate(state.decode)))
+
+    def _engine(self, decode: int) -> tuple[str, int]:
+        """The worker whose engine serves a policy's decode index: a decode worker, or past them a
+        prefill worker's flex slot."""
+        n = len(self.book.decode)
+        return ("decode", decode) if decode < n else ("prefill", decode - n)
 
     def _admit(self, placement: Placement, prompt_tokens: int, max_tokens: int, keys: list[int]) -> Booking:
         if self.elastic is not None:
@@ -145,9 +150,8 @@ class Placer:
                 self.elastic.occupy(placement.decode)  # D prefills it: its threads come back first
         booking = self.book.admit(placement, prompt_tokens, max_tokens)
         if keys:  # the worker computing the prompt holds its prefix from now on, as the next prompt sees it
-            n = len(self.book.decode)
-            pool, index = (("prefill", placement.prefill) if placement.prefill is not None else
-                           ("decode", placement.decode) if placement.decode < n else ("prefill", placement.decode - n))
+            pool, index = (("prefill", placement.prefill) if placement.prefill is not None
+                           else self._engine(placement.decode))
             booking.promise = self.prefix.promise(pool, index, keys)
         self._metrics.in_flight.inc()
         return booking

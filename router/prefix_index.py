@@ -8,9 +8,9 @@ that shares the prefix and arrives before the worker has reported those blocks (
 turns over one system prompt) is placed where the prefix is being computed, and the worker's engine
 waits for it there instead of computing it again. `matched` tells the placer how many leading
 blocks of a prompt (`engine.block_manager.prefix_keys`) a worker holds or is promised. A replaced
-worker starts empty (`reset`; promises made to the old one no longer count). A copy is at most one poll behind its worker: the policy prices what it
-shows, and the decode worker's own reservation decides what is really reused, so a stale entry
-costs a misjudged placement, never a wrong token.
+worker starts empty (`reset`; promises made to the old one no longer count). A copy is at most one
+poll behind its worker: the policy prices what it shows, and the decode worker's own reservation
+decides what is really reused, so a stale entry costs a misjudged placement, never a wrong token.
 
 Memory: one key per cached block of each worker, so bounded by the workers' KV pools (at most
 `KEY_BYTES` per key, measured: 100k cached blocks take under 13 MB), whatever the number of
