@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from dataclasses import replace
 
 import pytest
 import ray
@@ -14,6 +15,7 @@ from engine import CacheConfig, EngineConfig, SamplingParams
 from kv_transfer import TransferConfig
 from router.calibrate import calibrate
 from router.config import RouterConfig
+from router.cost_model import CostModel
 from router.pools import create_pools, replace_worker
 from router.service import Router
 from router.types import GenerateRequest, RequestFailed
@@ -40,10 +42,11 @@ def cluster(ray_cluster, tmp_path_factory):
     pools.shutdown()
 
 
-def make_router(cluster, **kw) -> Router:
-    _, pools, infos, cost, path, respawn = cluster
-    return Router(pools, infos[:2], infos[2:], None, path, RouterConfig(load_poll_s=0.2, **kw), cost,
-                  respawn=respawn)
+def make_router(cluster, cost: CostModel | None = None, **kw) -> Router:
+    """A router over the module's pools, pricing with `cost` (default: the calibrated cost model)."""
+    _, pools, infos, calibrated, path, respawn = cluster
+    return Router(pools, infos[:2], infos[2:], None, path, RouterConfig(load_poll_s=0.2, **kw),
+                  cost or calibrated, respawn=respawn)
 
 
 async def run_one(router: Router, prompt: list[int], max_tokens: int, progress: dict, key: int):
@@ -162,7 +165,10 @@ def test_a_flipped_prefill_worker_killed_mid_stream_hands_its_streams_on(cluster
     n = 300
 
     async def main():
-        router = make_router(cluster, flip_roles=True)  # the ratio policy
+        # the ratio policy, with remote prefill priced out (a slow hop) so that requests run whole
+        # on decode workers and flex slots alike: the calibrated tiny model's costs alone may send
+        # none to a flex slot
+        router = make_router(cluster, replace(cluster[3], hop_s=60.0), flip_roles=True)
         flipper = router.placer.elastic
         for _ in range(2):
             await router.poll_once()
