@@ -16,7 +16,10 @@ threads to the other):
    two polls in a row lends its threads to the prefill worker, where prompts come first (a prompt-
    heavy load prefills with both workers' threads); otherwise a prefill worker with no prompt
    tokens queued for two polls lends its threads to the decode worker (decode-heavy load decodes
-   with both).
+   with both). A decode worker that runs out of work while its prefill worker has prompts queued
+   lends at once, without waiting for polls (`nudge`, as the book changes): under prompt-heavy load
+   each prompt's short decode would otherwise leave the next prompt prefilling on half the threads
+   for two polls.
 3. The lender takes them back the moment it has work: `reclaim` (the placer books a prompt on the
    prefill worker) and `occupy` (a request starts computing on the decode worker: its local
    prefill is booked, or its remote prefill is done). The borrower returns to its own threads at
@@ -79,6 +82,10 @@ class Elastic(Protocol):
     def occupy(self, decode: int) -> None:
         """A request starts computing on decode worker `decode` (a local prefill booked, or a remote
         one done): it computes with its own threads again, now."""
+
+    def nudge(self, queued_tokens: list[int], decoding: list[int]) -> None:
+        """Between polls, as the book changes (a prompt booked, a request gone): as `rebalance`'s
+        lists; a decode worker computing nothing lends now if its prefill worker has prompts queued."""
 
     def reset(self, pool: str, index: int) -> None:
         """Worker `index` of `pool` was replaced: it starts in its own role."""
@@ -178,12 +185,8 @@ class ThreadLender:
         for x in self._pairs:
             x.idle_polls = x.idle_polls + 1 if queued_tokens[x.prefill] == 0 else 0
             x.quiet_polls = x.quiet_polls + 1 if decoding[x.decode] == 0 else 0
-            if x.quiet_polls >= IDLE_POLLS:
-                if not x.borrowed:
-                    self._end_loan(x)
-                    x.borrowed = True
-                    self.borrowed_count += 1
-                    self._set("prefill", x.prefill, 2 * self._threads)
+            if x.quiet_polls >= IDLE_POLLS or (x.quiet_polls and queued_tokens[x.prefill]):
+                self._borrow(x)
             elif x.idle_polls >= IDLE_POLLS and x.ready and not x.lent:
                 self._end_borrow(x)
                 x.lent = True
@@ -204,6 +207,21 @@ class ThreadLender:
             if x.decode == decode:
                 x.quiet_polls = 0
                 self._end_borrow(x)
+
+    def nudge(self, queued_tokens: list[int], decoding: list[int]) -> None:
+        """A decode worker computing nothing lends at once while its prefill worker has prompts queued
+        (they are prefilled with both workers' threads from its next step)."""
+        for x in self._pairs:
+            if decoding[x.decode] == 0 and queued_tokens[x.prefill]:
+                x.quiet_polls = max(x.quiet_polls, 1)
+                self._borrow(x)
+
+    def _borrow(self, x: _Pair) -> None:
+        if not x.borrowed:
+            self._end_loan(x)
+            x.borrowed = True
+            self.borrowed_count += 1
+            self._set("prefill", x.prefill, 2 * self._threads)
 
     def reset(self, pool: str, index: int) -> None:
         """Worker `index` of `pool` was replaced: it (and its partner) start over from their own threads.
@@ -292,6 +310,9 @@ class RoleFlipper:
 
     def occupy(self, decode: int) -> None:
         pass  # a decode worker's compute stays its own
+
+    def nudge(self, queued_tokens: list[int], decoding: list[int]) -> None:
+        pass  # a prefill worker flips after idle polls only
 
     def reset(self, pool: str, index: int) -> None:
         if pool == "prefill":

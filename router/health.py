@@ -59,8 +59,7 @@ class HealthMonitor:
                                for pool, actors in (("prefill", self._pools.prefill), ("decode", self._pools.decode))
                                for i, actor in enumerate(actors) if (pool, i) not in self.respawning))
         if self._placer.elastic is not None:
-            self._placer.elastic.rebalance([s.queued_tokens for s in self._placer.slots("prefill")],
-                                           [s.running - s.awaiting_kv for s in self._placer.slots("decode")])
+            self._placer.elastic.rebalance(*self._placer.computing())
             self._metrics.elastic.set(self._placer.elastic.moved)
             self._metrics.elastic_decode.set(self._placer.elastic.moved_to_prefill)
 

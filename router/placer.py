@@ -149,6 +149,8 @@ class Placer:
             else:
                 self.elastic.occupy(placement.decode)  # D prefills it: its threads come back first
         booking = self.book.admit(placement, prompt_tokens, max_tokens)
+        if self.elastic is not None and placement.prefill is not None:
+            self.elastic.nudge(*self.computing())
         if keys:  # the worker computing the prompt holds its prefix from now on, as the next prompt sees it
             pool, index = (("prefill", placement.prefill) if placement.prefill is not None
                            else self._engine(placement.decode))
@@ -175,6 +177,8 @@ class Placer:
         if booking.promise is not None:
             booking.promise.withdraw()
         self.book.finished(booking)
+        if self.elastic is not None:
+            self.elastic.nudge(*self.computing())
         self._metrics.in_flight.dec()
         if outcome in ("stop", "length"):
             self._estimator.observe(min(output_tokens, booking.max_tokens), booking.max_tokens, outcome)
@@ -202,6 +206,13 @@ class Placer:
             self._metrics.worker_failures.labels(pool).inc()
 
     # -- workers ---------------------------------------------------------------------------------
+    def computing(self) -> tuple[list[int], list[int]]:
+        """What the elastic mechanism acts on: the prompt tokens queued on each prefill worker, and
+        the requests each decode worker computes (decoding or prefilling there; not those waiting
+        for their KV)."""
+        return ([s.queued_tokens for s in self.book.prefill],
+                [s.running - s.awaiting_kv for s in self.book.decode])
+
     def slots(self, pool: str) -> list[PrefillSlot] | list[DecodeSlot]:
         """The book's slots of `pool` ("prefill" | "decode"), index-aligned with its workers (read only)."""
         return self.book.prefill if pool == "prefill" else self.book.decode

@@ -99,10 +99,32 @@ def test_an_idle_decode_worker_lends_its_threads_to_prefill_until_a_request_comp
     asyncio.run(main())
 
 
+def test_a_decode_worker_computing_nothing_lends_at_once_while_prompts_wait() -> None:
+    """Prompt-heavy: each prompt's short decode ends while the next prompt is queued on the prefill
+    worker (or the next prompt comes after). The decode worker lends as the book changes (`nudge`),
+    or at the first poll that finds it so, not two polls later; with nothing queued, or while it
+    computes, it keeps its threads."""
+    async def main():
+        lend, calls, _ = lender()
+        lend.nudge([0], [0])  # nothing waits for a prefill
+        lend.nudge([512], [1])  # the decode worker computes
+        await settle()
+        assert calls == [] and not lend.borrowing(0)
+        lend.nudge([512], [0])
+        await settle()
+        assert calls == [("prefill", 0, 2)] and lend.borrowing(0) and lend.borrowed_count == 1
+        lend.nudge([512], [0])  # already lent
+        lend.occupy(0)  # the prompt's KV arrived: the decode worker computes again
+        lend.rebalance([300], [0])  # its request ended between polls; the first poll that sees it lends
+        await settle()
+        assert calls == [("prefill", 0, 2), ("prefill", 0, 1), ("prefill", 0, 2)] and lend.borrowed_count == 2
+    asyncio.run(main())
+
+
 def test_a_busy_worker_keeps_its_threads() -> None:
     async def main():
         lend, calls, _ = lender()
-        for queued, decoding in ((0, 1), (300, 0), (0, 2), (120, 0), (0, 1)):
+        for queued, decoding in ((0, 1), (300, 1), (0, 2), (120, 3), (0, 1)):
             lend.rebalance([queued], [decoding])
         await settle()
         assert calls == []

@@ -1,0 +1,68 @@
+"""The placer's bookkeeping with the elastic mechanism, on a real `Placer` and book (no Ray, no
+workers): what it tells the mechanism as requests are booked, prefilled and leave."""
+from __future__ import annotations
+
+import asyncio
+
+from router.admission import ModelLimits
+from router.config import RouterConfig
+from router.metrics import Metrics
+from router.placer import Placer
+from router.policy import OutputLengthEstimator, RequestFeatures
+from tests.unit.test_policy import COST
+from worker_core.protocol import WorkerInfo
+
+
+def info(worker_id: str) -> WorkerInfo:
+    return WorkerInfo(worker_id, num_blocks=256, block_size=16, kv_bytes_per_token=1024, num_layers=30,
+                      max_num_seqs=16, max_model_len=4096, prefill_chunk_tokens=256, vocab_size=1000,
+                      dtype="float32", dtype_reason="test", attention="torch", compiled=False, linear="plain")
+
+
+class Recorder:
+    """An `Elastic` that records what the placer tells it."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def rebalance(self, queued_tokens: list[int], decoding: list[int]) -> None:
+        self.calls.append(("rebalance", queued_tokens, decoding))
+
+    def reclaim(self, prefill: int) -> None:
+        self.calls.append(("reclaim", prefill))
+
+    def occupy(self, decode: int) -> None:
+        self.calls.append(("occupy", decode))
+
+    def nudge(self, queued_tokens: list[int], decoding: list[int]) -> None:
+        self.calls.append(("nudge", queued_tokens, decoding))
+
+    def reset(self, pool: str, index: int) -> None:
+        self.calls.append(("reset", pool, index))
+
+    def loans(self) -> dict:
+        return {}
+
+    moved = moved_to_prefill = 0
+
+
+def test_the_mechanism_hears_of_every_prompt_booked_and_every_request_gone() -> None:
+    """Three prompts booked on the prefill worker, two of them prefilled and decoding, one leaving:
+    after each booking and each departure the mechanism sees the book's prompt tokens queued per
+    prefill worker and the requests each decode worker computes (not those awaiting their KV)."""
+    async def main():
+        prefill, decode = [info("p0")], [info("d0")]
+        elastic = Recorder()
+        placer = Placer(prefill, decode, ModelLimits.from_infos(prefill, decode), RouterConfig(policy="always_remote"),
+                        COST, Metrics(), OutputLengthEstimator(), lender=elastic)
+        bookings = [await placer.place(RequestFeatures(100 + i, 8, 8), None, [i] * (100 + i)) for i in range(3)]
+        assert elastic.calls == [("reclaim", 0), ("nudge", [100], [0]), ("reclaim", 0), ("nudge", [201], [0]),
+                                 ("reclaim", 0), ("nudge", [303], [0])]
+        elastic.calls.clear()
+        for b in bookings[:2]:
+            placer.prefilled(b)  # their KV arrived: they decode on d0
+        placer.release(bookings[0], 8, "length")
+        assert elastic.calls == [("occupy", 0), ("occupy", 0), ("nudge", [102], [1])]
+        placer.release(bookings[1], 8, "length")
+        assert elastic.calls[-1] == ("nudge", [102], [0])  # d0 computes nothing; the third's prompt waits
+    asyncio.run(main())
