@@ -55,11 +55,13 @@ class KVConnector(ABC):
     worker_id: str
     pool: torch.Tensor | None = None
 
-    def register(self, kv_pool: torch.Tensor) -> None:
+    def register(self, kv_pool: torch.Tensor, model: str = "") -> None:
         """Give the connector the worker's KV pool (read by sends, written by receives).
 
         Args:
             kv_pool: the engine's pool tensor; must stay alive and keep its shape.
+            model: what identifies the model whose KV the pool holds (`model_fingerprint`); a peer
+                whose model differs is refused by backends that pair workers.
         """
         check_pool(kv_pool)
         self.pool = kv_pool

@@ -1,5 +1,9 @@
 """Default backend: per-pair 2-rank gloo (CPU pools) or NCCL (CUDA pools) groups, one thread per pair.
 
+Each receiver serves an authenticated rendezvous (`kv_transfer.rendezvous`) on its transfer address;
+every group is built over it and authenticated by a handshake before any KV moves
+(`kv_transfer.pair_group`). Both bind the configured address only (`TransferConfig.host`).
+
 Wire protocol per layer, in order on the pair: header int64[4] = (transfer hash, layer, n blocks,
 byte size), then the layer's buffer as bytes. The receiver accepts layers of any transfer it has
 posted from that sender, in any order; a header it cannot match fails the transfer and the pair.
@@ -16,12 +20,12 @@ import threading
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from kv_transfer.base import KVConnector, PeerInfo, TransferError, TransferState
 from kv_transfer.config import TransferConfig
 from kv_transfer.layers import check_blocks, gather_layer, layer_shape, scatter_layer, transfer_hash
-from kv_transfer.pair_group import PairGroup, pair_key
+from kv_transfer.pair_group import PairGroup, describe_pool, pair_key
+from kv_transfer.rendezvous import RendezvousServer, RendezvousStore
 
 log = logging.getLogger(__name__)
 _STOP = None
@@ -70,8 +74,10 @@ class TorchDistConnector(KVConnector):
         self.pool: torch.Tensor | None = None
         self._lock = threading.Condition()
         self._closed = False
-        self._master: dist.TCPStore | None = None
+        self._master: RendezvousServer | None = None
         self._host = config.host or _default_host()
+        self._secret = config.secret.encode()
+        self._model = ""
         self._sends: dict[str, _Send] = {}
         self._recvs: dict[str, _Recv] = {}
         self._live: dict[int, _Recv] = {}  # hash → posted, not finished
@@ -84,9 +90,20 @@ class TorchDistConnector(KVConnector):
     def local_info(self) -> PeerInfo:
         with self._lock:
             if self._master is None:
-                self._master = dist.TCPStore(self._host, self.config.port, None, True, timeout=self._timeout(),
-                                             wait_for_workers=False)
+                self._master = RendezvousServer(self._host, self.config.port, self._secret)
             return PeerInfo(self.worker_id, self._host, self._master.port)
+
+    def register(self, kv_pool: torch.Tensor, model: str = "") -> None:
+        super().register(kv_pool, model)
+        self._model = model
+
+    def _pair(self, sender: str, receiver: str, rank: int, host: str, port: int) -> PairGroup:
+        """One side of the pair `sender` -> `receiver`, with a store client of the receiver's rendezvous
+        at `host`:`port` (TransferError if it refuses or cannot be reached)."""
+        assert self.pool is not None
+        store = RendezvousStore(host, port, self._secret, self.config.timeout_s)
+        return PairGroup(pair_key(sender, receiver), rank, store, self.config.timeout_s, self.pool.device,
+                         self._host, self._secret, describe_pool(self.pool, self._model))
 
     def _timeout(self) -> datetime.timedelta:
         return datetime.timedelta(seconds=self.config.timeout_s)
@@ -152,6 +169,8 @@ class TorchDistConnector(KVConnector):
             t.join(timeout=self.config.timeout_s * 2 + 5)
             if t.is_alive():
                 log.error("transfer thread %s did not stop", t.name)
+        if self._master is not None:
+            self._master.close()
         self._master = None
 
     # -- sender -------------------------------------------------------------------------------------
@@ -196,7 +215,7 @@ class TorchDistConnector(KVConnector):
                     # timed-out transfer); rebuild it once and send again
                     log.info("pair %s->%s broken (%s); rebuilding it for %s", self.worker_id, peer.worker_id, e, tid)
                     if pair is not None:
-                        pair.teardown()
+                        pair.close()
                     pair = self._send_layer(None, peer, tid, layer, blocks)
                 with self._lock:
                     tx.sent += 1
@@ -208,21 +227,23 @@ class TorchDistConnector(KVConnector):
                         if other.peer_id == peer.worker_id and 0 < other.sent < other.queued:
                             other.failed = True
                 if pair is not None:
-                    pair.teardown()
+                    pair.close()
                     pair = None  # a fresh store connection too, in case the receiver restarted
         if pair is not None:
-            pair.teardown()
+            pair.close()
 
     def _send_layer(self, pair: PairGroup | None, peer: PeerInfo, tid: str, layer: int,
                     blocks: list[int]) -> PairGroup:
         """Send one layer's header and buffer, connecting the pair first if needed. Returns the pair."""
         assert self.pool is not None
         if pair is None:
-            store = dist.TCPStore(peer.host, peer.port, None, False, timeout=self._timeout())
-            pair = PairGroup(pair_key(self.worker_id, peer.worker_id), 0, store, self.config.timeout_s,
-                             self.pool.device)
+            pair = self._pair(self.worker_id, peer.worker_id, 0, peer.host, peer.port)
         if pair.group is None:
-            pair.connect_sender()
+            try:
+                pair.connect_sender()
+            except Exception:
+                pair.close()
+                raise
         buf = gather_layer(self.pool, layer, blocks)
         nbytes = buf.numel() * buf.element_size()
         header = torch.tensor([transfer_hash(tid), layer, len(blocks), nbytes], dtype=torch.int64,
@@ -269,7 +290,14 @@ class TorchDistConnector(KVConnector):
 
     def _recv_loop(self, peer_id: str) -> None:
         assert self.pool is not None and self._master is not None
-        pair = PairGroup(pair_key(peer_id, self.worker_id), 1, self._master, self.config.timeout_s, self.pool.device)
+        try:
+            pair = self._pair(peer_id, self.worker_id, 1, self._host, self._master.port)
+        except TransferError as e:  # its own rendezvous: only a closing connector gets here
+            with self._lock:
+                for rx in self._waiting(peer_id):
+                    self._fail_recv(rx, str(e))
+                self._recv_pairs.pop(peer_id, None)
+            return
         while True:
             with self._lock:
                 while not self._closed and peer_id not in self._gone and not self._waiting(peer_id):
@@ -289,7 +317,7 @@ class TorchDistConnector(KVConnector):
                     for rx in broken:
                         self._fail_recv(rx, f"pair torn down: {e}")
                 pair.teardown()
-        pair.teardown()
+        pair.close()
 
     def _recv_one(self, pair: PairGroup, current: list[_Recv]) -> None:
         """Receive one header and its buffer; land it if it belongs to a live transfer."""

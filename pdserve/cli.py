@@ -95,6 +95,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
+    from kv_transfer.config import operator_secret
     from pdserve.serve import ServeConfig, run
     from router.auth import load_api_keys
 
@@ -102,6 +103,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if cfg.engine.num_threads is None:  # one torch thread per Ray CPU the worker claims
         cfg = replace(cfg, engine=replace(cfg.engine, num_threads=max(1, int(cfg.cpus_per_worker))))
     keys = load_api_keys(args.api_key, args.api_key_file, os.environ)
+    secret = operator_secret(args.transfer_secret_file, os.environ)
+    if secret is not None:
+        cfg = replace(cfg, transfer=replace(cfg.transfer, secret=secret))
     return run(replace(cfg, api_keys=keys), args.log_level)
 
 
@@ -113,10 +117,13 @@ def _serve_cli_flags(p: argparse.ArgumentParser) -> None:
                    help="require this API key (HTTP Authorization: Bearer, gRPC metadata); repeatable. Also "
                    "$PDSERVE_API_KEYS (comma-separated) and --api-key-file")
     p.add_argument("--api-key-file", default=None, help="file of API keys, one per line (# comments)")
+    p.add_argument("--transfer-secret-file", default=None,
+                   help="file holding the secret KV transfers between workers authenticate with (also "
+                   "$PDSERVE_TRANSFER_SECRET; default: a fresh random one per deployment)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
-_SERVE_CLI_DESTS = {"api_key", "api_key_file", "log_level"}  # what a YAML file may set besides config fields
+_SERVE_CLI_DESTS = {"api_key", "api_key_file", "transfer_secret_file", "log_level"}  # what a YAML file may set besides config fields
 
 
 def _yaml_defaults(path: str) -> dict:

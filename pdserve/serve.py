@@ -16,7 +16,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from engine import EngineConfig
@@ -157,6 +157,8 @@ async def serve(cfg: ServeConfig, ready: asyncio.Event | None = None, stop: asyn
     model_dir = resolve_model(cfg.engine.model)
     tokenizer = load_tokenizer(model_dir)
     _connect(cfg)
+    if cfg.address is None and cfg.transfer.host is None:  # a local cluster: KV moves over loopback only
+        cfg = replace(cfg, transfer=replace(cfg.transfer, host="127.0.0.1"))
     pools = None
     try:
         t0 = time.perf_counter()

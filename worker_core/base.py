@@ -11,6 +11,8 @@ up its own state, then calls `_start_loop()`, and implements `_work()` (one roun
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
 
 import torch
@@ -23,14 +25,31 @@ from kv_transfer import PeerInfo, TransferConfig, make_connector
 from worker_core.protocol import LoadReport, WorkerInfo
 
 
+def _node_address() -> str | None:
+    """This node's address as Ray knows it (None outside Ray: the connector picks one)."""
+    import ray
+
+    return ray.util.get_node_ip_address() if ray.is_initialized() else None
+
+
+def model_fingerprint(config: object) -> str:
+    """The model a KV pool belongs to, for pairing checks: its type and a digest of its
+    configuration (where it was loaded from and the loading library's version left out)."""
+    d = {k: v for k, v in config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
+    digest = hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return f"{d.get('model_type', 'model')}:{digest}"
+
+
 class WorkerBase:
     """Args: engine_config, transfer_config, worker_id (unique; names the worker in transfers)."""
 
     def __init__(self, engine_config: EngineConfig, transfer_config: TransferConfig, worker_id: str) -> None:
         self.worker_id = worker_id
         self.engine = LLMEngine(engine_config)
+        if transfer_config.host is None:  # the transfer plane listens where Ray reaches this node
+            transfer_config = dataclasses.replace(transfer_config, host=_node_address())
         self.connector = make_connector(transfer_config, worker_id)
-        self.connector.register(self.engine.runner.kv)
+        self.connector.register(self.engine.runner.kv, model_fingerprint(self.engine.runner.model.config))
         self._info = WorkerInfo(worker_id=worker_id, **self.engine.describe())  # static: answered off the engine thread
 
     def _start_loop(self) -> None:

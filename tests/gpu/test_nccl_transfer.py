@@ -13,11 +13,13 @@ def test_nccl_pair_moves_every_layer_exactly():
 
     from kv_transfer import TransferConfig, TransferState, make_connector
 
+    config = TransferConfig(backend="torch_dist", timeout_s=30, host="127.0.0.1")  # both sides: one secret
+
     @ray.remote(num_gpus=1)
     class Side:
         def __init__(self, name: str) -> None:
             self.pool = torch.zeros(4, 2, 2, 32, 16, 8, device="cuda")
-            self.conn = make_connector(TransferConfig(backend="torch_dist", timeout_s=30, host="127.0.0.1"), name)
+            self.conn = make_connector(config, name)
             self.conn.register(self.pool)
 
         def info(self):
