@@ -66,8 +66,15 @@ class StopChecker:
         self.tokenizer = tokenizer
 
     def start(self, seq: Sequence) -> None:
-        if self.tokenizer is not None:
-            seq.detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, seq.sampling.stop)
+        if self.tokenizer is None:
+            return
+        sp = seq.sampling
+        prior = min(sp.prior_output_tokens, seq.num_prompt_tokens)  # a continuation: its earlier output
+        cut = seq.num_prompt_tokens - prior
+        seq.detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids[:cut], sp.stop)
+        for token in seq.prompt_token_ids[cut:]:  # the same text, held back the same way, as before the move
+            seq.detok.append(token)
+        seq.detok.emitted = min(sp.prior_output_chars, len(seq.detok.text))
 
     def __call__(self, seq: Sequence) -> FinishReason | None:
         token, sp = seq.last_token_id, seq.sampling

@@ -1,6 +1,14 @@
-"""Turns logits into tokens: greedy, or temperature / top-k / top-p with a per-request RNG."""
+"""Turns logits into tokens: greedy, or temperature / top-k / top-p with a per-request seed.
+
+The draw for a request's i-th output token comes from a generator seeded with (request seed, i)
+alone (`token_seed`), not from a generator that advances with each token: any worker that samples
+token i of a request samples it the same way. So a seeded request gives the same tokens whether its
+first token is sampled on a prefill worker and the rest on a decode worker, or all on one, and
+after its stream moved to another worker mid-way (`SamplingParams.prior_output_tokens`).
+"""
 from __future__ import annotations
 
+import hashlib
 import random
 
 import torch
@@ -24,9 +32,10 @@ class Sampler:
 
     def _sample_one(self, logits: torch.Tensor, seq: Sequence) -> int:
         sp = seq.sampling
-        if seq.generator is None:
-            seed = sp.seed if sp.seed is not None else self._seeds.getrandbits(63)
-            seq.generator = torch.Generator().manual_seed(seed)
+        if seq.sample_seed is None:  # a request without a seed of its own draws one from the engine's
+            seq.sample_seed = sp.seed if sp.seed is not None else self._seeds.getrandbits(63)
+        generator = torch.Generator().manual_seed(token_seed(seq.sample_seed,
+                                                             sp.prior_output_tokens + seq.num_output_tokens))
         logits = logits / sp.temperature
         if 0 < sp.top_k < logits.shape[-1]:
             kth = torch.topk(logits, sp.top_k).values[-1]
@@ -37,4 +46,10 @@ class Sampler:
             drop = probs.cumsum(-1) - probs > sp.top_p  # keep the first token always
             logits = logits.scatter(0, order[drop], float("-inf"))
         probs = logits.softmax(-1)
-        return int(torch.multinomial(probs, 1, generator=seq.generator))
+        return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def token_seed(seed: int, index: int) -> int:
+    """The seed of the draw for output token `index` of a request seeded with `seed` (63 bits)."""
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1

@@ -23,6 +23,12 @@ class SamplingParams:
         stop: strings that end generation; the text is cut before the match.
         stop_token_ids: token ids that end generation (kept in the output, like EOS).
         ignore_eos: keep generating past EOS (benchmarks with fixed output lengths).
+        prior_output_tokens: the request continues its own earlier generation: the last this many
+            prompt tokens are output it already produced (a stream moved to another worker). Its
+            sampling draws go on from that position, and its text and stop strings from that output.
+        prior_output_chars: characters of that earlier output's text already handed out; the rest
+            of it (held back while it could begin a stop string or an unfinished character) comes
+            out first.
     """
 
     max_tokens: int = 16
@@ -33,6 +39,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    prior_output_tokens: int = 0
+    prior_output_chars: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -46,6 +54,10 @@ class SamplingParams:
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed < 2**63):
             raise InvalidRequestError("seed", f"must be an integer in [0, 2**63), got {self.seed!r}")
+        for name in ("prior_output_tokens", "prior_output_chars"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InvalidRequestError(name, f"must be an integer >= 0, got {value!r}")
         object.__setattr__(self, "stop", _as_tuple(self.stop, str, "stop"))
         object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids, int, "stop_token_ids"))
         if any(s == "" for s in self.stop):

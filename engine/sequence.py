@@ -48,7 +48,7 @@ class Sequence:
     num_computed_tokens: int = 0  # leading tokens whose KV sits in the pool (cached ones included)
     num_preemptions: int = 0
     prefill_only: bool = False  # remote prefill: hold the blocks after the first token
-    generator: Any = None  # the sampler's per-request RNG; opaque to the scheduler
+    sample_seed: int | None = None  # the sampler's per-request seed; opaque to the scheduler
     detok: Any = None  # incremental detokenizer state; opaque to the scheduler
 
     def __post_init__(self) -> None:

@@ -25,7 +25,8 @@ class TransferConfig:
         port: port of that rendezvous; 0 picks a free one.
         secret: the deployment's secret every pair proves before any KV moves (`kv_transfer.rendezvous`,
             `kv_transfer.pair_group`); a fresh random one per config by default, so workers built
-            from one config (one deployment) share it. Never printed (not in the repr).
+            from one config (one deployment) share it. Never printed (not in the repr); configs that
+            differ in it alone compare equal.
     """
 
     backend: str = field(default="torch_dist", metadata={"flag": "--transfer-backend", "choices": BACKENDS,
@@ -34,7 +35,7 @@ class TransferConfig:
                                                      "help": "seconds before a KV transfer fails"})
     host: str | None = None
     port: int = 0
-    secret: str = field(default_factory=lambda: secrets.token_hex(32), repr=False)
+    secret: str = field(default_factory=lambda: secrets.token_hex(32), repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:

@@ -89,6 +89,7 @@ class RouterStream:
         self._arrival, self._metrics, self._planner = arrival, metrics, planner
         self._queue: asyncio.Queue = asyncio.Queue()
         self._sent: list[int] = []  # tokens handed to the client so far
+        self._sent_chars = 0  # characters of their text handed out (the worker may hold some back)
         self._cached = 0
         self._first_at: float | None = None
         self._last_at: float | None = None
@@ -201,10 +202,13 @@ class RouterStream:
         return booking
 
     def _resume_point(self) -> tuple[list[int], SamplingParams]:
-        """Prompt and params to (re)start from: the tokens already sent become part of the prompt."""
+        """Prompt and params to (re)start from: the tokens already sent become part of the prompt, as
+        output the new worker continues (its sampling draws, its text held back, its stop strings)."""
         if not self._sent:
             return self._prompt, self._sampling
-        return self._prompt + self._sent, replace(self._sampling, max_tokens=self._sampling.max_tokens - len(self._sent))
+        sp, n = self._sampling, len(self._sent)
+        return self._prompt + self._sent, replace(sp, max_tokens=sp.max_tokens - n, prior_output_tokens=n,
+                                                  prior_output_chars=self._sent_chars)
 
     async def _start(self, b: Booking, prompt: list[int], sampling: SamplingParams) -> None:
         rid, p_idx, d_idx = self._worker_rid, b.placement.prefill, b.placement.decode
@@ -275,6 +279,7 @@ class RouterStream:
             self._planner.prefilled(b)
             self._last_at = now
             self._sent += item.token_ids
+        self._sent_chars += len(item.text)
         if not item.finished:
             self._queue.put_nowait(Chunk(item.text, list(item.token_ids)))
             return False

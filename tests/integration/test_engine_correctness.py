@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 
@@ -126,6 +127,22 @@ def test_seeded_sampling_reproduces_and_top_k_1_is_greedy(tiny_pair):
     assert other.output_token_ids != a
     top1 = engine.generate([prompt], SamplingParams(max_tokens=30, temperature=0.8, top_k=1, seed=5))[0]
     assert top1.output_token_ids == greedy_reference(ref, prompt, 30)
+
+
+def test_a_seeded_request_continued_elsewhere_samples_what_the_unbroken_run_would(tiny_pair):
+    """A stream moved to another engine mid-way: the prompt plus the tokens already out, marked as
+    the request's own earlier output, continues with exactly the tokens the unbroken run samples
+    next (each draw depends on the seed and the token's position only)."""
+    _, model = tiny_pair
+    prompt = random_prompt(25, 52)
+    sp = SamplingParams(max_tokens=30, temperature=1.0, top_p=0.95, seed=77)
+    whole = make_engine(model).generate([prompt], sp)[0].output_token_ids
+    for cut in (1, 12, 29):
+        rest = make_engine(model).generate([prompt + whole[:cut]], replace(
+            sp, max_tokens=30 - cut, prior_output_tokens=cut))[0].output_token_ids
+        assert whole[:cut] + rest == whole, cut
+    shifted = make_engine(model).generate([prompt + whole[:12]], replace(sp, max_tokens=18))[0].output_token_ids
+    assert shifted != whole[12:]  # without the marking, the draws start over
 
 
 def test_stop_token_ids_end_generation(tiny_pair):

@@ -4,6 +4,7 @@ hangs; dead workers are replaced; afterwards every block of every live worker is
 from __future__ import annotations
 
 import asyncio
+import copy
 import os
 import signal
 from dataclasses import replace
@@ -11,7 +12,7 @@ from dataclasses import replace
 import pytest
 import ray
 
-from engine import CacheConfig, EngineConfig, SamplingParams
+from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
 from kv_transfer import TransferConfig
 from router.calibrate import calibrate
 from router.config import RouterConfig
@@ -23,6 +24,7 @@ from tests.conftest import greedy_reference, random_prompt
 from tests.integration.conftest import saved_tiny_model
 
 pytestmark = pytest.mark.slow
+TRANSFER_TIMEOUT_S = 5.0
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +32,7 @@ def cluster(ray_cluster, tmp_path_factory):
     ref, path = saved_tiny_model(tmp_path_factory, "qwen2", seed=9)
     cfg = EngineConfig(model=path, dtype="float32", num_threads=1, max_num_seqs=16,
                        cache=CacheConfig(memory_gib=0.004))
-    transfer = TransferConfig(backend="torch_dist", timeout_s=5, host="127.0.0.1")
+    transfer = TransferConfig(backend="torch_dist", timeout_s=TRANSFER_TIMEOUT_S, host="127.0.0.1")
     pools = create_pools(2, 2, cfg, transfer, num_cpus=0)
     infos = ray.get([w.info.remote() for w in pools.prefill + pools.decode])
     cost = asyncio.run(calibrate(pools, infos[2]))
@@ -49,9 +51,12 @@ def make_router(cluster, cost: CostModel | None = None, **kw) -> Router:
                   cost or calibrated, respawn=respawn)
 
 
-async def run_one(router: Router, prompt: list[int], max_tokens: int, progress: dict, key: int):
+async def run_one(router: Router, prompt: list[int], max_tokens: int, progress: dict, key: int,
+                  sampling: SamplingParams | None = None):
+    """Stream one request (greedy unless `sampling` is given) to its end; `progress[key]` follows it."""
     try:
-        stream = await router.submit(GenerateRequest(prompt=prompt, sampling=SamplingParams(max_tokens=max_tokens)))
+        stream = await router.submit(GenerateRequest(prompt=prompt, sampling=sampling or SamplingParams(
+            max_tokens=max_tokens)))
         tokens = []
         async for chunk in stream:
             tokens += chunk.token_ids
@@ -123,15 +128,21 @@ def test_a_decode_worker_lost_mid_stream_hands_its_streams_on_without_losing_a_t
     ref, pools = cluster[0], cluster[1]
     prompts = [random_prompt(20 + 3 * i, seed=200 + i) for i in range(6)]
     n = 300
+    # and two seeded samples, one on each decode worker (round robin): the moved one samples on as if unbroken
+    sampled = [random_prompt(30, seed=260 + i) for i in range(2)]
+    sampling = SamplingParams(max_tokens=n, temperature=1.0, top_k=20, seed=31)
+    oracle = LLMEngine(EngineConfig(dtype="float32", cache=CacheConfig(memory_gib=0.02)), model=copy.deepcopy(ref))
+    expected = [o.output_token_ids for o in oracle.generate(sampled, sampling)]
 
     async def main():
         router = make_router(cluster, policy="round_robin", hang_timeout_s=2.0)
         router.start_polling()
         progress: dict = {}
         tasks = [asyncio.create_task(run_one(router, p, n, progress, i)) for i, p in enumerate(prompts)]
-        while not any(v[0] >= 20 for v in progress.values()):  # streams are under way
+        tasks += [asyncio.create_task(run_one(router, p, n, progress, 6 + i, sampling)) for i, p in enumerate(sampled)]
+        while not all(v[0] >= 20 for k, v in progress.items() if k >= 6) or len(progress) < 8:  # under way
             await asyncio.sleep(0.01)
-        victim = next(v[1] for v in progress.values() if v[0] >= 20).decode.worker_id
+        victim = progress[6][1].decode.worker_id
         index = [s.worker_id for s in router.book.decode].index(victim)
         if how == "killed":
             kill(pools.decode[index])
@@ -148,7 +159,8 @@ def test_a_decode_worker_lost_mid_stream_hands_its_streams_on_without_losing_a_t
         return router, results, index
 
     router, results, index = asyncio.run(main())
-    assert_all_match(ref, prompts, results, n)
+    assert_all_match(ref, prompts, results[:6], n)
+    assert results[6:] == expected
     # the router's copy of the replaced slot's prefix cache is the new worker's, nothing of the lost one's
     assert router.placer.prefix.keys("decode", index) == set(ray.get(pools.decode[index].cache_events.remote(0)).stored)
     text = router.metrics_text()[0].decode()
@@ -272,3 +284,59 @@ def assert_all_free_eventually(pools, timeout_s: float = 30) -> None:
         time.sleep(0.2)
     for load in loads:
         assert load.free_blocks == load.num_blocks, load
+
+
+def test_a_cancel_between_prefill_and_decode_frees_both_sides(cluster):
+    """The client goes away at the moment its prompt's prefill is done and before the decode worker
+    starts it (the placer's `prefilled` hook, where the router hands the first token over): both
+    workers drop the request and every block returns; the next request is exact."""
+    ref, pools = cluster[0], cluster[1]
+    prompt, after = random_prompt(50, seed=610), random_prompt(30, seed=611)
+
+    async def main():
+        router = make_router(cluster, policy="always_remote")
+        await settle(router)
+        stream = await router.submit(GenerateRequest(prompt=prompt, sampling=SamplingParams(max_tokens=50)))
+        placer, prefilled = router.placer, router.placer.prefilled
+        closing: list[asyncio.Task] = []
+
+        def hooked(booking) -> None:
+            prefilled(booking)
+            if not closing:  # the first token is known; the decode worker has not started
+                closing.append(asyncio.get_running_loop().create_task(stream.aclose()))
+        placer.prefilled = hooked
+        got = [c async for c in stream]
+        await asyncio.gather(*closing)
+        placer.prefilled = prefilled
+        assert closing and sum(len(c.token_ids) for c in got) < 50
+        out = await asyncio.wait_for(run_one(router, after, 12, {}, 0), 60)
+        await router.stop_polling()
+        return router, out
+
+    router, out = asyncio.run(main())
+    assert out == greedy_reference(ref, after, 12)
+    text = router.metrics_text()[0].decode().splitlines()
+    assert any(line.startswith("pdserve_requests_total{") and 'outcome="cancelled"' in line for line in text)
+    assert_all_free_eventually(pools)
+
+
+def test_an_idle_transfer_plane_serves_at_once_after_the_transfer_timeout(cluster):
+    """The pairs built, then nothing for longer than the transfer timeout: the next remote request
+    goes through on its first attempt (no retry, no recovery), exact."""
+    ref, pools = cluster[0], cluster[1]
+    first, later = random_prompt(40, seed=620), random_prompt(45, seed=621)
+
+    async def main():
+        router = make_router(cluster, policy="always_remote")
+        await settle(router)
+        a = await asyncio.wait_for(run_one(router, first, 8, {}, 0), 60)
+        await asyncio.sleep(TRANSFER_TIMEOUT_S + 2)  # longer than any transfer may take
+        b = await asyncio.wait_for(run_one(router, later, 8, {}, 1), 60)
+        await router.stop_polling()
+        return router, a, b
+
+    router, a, b = asyncio.run(main())
+    assert a == greedy_reference(ref, first, 8) and b == greedy_reference(ref, later, 8)
+    text = router.metrics_text()[0].decode()
+    assert "pdserve_request_recoveries_total{" not in text, text
+    assert_all_free_eventually(pools)

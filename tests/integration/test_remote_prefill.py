@@ -72,6 +72,17 @@ def test_remote_prefill_matches_generate(pair):
         assert bm.num_free_blocks == bm.num_blocks
 
 
+def test_seeded_sampling_remote_equals_local(pair, tiny_pair):
+    """The first token sampled on the prefill engine, the rest on the decode engine: the same tokens as
+    one engine sampling them all, for the same seed."""
+    _, prefill, decode, tx, rx, _, skip = pair
+    prompt = random_prompt(40, seed=88)
+    sp = SamplingParams(max_tokens=20, temperature=1.0, top_k=40, seed=4242)
+    local = LLMEngine(EngineConfig(dtype="float32", cache=CacheConfig(memory_gib=0.02)), model=copy.deepcopy(tiny_pair[1]))
+    expected = local.generate([prompt], sp)[0].output_token_ids
+    assert run_remote(prefill, decode, tx, rx, [prompt], sp, skip, ids=["seeded"])["seeded"] == expected
+
+
 def test_reserve_refuses_when_full_and_abort_frees(pair):
     ref, prefill, *_ = pair
     small = EngineConfig(dtype="float32", cache=CacheConfig(memory_gib=100 * 16 * 768 / (1 << 30)))

@@ -179,3 +179,40 @@ def test_eos_text_is_not_in_output(tok: PreTrainedTokenizerFast) -> None:
         reason = c(seq)
     assert reason is FinishReason.STOP
     assert seq.detok.take(final=True) == "the dog"
+
+
+def run_moved(tok: PreTrainedTokenizerFast, prompt: list[int], output: list[int], cut: int,
+              stop: tuple[str, ...]) -> tuple[str, bool]:
+    """A stream cut after `cut` output tokens and continued by a fresh worker, as the router resumes it
+    (the tokens already out become prompt tokens marked as earlier output, with the characters
+    already handed out). Returns (the client's text, whether a stop string ended it)."""
+    checker = StopChecker(frozenset(), 10_000, tok)
+    first = Sequence("a", prompt, SamplingParams(max_tokens=100, stop=stop))
+    checker.start(first)
+    text = ""
+    for t in output[:cut]:
+        first.token_ids.append(t)
+        if checker(first) is FinishReason.STOP:
+            return text + first.detok.take(final=True), True
+        text += first.detok.take(final=False)
+    moved = Sequence("a.1", prompt + output[:cut], SamplingParams(
+        max_tokens=100, stop=stop, prior_output_tokens=cut, prior_output_chars=len(text)))
+    checker.start(moved)
+    for t in output[cut:]:
+        moved.token_ids.append(t)
+        if checker(moved) is FinishReason.STOP:
+            return text + moved.detok.take(final=True), True
+        text += moved.detok.take(final=False)
+    return text + moved.detok.take(final=True), False
+
+
+@pytest.mark.parametrize("stop", [(), ("jumps over",), ("é 😀 d",)])
+def test_a_moved_stream_continues_its_text_byte_exact_at_every_cut(tok: PreTrainedTokenizerFast,
+                                                                   stop: tuple[str, ...]) -> None:
+    """Cut anywhere (inside a multi-byte character, inside a held-back possible stop string, across
+    the stop string itself): the text the client gets, and whether it stopped, equal the unbroken run."""
+    prompt, output = enc(tok, "say: "), enc(tok, "the quick brown fox jumps over naïve café 😀 déjà vu")
+    unbroken = run_moved(tok, prompt, output, len(output), stop)
+    assert unbroken[1] == bool(stop)
+    for cut in range(1, len(output)):
+        assert run_moved(tok, prompt, output, cut, stop) == unbroken, cut
