@@ -128,6 +128,12 @@ class DecodeWorker(WorkerBase):
         """Drop the request wherever it is here; its blocks return to the pool. Returns whether it was found."""
         return self._owner.call(lambda: self._abort(request_id))
 
+    def abort_all(self) -> int:
+        n = super().abort_all()
+        with self._feed_ready:  # what the last router left unread: nobody reads it now
+            self._feed.clear()
+        return n
+
     def transfer_state(self, request_id: str) -> TransferState:
         """The receive side's `TransferState` of a request (calibration probes)."""
         return self._owner.call(lambda: self.connector.poll(request_id))

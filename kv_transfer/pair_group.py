@@ -101,7 +101,7 @@ class PairGroup:
         except Exception:
             self.teardown()
             raise
-        log.info("pair %s: rank %d joined generation %d", self.key, self.rank, gen)
+        log.info("pair %s: rank %d joined generation %d (authenticated)", self.key, self.rank, gen)
 
     def connect_sender(self) -> None:
         """Sender: propose a new generation and build it; on failure mark it dead and raise."""
@@ -112,6 +112,8 @@ class PairGroup:
         except Exception as e:
             self.store.set(f"{self.key}/dead/{gen}", "1")
             self.gen = gen
+            if isinstance(e, TransferError):  # the handshake refused the pair: its own message says why
+                raise
             raise TransferError(f"pair {self.key}: receiver did not join within {self.timeout}: {e}") from e
 
     def newest_gen(self) -> int:
@@ -172,7 +174,6 @@ class PairGroup:
             raise TransferError(f"pair {self.key}: malformed hello from the peer") from e
         if (diff := mismatch(self._pool, theirs)) is not None:
             raise TransferError(f"pair {self.key}: refused, the workers' KV pools differ: {diff}")
-        log.info("pair %s: rank %d authenticated generation %d", self.key, self.rank, self.gen)
 
     def _send_bytes(self, data: bytes) -> None:
         assert self.group is not None

@@ -164,6 +164,15 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0 if status["healthy"] else 1
 
 
+def cmd_stop(args: argparse.Namespace) -> int:
+    from pdserve.serve import stop_deployment
+
+    n = stop_deployment(args.address, args.deployment)
+    print(f"pdserve: stopped {n} workers of deployment {args.deployment!r}" if n else
+          f"pdserve: deployment {args.deployment!r} has no workers on this cluster", file=sys.stderr)
+    return 0 if n else 1
+
+
 def build_parser(serve_defaults: dict | None = None) -> argparse.ArgumentParser:
     """The `pdserve` parser; `serve_defaults` (from a YAML file) replace `serve`'s flag defaults."""
     from pdserve.serve import ServeConfig
@@ -211,6 +220,11 @@ def build_parser(serve_defaults: dict | None = None) -> argparse.ArgumentParser:
     st.add_argument("--timeout", type=float, default=5.0, help="seconds each worker gets to answer load()")
     st.add_argument("--all", action="store_true", help="also list dead workers of servers that have stopped")
     st.set_defaults(func=cmd_status)
+
+    stop = sub.add_parser("stop", help="end the workers of a named deployment (`serve --deployment`)")
+    stop.add_argument("--address", required=True, help="its Ray cluster: auto, HOST:PORT or ray://HOST:PORT")
+    stop.add_argument("--deployment", required=True, help="the deployment's name")
+    stop.set_defaults(func=cmd_stop)
 
     from pdserve.bench.cli import add_bench_parser
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     from router.tls import TlsFiles
 
 log = logging.getLogger("pdserve.serve")
+_DEPLOYMENT_NAME = re.compile(r"[A-Za-z0-9_-]{1,63}")
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,11 @@ class ServeConfig:
         ssl_certfile / ssl_keyfile: TLS for both servers (both or neither); protect_metrics: /metrics
             needs an API key too.
         api_keys: keys clients must send (empty: no authentication); never printed.
+        deployment: the workers belong to this named deployment, not to this router: they are
+            detached Ray actors that outlive it (a crash, a restart, a pod move), and a router
+            started again with the same name and cluster adopts them (no new workers, no
+            calibration: the cost model is kept with them); `pdserve stop` ends them. Needs
+            `address` (a local Ray ends with the router).
     """
 
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(compile=True))  # a server runs long: it pays
@@ -70,6 +77,9 @@ class ServeConfig:
     protect_metrics: bool = field(default=False, metadata={
         "help": "with API keys, /metrics needs a key too (Prometheus then scrapes with a bearer token)"})
     api_keys: frozenset[str] = field(default=frozenset(), repr=False)
+    deployment: str | None = field(default=None, metadata={
+        "help": "name the workers' deployment: they outlive this router and a router started again with the "
+        "same name adopts them (needs --address; `pdserve stop` ends them)"})
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_prefill, int) or self.num_prefill < 0:
@@ -81,6 +91,12 @@ class ServeConfig:
         for name in ("http_port", "grpc_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise ValueError(f"{name}: must be in [0, 65535] (0 = any free port), got {getattr(self, name)}")
+        if self.deployment is not None:
+            if not _DEPLOYMENT_NAME.fullmatch(self.deployment):
+                raise ValueError(f"deployment: letters, digits, '-' and '_' only (1-63), got {self.deployment!r}")
+            if self.address is None:
+                raise ValueError("deployment: needs --address (workers outlive the router only on a Ray cluster "
+                                 "of their own; a local one ends with the router)")
         if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
             raise ValueError("ssl_certfile / ssl_keyfile: give both (a certificate and its key) or neither")
 
@@ -129,24 +145,46 @@ def _connect(cfg: ServeConfig) -> None:
 
 
 def _start_pools(cfg: ServeConfig):
+    """The workers: the deployment's running ones when there are (topped up to the configured counts),
+    else new ones. Returns (pools, prefill infos, decode infos, their transfer config, what the last
+    router kept with them: its cost model, or None)."""
     import ray
     from tqdm import tqdm
 
-    from router.pools import create_pools
+    from router.pools import add_worker, adopt_pools, create_pools
 
-    with tqdm(total=cfg.num_prefill + cfg.num_decode, desc="starting workers", unit="worker",
-              file=sys.stderr) as bar:
-        pools = create_pools(cfg.num_prefill, cfg.num_decode, cfg.engine, cfg.transfer, cfg.cpus_per_worker,
-                             on_started=bar.update)
+    adopted = adopt_pools(cfg.deployment) if cfg.deployment is not None else None
+    if adopted is None:
+        with tqdm(total=cfg.num_prefill + cfg.num_decode, desc="starting workers", unit="worker",
+                  file=sys.stderr) as bar:
+            pools = create_pools(cfg.num_prefill, cfg.num_decode, cfg.engine, cfg.transfer, cfg.cpus_per_worker,
+                                 on_started=bar.update, deployment=cfg.deployment)
+        transfer, kept = cfg.transfer, None
+    else:
+        pools, transfer, kept = adopted.pools, adopted.transfer_config, adopted.kept
+        if pools.engine_config.model != cfg.engine.model:
+            raise ValueError(f"deployment: {cfg.deployment!r} runs model {pools.engine_config.model!r}, not "
+                             f"{cfg.engine.model!r}; end it first (`pdserve stop`) or give its model")
+        print(f"[pdserve] adopted deployment {cfg.deployment!r}: {len(pools.prefill)} prefill + "
+              f"{len(pools.decode)} decode workers running ({adopted.aborted} requests of the last router dropped)",
+              file=sys.stderr, flush=True)
+        for pool, have, want in (("prefill", len(pools.prefill), cfg.num_prefill),
+                                 ("decode", len(pools.decode), cfg.num_decode)):
+            for _ in range(want - have):
+                add_worker(pools, pool, pools.engine_config, transfer, cfg.cpus_per_worker)
     infos = ray.get([w.info.remote() for w in pools.prefill + pools.decode])
-    return pools, infos[:cfg.num_prefill], infos[cfg.num_prefill:]
+    n = len(pools.prefill)
+    return pools, infos[:n], infos[n:], transfer, kept
 
 
 async def serve(cfg: ServeConfig, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
     """Run pdserve until `stop` is set or a SIGINT / SIGTERM arrives. Sets `ready` once serving."""
+    import ray
+
     from engine.model_loader import load_tokenizer
     from engine.model_store import resolve_model
     from router.calibrate import calibrate
+    from router.cost_model import CostModel
     from router.grpc_server import start_grpc_server
     from router.http_server import start_http_server
     from router.pools import replace_worker
@@ -162,12 +200,24 @@ async def serve(cfg: ServeConfig, ready: asyncio.Event | None = None, stop: asyn
     pools = None
     try:
         t0 = time.perf_counter()
-        pools, p_infos, d_infos = await asyncio.get_running_loop().run_in_executor(None, _start_pools, cfg)
-        print(f"[pdserve] {len(pools.prefill)} prefill + {len(pools.decode)} decode workers up in "
-              f"{time.perf_counter() - t0:.1f} s; calibrating the cost model ...", file=sys.stderr, flush=True)
-        cost = await calibrate(pools, d_infos[0])
+        pools, p_infos, d_infos, transfer, kept = await asyncio.get_running_loop().run_in_executor(
+            None, _start_pools, cfg)
+        if isinstance(kept, CostModel):
+            cost = kept
+            print(f"[pdserve] {len(pools.prefill)} prefill + {len(pools.decode)} decode workers up in "
+                  f"{time.perf_counter() - t0:.1f} s; the deployment's cost model kept", file=sys.stderr, flush=True)
+        else:
+            print(f"[pdserve] {len(pools.prefill)} prefill + {len(pools.decode)} decode workers up in "
+                  f"{time.perf_counter() - t0:.1f} s; calibrating the cost model ...", file=sys.stderr, flush=True)
+            cost = await calibrate(pools, d_infos[0])
+        if pools.deployment is not None:  # a restarted router reads it back from any of them
+            await asyncio.gather(*(w.keep.remote(cost) for w in pools.prefill + pools.decode))
+
         def respawn(pool: str, index: int) -> WorkerInfo:
-            return replace_worker(pools, pool, index, pools.engine_config, cfg.transfer, cfg.cpus_per_worker)
+            info = replace_worker(pools, pool, index, pools.engine_config, transfer, cfg.cpus_per_worker)
+            if pools.deployment is not None:
+                ray.get((pools.prefill if pool == "prefill" else pools.decode)[index].keep.remote(cost))
+            return info
 
         lender = None
         if (cfg.lend_threads and not cfg.router.flip_roles and pools.prefill and cfg.engine.num_threads
@@ -203,20 +253,27 @@ async def serve(cfg: ServeConfig, ready: asyncio.Event | None = None, stop: asyn
         await http.cleanup()
         await router.stop_polling()
     finally:
-        _teardown(pools)
+        _teardown(pools, cfg.address)
 
 
 _TEARDOWN_S = 30.0
 _stuck = threading.Event()  # teardown did not finish: `run` exits without waiting for Ray any longer
 
 
-def _teardown(pools: object | None) -> None:
-    """Stop the workers and leave Ray, for at most `_TEARDOWN_S`. With the Ray cluster gone (its
-    head stopped or lost), Ray's calls can block for minutes; the server still exits."""
+def _teardown(pools: object | None, address: str | None = None) -> None:
+    """Stop the workers (not a deployment's: they outlive the router) and leave Ray, for at most
+    `_TEARDOWN_S`. With the Ray cluster gone (its head stopped or lost), Ray's calls can block for
+    minutes; the server still exits."""
     import ray
 
+    deployment = getattr(pools, "deployment", None)
+    if deployment is not None:
+        print(f"[pdserve] the workers of deployment {deployment!r} keep running: `pdserve serve --address "
+              f"{address} --deployment {deployment}` adopts them, `pdserve stop --address {address} --deployment "
+              f"{deployment}` ends them", file=sys.stderr, flush=True)
+
     def work() -> None:
-        if pools is not None:
+        if pools is not None and deployment is None:
             pools.shutdown()  # type: ignore[attr-defined]
         ray.shutdown()
     t = threading.Thread(target=work, daemon=True, name="pdserve-teardown")
@@ -256,3 +313,16 @@ def run(cfg: ServeConfig, log_level: str = "info") -> int:
         sys.stderr.flush()
         os._exit(0)
     return 0
+
+
+def stop_deployment(address: str, deployment: str) -> int:
+    """`pdserve stop`: end the workers of `deployment` on the Ray cluster at `address`. Returns how many."""
+    import ray
+
+    from router.pools import end_deployment
+
+    _join(address)
+    try:
+        return end_deployment(deployment)
+    finally:
+        ray.shutdown()

@@ -3,9 +3,16 @@
 Each prefill actor asks for one unit of the `prefill_pool` resource, each decode actor one of
 `decode_pool` (plus a GPU when its engine runs on CUDA), so a cluster maps pools to node groups
 by the resources its nodes advertise (`ray start --resources='{"decode_pool": 4}'`).
+
+Pools of a named deployment (`deployment=NAME`) are detached actors named `NAME.prefill-0`,
+`NAME.decode-1`, ... (slot names: a replacement takes its slot's name): they outlive the router
+that started them, and a router started again with the same name adopts them (`adopt_pools`)
+instead of starting new ones. `end_deployment` stops them for good.
 """
 from __future__ import annotations
 
+import logging
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -23,6 +30,8 @@ PREFILL_RESOURCE = "prefill_pool"
 DECODE_RESOURCE = "decode_pool"
 NAMESPACE = "pdserve"  # every worker actor is named after its worker id in this Ray namespace (`pdserve status`)
 _MAX_CONCURRENCY = 256  # actor threads: one per in-flight call (streams block in theirs)
+_SCAN_PAST_GAP = 64  # slots looked at past the first free one when a deployment is adopted
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -34,6 +43,7 @@ class Pools:
     prefill_peers: list[PeerInfo] = field(default_factory=list)
     decode_peers: list[PeerInfo] = field(default_factory=list)
     engine_config: EngineConfig = field(default_factory=EngineConfig)  # what the workers run (dtype settled)
+    deployment: str | None = None  # its workers are detached, named after it (None: they die with the router)
 
     def decoder(self, index: int) -> ray.actor.ActorHandle:
         """The actor at a placement's decode index: decode workers first, then prefill workers (their
@@ -49,21 +59,45 @@ class Pools:
         self.prefill, self.decode, self.prefill_peers, self.decode_peers = [], [], [], []
 
 
+def slot_name(deployment: str, slot: str) -> str:
+    """The actor name of a deployment's worker slot (`slot`: "prefill-0", "decode-1", ...)."""
+    return f"{deployment}.{slot}"
+
+
 def _launch(cls: type, resource: str, name: str, engine_config: EngineConfig, transfer_config: TransferConfig,
-            num_cpus: float) -> tuple[ray.actor.ActorHandle, ray.ObjectRef]:
-    """Start an actor; returns it and the ref of its transfer address (ready once it has started)."""
+            num_cpus: float, deployment: str | None = None) -> tuple[ray.actor.ActorHandle, ray.ObjectRef]:
+    """Start an actor for slot `name` ("decode-1"); returns it and the ref of its transfer address
+    (ready once it has started). In a deployment it is detached and named after its slot."""
     gpus = 1 if engine_config.device.startswith("cuda") else 0
     worker_id = f"{name}-{uuid.uuid4().hex[:6]}"
-    actor = ray.remote(cls).options(name=worker_id, namespace=NAMESPACE, resources={resource: 1}, num_cpus=num_cpus,
+    named = {"name": worker_id} if deployment is None else {"name": slot_name(deployment, name), "lifetime": "detached"}
+    actor = ray.remote(cls).options(**named, namespace=NAMESPACE, resources={resource: 1}, num_cpus=num_cpus,
                                     num_gpus=gpus, max_concurrency=_MAX_CONCURRENCY).remote(
         engine_config, transfer_config, worker_id)
     return actor, actor.peer_info.remote()
 
 
 def _start(cls: type, resource: str, name: str, engine_config: EngineConfig, transfer_config: TransferConfig,
-           num_cpus: float) -> tuple[ray.actor.ActorHandle, PeerInfo]:
-    actor, peer = _launch(cls, resource, name, engine_config, transfer_config, num_cpus)
+           num_cpus: float, deployment: str | None = None) -> tuple[ray.actor.ActorHandle, PeerInfo]:
+    actor, peer = _launch(cls, resource, name, engine_config, transfer_config, num_cpus, deployment)
     return actor, ray.get(peer)
+
+
+def _named(deployment: str, slot: str) -> ray.actor.ActorHandle | None:
+    try:
+        return ray.get_actor(slot_name(deployment, slot), namespace=NAMESPACE)
+    except ValueError:  # no such actor
+        return None
+
+
+def _free_name(deployment: str, slot: str, timeout_s: float = 30.0) -> None:
+    """Wait until a killed slot's name is free again (Ray releases it once the actor is gone)."""
+    end = time.monotonic() + timeout_s
+    while _named(deployment, slot) is not None:
+        if time.monotonic() > end:
+            raise RuntimeError(f"worker slot {slot_name(deployment, slot)} is still taken {timeout_s:.0f} s after "
+                               "its worker was killed")
+        time.sleep(0.1)
 
 
 _KINDS = {"prefill": (PrefillWorker, PREFILL_RESOURCE), "decode": (DecodeWorker, DECODE_RESOURCE)}
@@ -79,7 +113,8 @@ def add_worker(pools: Pools, pool: str, engine_config: EngineConfig, transfer_co
     """Start one more actor in `pool` ("prefill" | "decode") and return it. A decode worker serves as
     soon as its transfer address is known; a prefill worker pairs with decode workers lazily."""
     actors, peers = _lists(pools, pool)
-    actor, peer = _start(*_KINDS[pool], f"{pool}-{len(actors)}", engine_config, transfer_config, num_cpus)
+    actor, peer = _start(*_KINDS[pool], f"{pool}-{len(actors)}", engine_config, transfer_config, num_cpus,
+                         pools.deployment)
     actors.append(actor)
     peers.append(peer)
     return actor
@@ -95,20 +130,24 @@ def replace_worker(pools: Pools, pool: str, index: int, engine_config: EngineCon
         ray.kill(actors[index], no_restart=True)
     except Exception:  # noqa: S110 - already gone
         pass
-    actor, peer = _start(*_KINDS[pool], f"{pool}-{index}", engine_config, transfer_config, num_cpus)
+    if pools.deployment is not None:
+        _free_name(pools.deployment, f"{pool}-{index}")
+    actor, peer = _start(*_KINDS[pool], f"{pool}-{index}", engine_config, transfer_config, num_cpus,
+                         pools.deployment)
     actors[index], peers[index] = actor, peer
     return ray.get(actor.info.remote())
 
 
 def create_pools(num_prefill: int, num_decode: int, engine_config: EngineConfig,
                  transfer_config: TransferConfig, num_cpus: float = 1,
-                 on_started: Callable[[], None] | None = None) -> Pools:
+                 on_started: Callable[[], None] | None = None, deployment: str | None = None) -> Pools:
     """Start `num_prefill` prefill and `num_decode` decode actors on the connected Ray cluster
     (`on_started()` as each is up), all at once (a worker's start is mostly compiling, on its own
     cores). With `dtype="auto"` the first (a prefill worker where there are any) starts alone and
     settles it: the rest, and replacements started with `pools.engine_config`, run the dtype it chose,
-    so that KV moves between any two of them."""
-    pools = Pools(engine_config=engine_config)
+    so that KV moves between any two of them. `deployment`: the workers are that deployment's
+    (detached, named after their slots)."""
+    pools = Pools(engine_config=engine_config, deployment=deployment)
     kinds = ["prefill"] * num_prefill + ["decode"] * num_decode
     if kinds and engine_config.dtype == AUTO:
         actor = add_worker(pools, kinds.pop(0), engine_config, transfer_config, num_cpus)
@@ -119,7 +158,7 @@ def create_pools(num_prefill: int, num_decode: int, engine_config: EngineConfig,
     launched = []
     for pool in kinds:
         launched.append((pool, *_launch(*_KINDS[pool], f"{pool}-{counts[pool]}", pools.engine_config,
-                                        transfer_config, num_cpus)))
+                                        transfer_config, num_cpus, deployment)))
         counts[pool] += 1
     waiting = [peer for _, _, peer in launched]
     while waiting:
@@ -132,3 +171,48 @@ def create_pools(num_prefill: int, num_decode: int, engine_config: EngineConfig,
         actors.append(actor)
         peers.append(ray.get(peer))
     return pools
+
+
+@dataclass(frozen=True)
+class Adopted:
+    """A deployment's running workers, as a restarted router finds them."""
+
+    pools: Pools
+    transfer_config: TransferConfig  # what they move KV with (their secret): replacements need the same
+    kept: object | None  # what the last router left with them (its cost model), or None
+    aborted: int  # requests of the last router that they dropped
+
+
+def adopt_pools(deployment: str) -> Adopted | None:
+    """The live workers of `deployment` on the connected cluster (None: it has none). Each drops the
+    requests it held for the router that started them (their blocks return; that router's clients are
+    gone with it) and computes with its own threads again."""
+    found: dict[str, list[ray.actor.ActorHandle]] = {"prefill": [], "decode": []}
+    for pool, actors in found.items():
+        while (actor := _named(deployment, f"{pool}-{len(actors)}")) is not None:
+            actors.append(actor)
+        for slot in range(len(actors) + 1, len(actors) + _SCAN_PAST_GAP):  # past a lost slot: cannot keep its place
+            if (stray := _named(deployment, f"{pool}-{slot}")) is not None:
+                log.warning("worker %s is past a lost slot of its pool; it is stopped",
+                            slot_name(deployment, f"{pool}-{slot}"))
+                ray.kill(stray, no_restart=True)
+    workers = found["prefill"] + found["decode"]
+    if not workers:
+        return None
+    engine_config, transfer_config = ray.get(workers[0].configs.remote())
+    aborted = sum(ray.get([w.abort_all.remote() for w in workers]))
+    ray.get([w.set_threads.remote(engine_config.num_threads or 1) for w in workers])
+    kept = next((k for k in ray.get([w.kept.remote() for w in workers]) if k is not None), None)
+    pools = Pools(found["prefill"], found["decode"], ray.get([w.peer_info.remote() for w in found["prefill"]]),
+                  ray.get([w.peer_info.remote() for w in found["decode"]]), engine_config, deployment)
+    return Adopted(pools, transfer_config, kept, aborted)
+
+
+def end_deployment(deployment: str) -> int:
+    """Stop and kill every worker of `deployment` on the connected cluster. Returns how many there were."""
+    adopted = adopt_pools(deployment)
+    if adopted is None:
+        return 0
+    n = len(adopted.pools.prefill) + len(adopted.pools.decode)
+    adopted.pools.shutdown()
+    return n

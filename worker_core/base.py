@@ -45,6 +45,8 @@ class WorkerBase:
 
     def __init__(self, engine_config: EngineConfig, transfer_config: TransferConfig, worker_id: str) -> None:
         self.worker_id = worker_id
+        self._configs = (engine_config, transfer_config)  # as given: a replacement elsewhere resolves its own host
+        self._kept: object | None = None
         self.engine = LLMEngine(engine_config)
         if transfer_config.host is None:  # the transfer plane listens where Ray reaches this node
             transfer_config = dataclasses.replace(transfer_config, host=_node_address())
@@ -63,6 +65,10 @@ class WorkerBase:
 
     def _load_now(self) -> LoadReport:
         """The worker's load, read on the engine thread."""
+        raise NotImplementedError
+
+    def _abort(self, request_id: str) -> bool:
+        """Engine thread: drop one request wherever it is here; its blocks return. Returns whether it was found."""
         raise NotImplementedError
 
     def _publish_load(self) -> None:
@@ -129,6 +135,28 @@ class WorkerBase:
     def profile_prefill(self, lengths: list[int]) -> list[float]:
         """Seconds of a prefill of each prompt length, on this worker's engine (call while idle)."""
         return self._owner.call(lambda: [time_prefill(self.engine, n, seed=i) for i, n in enumerate(lengths)])
+
+    def configs(self) -> tuple[EngineConfig, TransferConfig]:
+        """What this worker was started with (its transfer secret too): a router that adopts it starts
+        any replacement the same way."""
+        return self._configs
+
+    def keep(self, state: object) -> None:
+        """Hold `state` for the router (its calibrated cost model), which a restarted router reads back."""
+        self._kept = state
+
+    def kept(self) -> object | None:
+        return self._kept
+
+    def abort_all(self) -> int:
+        """Drop every request held here (for a router that adopts this worker: it knows none of them);
+        their blocks return to the pool. Returns how many there were."""
+        def do() -> int:
+            sched = self.engine.scheduler
+            ids = [s.request_id for s in (*sched.waiting, *sched.running, *sched.receiving.values(),
+                                          *sched.held.values())]
+            return sum(self._abort(rid) for rid in ids)
+        return self._owner.call(do)
 
     def drop_peer(self, peer_id: str) -> None:
         """A peer worker is gone for good: release this worker's pair with it."""

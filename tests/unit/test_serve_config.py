@@ -115,7 +115,9 @@ def test_an_unknown_dtype_is_refused_with_the_choices(capsys):
 
 
 @pytest.mark.parametrize("kw,field", [({"num_decode": 0}, "decode"), ({"num_prefill": -1}, "prefill"),
-                                      ({"http_port": 70000}, "http_port"), ({"cpus_per_worker": -1}, "cpus_per_worker")])
+                                      ({"http_port": 70000}, "http_port"), ({"cpus_per_worker": -1}, "cpus_per_worker"),
+                                      ({"deployment": "prod"}, "deployment: needs --address"),
+                                      ({"deployment": "a.b", "address": "auto"}, "deployment: letters")])
 def test_serve_config_validation_names_the_field(kw, field):
     with pytest.raises(ValueError, match=field):
         ServeConfig(**kw)
