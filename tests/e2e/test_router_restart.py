@@ -85,8 +85,10 @@ def test_a_killed_router_comes_back_and_adopts_its_workers(head, oracle):
         out = client.chat.completions.create(model=second.model, messages=MESSAGES, max_tokens=24, temperature=0)
         assert out.choices[0].message.content == text_of(oracle, greedy_ids(oracle, prompt, 24))
         deadline = time.monotonic() + 30
-        while any(free != total for free, total in (blocks := free_blocks(second))) and time.monotonic() < deadline:
+        blocks = free_blocks(second)
+        while any(free != total for free, total in blocks) and time.monotonic() < deadline:
             time.sleep(0.5)
+            blocks = free_blocks(second)
         assert blocks and all(free == total for free, total in blocks), blocks  # nothing of the old router's
     finally:
         assert stop_server(second.proc, log=second.log) == 0

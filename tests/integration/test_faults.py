@@ -95,17 +95,24 @@ def assert_all_match(ref, prompts: list[list[int]], results: list, n: int) -> No
         assert out == greedy_reference(ref, prompt, n)
 
 
-def test_killed_prefill_worker_requests_retry_and_match(cluster):
+@pytest.mark.parametrize("how", ["killed", "hung"])
+def test_a_prefill_worker_lost_under_load_its_requests_retry_and_match(cluster, how):
+    """Killed, or hung (SIGSTOP: it answers nothing until the router kills it after `hang_timeout_s`)
+    while prompts are queued or prefilling on it: each is placed again and completes exactly; the
+    worker is replaced."""
     ref, pools = cluster[0], cluster[1]
     prompts = [random_prompt(60 + 7 * i, seed=100 + i) for i in range(8)]
 
     async def main():
-        router = make_router(cluster, policy="always_remote")
+        router = make_router(cluster, policy="always_remote", hang_timeout_s=2.0)
         router.start_polling()
         progress: dict = {}
         tasks = [asyncio.create_task(run_one(router, p, 24, progress, i)) for i, p in enumerate(prompts)]
         await asyncio.sleep(0.05)
-        kill(pools.prefill[0])  # while prompts are queued or prefilling on it
+        if how == "killed":  # while prompts are queued or prefilling on it
+            kill(pools.prefill[0])
+        else:
+            os.kill(ray.get(pools.prefill[0].pid.remote()), signal.SIGSTOP)
         results = await asyncio.wait_for(asyncio.gather(*tasks), 120)
         await settle(router)
         await router.stop_polling()
@@ -115,6 +122,7 @@ def test_killed_prefill_worker_requests_retry_and_match(cluster):
     assert_all_match(ref, prompts, results, 24)
     text = router.metrics_text()[0].decode()
     assert "pdserve_worker_replacements_total" in text
+    assert ('pdserve_worker_hangs_total{pool="prefill"} 1.0' in text) == (how == "hung")
     assert len(pools.prefill) == 2 and len(pools.decode) == 2
     assert_all_free(pools)
 
