@@ -61,9 +61,8 @@ def test_a_killed_router_comes_back_and_adopts_its_workers(head, oracle):
 
     def long_stream() -> None:
         try:
-            for chunk in client.completions.create(model=first.model, prompt="Count to one thousand:", max_tokens=2000,
-                                                   stream=True, extra_body={"ignore_eos": True}):
-                chunks.append(chunk)
+            chunks.extend(client.completions.create(model=first.model, prompt="Count to one thousand:",
+                                                    max_tokens=2000, stream=True, extra_body={"ignore_eos": True}))
         except Exception as e:  # noqa: BLE001  (the router dies under it: any client error)
             failed.append(e)
     reader = threading.Thread(target=long_stream)
@@ -93,9 +92,10 @@ def test_a_killed_router_comes_back_and_adopts_its_workers(head, oracle):
     finally:
         assert stop_server(second.proc, log=second.log) == 0
     assert "keep running" in "".join(second.log)
-    stopped = subprocess.run([sys.executable, "-m", "pdserve", "stop", "--address", head, "--deployment",
-                              "restart-test"], capture_output=True, text=True, timeout=120, env=ENV)
+    def stop() -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "pdserve", "stop", "--address", head, "--deployment",
+                               "restart-test"], check=False, capture_output=True, text=True, timeout=120, env=ENV)
+    stopped = stop()
     assert stopped.returncode == 0 and "stopped 2 workers" in stopped.stderr, stopped.stderr[-2000:]
-    again = subprocess.run([sys.executable, "-m", "pdserve", "stop", "--address", head, "--deployment",
-                            "restart-test"], capture_output=True, text=True, timeout=120, env=ENV)
+    again = stop()
     assert again.returncode == 1 and "has no workers" in again.stderr
