@@ -61,8 +61,9 @@ def test_a_killed_router_comes_back_and_adopts_its_workers(head, oracle):
 
     def long_stream() -> None:
         try:
-            chunks.extend(client.completions.create(model=first.model, prompt="Count to one thousand:",
-                                                    max_tokens=2000, stream=True, extra_body={"ignore_eos": True}))
+            for chunk in client.completions.create(model=first.model, prompt="Count to one thousand:",
+                                                   max_tokens=2000, stream=True, extra_body={"ignore_eos": True}):
+                chunks.append(chunk)  # noqa: PERF402  (one by one: the main thread watches them arrive)
         except Exception as e:  # noqa: BLE001  (the router dies under it: any client error)
             failed.append(e)
     reader = threading.Thread(target=long_stream)
