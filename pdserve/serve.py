@@ -202,13 +202,13 @@ async def serve(cfg: ServeConfig, ready: asyncio.Event | None = None, stop: asyn
         t0 = time.perf_counter()
         pools, p_infos, d_infos, transfer, kept = await asyncio.get_running_loop().run_in_executor(
             None, _start_pools, cfg)
+        up = (f"[pdserve] {len(pools.prefill)} prefill + {len(pools.decode)} decode workers up in "
+              f"{time.perf_counter() - t0:.1f} s")
         if isinstance(kept, CostModel):
             cost = kept
-            print(f"[pdserve] {len(pools.prefill)} prefill + {len(pools.decode)} decode workers up in "
-                  f"{time.perf_counter() - t0:.1f} s; the deployment's cost model kept", file=sys.stderr, flush=True)
+            print(f"{up}; the deployment's cost model kept", file=sys.stderr, flush=True)
         else:
-            print(f"[pdserve] {len(pools.prefill)} prefill + {len(pools.decode)} decode workers up in "
-                  f"{time.perf_counter() - t0:.1f} s; calibrating the cost model ...", file=sys.stderr, flush=True)
+            print(f"{up}; calibrating the cost model ...", file=sys.stderr, flush=True)
             cost = await calibrate(pools, d_infos[0])
         if pools.deployment is not None:  # a restarted router reads it back from any of them
             await asyncio.gather(*(w.keep.remote(cost) for w in pools.prefill + pools.decode))
