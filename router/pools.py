@@ -113,6 +113,8 @@ def add_worker(pools: Pools, pool: str, engine_config: EngineConfig, transfer_co
     """Start one more actor in `pool` ("prefill" | "decode") and return it. A decode worker serves as
     soon as its transfer address is known; a prefill worker pairs with decode workers lazily."""
     actors, peers = _lists(pools, pool)
+    if pools.deployment is not None:  # a stray of an earlier router may be going away under that name
+        _free_name(pools.deployment, f"{pool}-{len(actors)}")
     actor, peer = _start(*_KINDS[pool], f"{pool}-{len(actors)}", engine_config, transfer_config, num_cpus,
                          pools.deployment)
     actors.append(actor)
