@@ -12,7 +12,6 @@ A send/recv that errors or times out tears the pair down; the next use rebuilds 
 """
 from __future__ import annotations
 
-import datetime
 import logging
 import queue
 import socket
@@ -104,9 +103,6 @@ class TorchDistConnector(KVConnector):
         store = RendezvousStore(host, port, self._secret, self.config.timeout_s)
         return PairGroup(pair_key(sender, receiver), rank, store, self.config.timeout_s, self.pool.device,
                          self._host, self._secret, describe_pool(self.pool, self._model))
-
-    def _timeout(self) -> datetime.timedelta:
-        return datetime.timedelta(seconds=self.config.timeout_s)
 
     def _need_pool(self) -> torch.Tensor:
         if self._closed:

@@ -123,7 +123,8 @@ def _serve_cli_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
-_SERVE_CLI_DESTS = {"api_key", "api_key_file", "transfer_secret_file", "log_level"}  # what a YAML file may set besides config fields
+# what a YAML file may set besides config fields
+_SERVE_CLI_DESTS = {"api_key", "api_key_file", "transfer_secret_file", "log_level"}
 
 
 def _yaml_defaults(path: str) -> dict:
