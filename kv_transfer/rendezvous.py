@@ -1,8 +1,9 @@
 """pdserve's authenticated rendezvous store for the per-pair groups (in place of torch's TCPStore).
 
 A receiver (decode worker) serves one `RendezvousServer` on its node's transfer address; the senders
-that pair with it, and the receiver itself, talk to it through `RendezvousStore`, a
-`torch.distributed.Store` that process groups can be built over. Lifecycle of a connection:
+that pair with it talk to it through `RendezvousStore`, a `torch.distributed.Store` that process
+groups can be built over, and the receiver itself through `LocalRendezvousStore`, the same table
+without a socket. Lifecycle of a connection:
 1. The server accepts it and sends a fresh 32-byte challenge. Within `AUTH_TIMEOUT_S` the client
    answers with its own challenge and an HMAC-SHA256 of both under the deployment's secret; the
    server checks it (constant time) and proves itself back the same way. A connection that does
@@ -180,39 +181,61 @@ class RendezvousServer:
             key, value = frame[3:3 + n].decode(), frame[3 + n:]
         except UnicodeDecodeError as e:
             raise ProtocolError("key is not UTF-8") from e
-        with self._cond:
-            if op == _SET:
-                self._store(key, value)
-                return bytes([_OK])
-            if op == _ADD:
-                if len(value) != 8:
-                    raise ProtocolError("add takes an 8-byte amount")
-                try:
-                    total = int(self._table.get(key, b"0")) + struct.unpack(">q", value)[0]
-                except ValueError as e:
-                    raise ProtocolError(f"add to {key!r}, which holds no number") from e
-                self._store(key, str(total).encode())
-                return bytes([_OK]) + struct.pack(">q", total)
-            if op == _CHECK:
-                return bytes([_OK if key in self._table else _MISSING])
-            if op == _DELETE:
-                old = self._table.pop(key, None)
-                self._bytes -= len(old) if old is not None else 0
-                return bytes([_OK if old is not None else _MISSING])
-            if op == _GET:
-                if len(value) != 8:
-                    raise ProtocolError("get takes an 8-byte timeout")
-                deadline = time.monotonic() + struct.unpack(">q", value)[0] / 1000
-                while key not in self._table and not self._closed:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        return bytes([_MISSING])
-                    self._cond.wait(left)
-                return bytes([_OK]) + self._table[key] if key in self._table else bytes([_MISSING])
+        if op == _SET:
+            self.set(key, value)
+            return bytes([_OK])
+        if op == _ADD:
+            if len(value) != 8:
+                raise ProtocolError("add takes an 8-byte amount")
+            return bytes([_OK]) + struct.pack(">q", self.add(key, struct.unpack(">q", value)[0]))
+        if op == _CHECK:
+            return bytes([_OK if self.check(key) else _MISSING])
+        if op == _DELETE:
+            return bytes([_OK if self.delete(key) else _MISSING])
+        if op == _GET:
+            if len(value) != 8:
+                raise ProtocolError("get takes an 8-byte timeout")
+            found = self.get(key, struct.unpack(">q", value)[0] / 1000)
+            return bytes([_MISSING]) if found is None else bytes([_OK]) + found
         raise ProtocolError(f"unknown operation {op}")
 
+    # -- the table: what a request does, for remote clients and for this process (`LocalRendezvousStore`) --
+    def set(self, key: str, value: bytes) -> None:
+        with self._cond:
+            self._store(key, value)
+
+    def add(self, key: str, amount: int) -> int:
+        with self._cond:
+            try:
+                total = int(self._table.get(key, b"0")) + amount
+            except ValueError as e:
+                raise ProtocolError(f"add to {key!r}, which holds no number") from e
+            self._store(key, str(total).encode())
+            return total
+
+    def check(self, key: str) -> bool:
+        with self._cond:
+            return key in self._table
+
+    def delete(self, key: str) -> bool:
+        with self._cond:
+            old = self._table.pop(key, None)
+            self._bytes -= len(old) if old is not None else 0
+            return old is not None
+
+    def get(self, key: str, timeout_s: float) -> bytes | None:
+        """The value of `key`, waiting up to `timeout_s` for it to be set; None if it is not."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while key not in self._table and not self._closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(left)
+            return self._table.get(key)
+
     def _store(self, key: str, value: bytes) -> None:
-        """Caller holds the lock."""
+        """Caller holds the lock. ProtocolError when the table is full."""
         old = self._table.get(key)
         grown = self._bytes + len(value) - (len(old) if old is not None else 0)
         if (old is None and len(self._table) >= MAX_KEYS) or grown > MAX_TABLE_BYTES:
@@ -293,6 +316,53 @@ class RendezvousStore(dist.Store):
 
     def delete_key(self, key: str) -> bool:
         return self._call(_DELETE, key)[0] == _OK
+
+    def num_keys(self) -> int:
+        raise NotImplementedError("the rendezvous does not count keys")
+
+
+class LocalRendezvousStore(dist.Store):
+    """A `torch.distributed.Store` over this process's own `RendezvousServer`: the receiver's side of its
+    pairs reads and writes the table directly (no socket to itself; the receiver checks its pairs'
+    generation once per received message). Same answers and timeouts as `RendezvousStore`."""
+
+    def __init__(self, server: RendezvousServer, timeout_s: float) -> None:
+        super().__init__()
+        self._server, self._timeout_s = server, timeout_s
+
+    def close(self) -> None:
+        pass  # the server is the connector's; it closes it
+
+    def set(self, key: str, value: bytes | str) -> None:
+        try:
+            self._server.set(key, value.encode() if isinstance(value, str) else bytes(value))
+        except ProtocolError as e:
+            raise TransferError(f"rendezvous refused a request for {key!r}: {e}") from e
+
+    def get(self, key: str) -> bytes:
+        found = self._server.get(key, self._timeout_s)
+        if found is None:
+            raise TransferError(f"rendezvous: no {key!r} within {self._timeout_s} s")
+        return found
+
+    def add(self, key: str, amount: int) -> int:
+        try:
+            return self._server.add(key, amount)
+        except ProtocolError as e:
+            raise TransferError(f"rendezvous refused a request for {key!r}: {e}") from e
+
+    def check(self, keys: list[str]) -> bool:
+        return all(self._server.check(k) for k in keys)
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        wait_s = timeout.total_seconds() if timeout is not None else self._timeout_s
+        deadline = time.monotonic() + wait_s
+        for k in keys:
+            if self._server.get(k, max(0.0, deadline - time.monotonic())) is None:
+                raise TransferError(f"rendezvous: no {k!r} within {wait_s} s")
+
+    def delete_key(self, key: str) -> bool:
+        return self._server.delete(key)
 
     def num_keys(self) -> int:
         raise NotImplementedError("the rendezvous does not count keys")

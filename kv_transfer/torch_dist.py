@@ -19,12 +19,13 @@ import threading
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from kv_transfer.base import KVConnector, PeerInfo, TransferError, TransferState
 from kv_transfer.config import TransferConfig
 from kv_transfer.layers import check_blocks, gather_layer, layer_shape, scatter_layer, transfer_hash
 from kv_transfer.pair_group import PairGroup, describe_pool, pair_key
-from kv_transfer.rendezvous import RendezvousServer, RendezvousStore
+from kv_transfer.rendezvous import LocalRendezvousStore, RendezvousServer, RendezvousStore
 
 log = logging.getLogger(__name__)
 _STOP = None
@@ -96,11 +97,9 @@ class TorchDistConnector(KVConnector):
         super().register(kv_pool, model)
         self._model = model
 
-    def _pair(self, sender: str, receiver: str, rank: int, host: str, port: int) -> PairGroup:
-        """One side of the pair `sender` -> `receiver`, with a store client of the receiver's rendezvous
-        at `host`:`port` (TransferError if it refuses or cannot be reached)."""
+    def _pair(self, sender: str, receiver: str, rank: int, store: dist.Store) -> PairGroup:
+        """One side of the pair `sender` -> `receiver` over `store`, the receiver's rendezvous."""
         assert self.pool is not None
-        store = RendezvousStore(host, port, self._secret, self.config.timeout_s)
         return PairGroup(pair_key(sender, receiver), rank, store, self.config.timeout_s, self.pool.device,
                          self._host, self._secret, describe_pool(self.pool, self._model))
 
@@ -233,7 +232,9 @@ class TorchDistConnector(KVConnector):
         """Send one layer's header and buffer, connecting the pair first if needed. Returns the pair."""
         assert self.pool is not None
         if pair is None:
-            pair = self._pair(self.worker_id, peer.worker_id, 0, peer.host, peer.port)
+            # TransferError if the receiver's rendezvous refuses or cannot be reached
+            store = RendezvousStore(peer.host, peer.port, self._secret, self.config.timeout_s)
+            pair = self._pair(self.worker_id, peer.worker_id, 0, store)
         if pair.group is None:
             try:
                 pair.connect_sender()
@@ -286,14 +287,7 @@ class TorchDistConnector(KVConnector):
 
     def _recv_loop(self, peer_id: str) -> None:
         assert self.pool is not None and self._master is not None
-        try:
-            pair = self._pair(peer_id, self.worker_id, 1, self._host, self._master.port)
-        except TransferError as e:  # its own rendezvous: only a closing connector gets here
-            with self._lock:
-                for rx in self._waiting(peer_id):
-                    self._fail_recv(rx, str(e))
-                self._recv_pairs.pop(peer_id, None)
-            return
+        pair = self._pair(peer_id, self.worker_id, 1, LocalRendezvousStore(self._master, self.config.timeout_s))
         while True:
             with self._lock:
                 while not self._closed and peer_id not in self._gone and not self._waiting(peer_id):

@@ -15,7 +15,7 @@ from typing import Any
 from loadtest.clients import APIS, make_client
 from loadtest.report import format_summary, load_results, results_document, write_results
 from loadtest.runner import RunResult, run_closed_loop, run_conversations, run_open_loop
-from loadtest.workload import RequestSpec, WorkloadError, build_workload, load_token_counter
+from loadtest.workload import RequestSpec, WorkloadError, build_workload, load_token_counter, run_seed
 
 API_KEY_ENV = "PDSERVE_API_KEY"
 
@@ -88,26 +88,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def _specs(args: argparse.Namespace) -> list[RequestSpec]:
+def _specs(args: argparse.Namespace, seed: int) -> list[RequestSpec]:
     counter = load_token_counter(args.tokenizer) if args.tokenizer else None
-    if args.vocab_size is None and args.token_range is None and counter is None:
+    if seed == args.seed and args.vocab_size is None and args.token_range is None and counter is None:
         print("loadtest: no --vocab-size, --token-range or --tokenizer: text prompts of about one token per "
               "word (prompt lengths approximate)", file=sys.stderr)
-    return build_workload(args.workload, args.num_requests, args.seed, args.max_context, args.vocab_size,
+    return build_workload(args.workload, args.num_requests, seed, args.max_context, args.vocab_size,
                           args.token_range, counter)
 
 
 async def _run_all(args: argparse.Namespace, specs: list[RequestSpec]) -> list[RunResult]:
+    """One run per rate (or the closed loop); `specs` are the first run's, each later run draws its own."""
     client = make_client(args.api, args.target, args.model, args.timeout, not args.no_ignore_eos, args.api_key)
     progress = not args.no_progress
     try:
         if args.concurrency is not None:
             return [await run_closed_loop(client, specs, args.concurrency, args.max_duration, progress)]
-        rates = args.rates if args.rates is not None else [args.rate]
-        if any(s.conversation is not None for s in specs):
-            return [await run_conversations(client, specs, r, args.think_time, args.seed, args.max_duration,
-                                            progress) for r in rates]
-        return [await run_open_loop(client, specs, r, args.seed, args.max_duration, progress) for r in rates]
+        runs = []
+        for i, rate in enumerate(args.rates if args.rates is not None else [args.rate]):
+            seed = run_seed(args.seed, i)
+            run_specs = specs if i == 0 else _specs(args, seed)
+            if any(s.conversation is not None for s in run_specs):
+                runs.append(await run_conversations(client, run_specs, rate, args.think_time, seed, args.max_duration,
+                                                    progress))
+            else:
+                runs.append(await run_open_loop(client, run_specs, rate, seed, args.max_duration, progress))
+        return runs
     finally:
         await client.aclose()
 
@@ -122,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
         print("loadtest: error: --think-time must be >= 0 s", file=sys.stderr)
         return 2
     try:
-        specs = _specs(args)
+        specs = _specs(args, args.seed)
     except WorkloadError as e:
         print(f"loadtest: error: {e}", file=sys.stderr)
         return 2

@@ -211,6 +211,12 @@ def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def run_seed(seed: int, run: int) -> int:
+    """The seed of a sweep's `run`-th run (0 = `seed`): every run draws its own prompts and arrivals, so a
+    prefix-caching server never serves a later run from an earlier one's cache."""
+    return seed + 100 * run
+
+
 def build_workload(name: str, num_requests: int, seed: int = 0, max_context: int = 8192,
                    vocab_size: int | None = None, token_range: tuple[int, int] | None = None,
                    count_tokens: TokenCounter | None = None) -> list[RequestSpec]:

@@ -10,6 +10,7 @@ and instruction set, so a cache shared between machines never hands one a build 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -209,13 +210,20 @@ def _fake_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
+def _load_ops() -> Path:
+    """Build (once, ~15 s, cached on disk) and load the operator library (loading it again is a no-op).
+    Raises KernelError, OSError or RuntimeError where it does not build or load."""
+    path = _build_op()
+    torch.ops.load_library(str(path))
+    return path
+
+
 def _torch_op(kernel: Kernel) -> tuple[object | None, str]:
-    """`torch.ops.pdserve_cpu.paged_decode` bound to `kernel` (built once, ~15 s, cached), or None and
-    why not (the ctypes path then serves, a little slower per call). `torch.ops.pdserve_cpu.linear`
-    comes with it where the build holds the linear kernel."""
+    """`torch.ops.pdserve_cpu.paged_decode` bound to `kernel`, or None and why not (the ctypes path
+    then serves, a little slower per call). `torch.ops.pdserve_cpu.linear` comes with it where the
+    build holds the linear kernel."""
     try:
-        path = _build_op()
-        torch.ops.load_library(str(path))
+        path = _load_ops()
         entry = [ctypes.cast(kernel.lib.paged_decode_f32, ctypes.c_void_p),
                  ctypes.cast(kernel.lib.paged_decode_bf16, ctypes.c_void_p),
                  ctypes.cast(kernel.lib.pdserve_linear_f32, ctypes.c_void_p) if kernel.has_linear else None]
@@ -225,6 +233,25 @@ def _torch_op(kernel: Kernel) -> tuple[object | None, str]:
     except (KernelError, OSError, RuntimeError) as e:
         return None, f"ctypes calls: the torch operator did not build ({e})"
     return torch.ops.pdserve_cpu.paged_decode.default, "a torch operator"
+
+
+@functools.cache
+def packed_op() -> object | None:
+    """`torch.ops.pdserve_cpu.packed_linear` (with `hold_packed` / `drop_packed` for its weights), or
+    None where the operator library does not build (callers then use a Python op). Needs no kernel
+    build: oneDNN computes it."""
+    try:
+        _load_ops()
+        torch.library.register_fake("pdserve_cpu::packed_linear")(_fake_packed_linear)
+    except (KernelError, OSError, RuntimeError) as e:
+        log.warning("packed linear layers: the C++ operator did not build (%s); a Python operator serves", e)
+        return None
+    return torch.ops.pdserve_cpu.packed_linear.default
+
+
+def _fake_packed_linear(x: torch.Tensor, handle: torch.Tensor, bias: torch.Tensor | None,
+                        out_features: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,8 @@
 // the small-batch linear kernel as real torch operators, so a compiled decode step calls them through
 // the dispatcher with no Python in between. One library per process; `pdserve_bind` points it at the
 // loaded kernel build's entry points (see __init__.py).
+// `torch.ops.pdserve_cpu.packed_linear`: a linear layer whose weight oneDNN holds packed (an opaque
+// tensor a compiled graph cannot take as an input): the graph passes a handle, `hold_packed` gave it.
 // Like the Python op it replaces, it writes the new K/V into `kv_layer` without declaring the
 // mutation: a declared one would make the compiled graph copy the pool; nothing else in the graph
 // reads the pool.
@@ -12,8 +14,12 @@
 #include <ATen/ops/linear.h>
 #include <torch/library.h>
 
+#include <ATen/core/dispatch/Dispatcher.h>
+
 #include <cstdint>
+#include <mutex>
 #include <optional>
+#include <vector>
 
 namespace {
 
@@ -71,6 +77,54 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
     return out.view(sizes);
 }
 
+std::mutex packed_mu;
+std::vector<at::Tensor> packed_weights;  // by handle; a dropped one is undefined
+
+int64_t hold_packed(const at::Tensor& packed) {
+    std::lock_guard<std::mutex> lock(packed_mu);
+    packed_weights.push_back(packed);
+    return static_cast<int64_t>(packed_weights.size()) - 1;
+}
+
+void drop_packed(int64_t handle) {
+    std::lock_guard<std::mutex> lock(packed_mu);
+    TORCH_CHECK(handle >= 0 && handle < static_cast<int64_t>(packed_weights.size()), "no packed weight ", handle);
+    packed_weights[handle] = at::Tensor();
+}
+
+int64_t held_packed() {
+    std::lock_guard<std::mutex> lock(packed_mu);
+    int64_t n = 0;
+    for (const at::Tensor& w : packed_weights) n += w.defined();
+    return n;
+}
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& handle, const std::optional<at::Tensor>& bias,
+                         int64_t out_features) {
+    TORCH_CHECK(handle.numel() == 1 && handle.scalar_type() == at::kLong, "handle must be one int64");
+    const int64_t h = handle.item<int64_t>();
+    at::Tensor w;
+    {
+        std::lock_guard<std::mutex> lock(packed_mu);
+        TORCH_CHECK(h >= 0 && h < static_cast<int64_t>(packed_weights.size()), "no packed weight ", h);
+        w = packed_weights[h];
+    }
+    TORCH_CHECK(w.defined(), "packed weight ", h, " was dropped");
+    static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+    torch::jit::Stack stack;
+    stack.reserve(6);
+    stack.emplace_back(x.reshape({-1, x.size(-1)}).contiguous());
+    stack.emplace_back(w);
+    stack.emplace_back(bias.has_value() ? c10::IValue(*bias) : c10::IValue());
+    stack.emplace_back(std::string("none"));
+    stack.emplace_back(c10::List<std::optional<at::Scalar>>());
+    stack.emplace_back(c10::IValue());
+    op.callBoxed(&stack);
+    std::vector<int64_t> sizes = x.sizes().vec();
+    sizes.back() = out_features;
+    return stack[0].toTensor().view(sizes);
+}
+
 }  // namespace
 
 extern "C" void pdserve_bind(void* f32, void* bf16, void* lin, int64_t lin_max_rows) {
@@ -84,9 +138,15 @@ TORCH_LIBRARY(pdserve_cpu, m) {
     m.def("paged_decode(Tensor q, Tensor k_new, Tensor v_new, Tensor slots, Tensor kv_layer, Tensor tables, "
           "Tensor ctx, float scale) -> Tensor");
     m.def("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+    m.def("packed_linear(Tensor x, Tensor handle, Tensor? bias, int out_features) -> Tensor");
+    // Catch-all kernels: the packed weight is an opaque (MKLDNN-layout) tensor.
+    m.def("hold_packed(Tensor packed) -> int", &hold_packed);
+    m.def("drop_packed(int handle) -> ()", &drop_packed);
+    m.def("held_packed() -> int", &held_packed);
 }
 
 TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
     m.impl("paged_decode", &paged_decode);
     m.impl("linear", &linear);
+    m.impl("packed_linear", &packed_linear);
 }

@@ -41,7 +41,7 @@ from loadtest.metrics import percentile, request_tpot
 from loadtest.records import RequestRecord
 from loadtest.report import load_results, results_document, write_results
 from loadtest.runner import RunResult, run_closed_loop, run_open_loop
-from loadtest.workload import RequestSpec, build_workload
+from loadtest.workload import RequestSpec, build_workload, run_seed
 
 PEER = "vllm"  # the server the SLOs are scaled to
 
@@ -123,8 +123,8 @@ async def _drive(base: str, w: Workload, args: argparse.Namespace, closed: bool)
         if closed:
             specs = _specs(w, args.num_requests, args.seed + 1000, args.vocab_size)
             return [await run_closed_loop(client, specs, args.concurrency, args.max_duration)]
-        return [await run_open_loop(client, _specs(w, args.num_requests, args.seed + 100 * i, args.vocab_size), rate,
-                                    args.seed, args.max_duration) for i, rate in enumerate(w.rates)]
+        return [await run_open_loop(client, _specs(w, args.num_requests, run_seed(args.seed, i), args.vocab_size),
+                                    rate, args.seed, args.max_duration) for i, rate in enumerate(w.rates)]
     finally:
         await client.aclose()
 

@@ -233,6 +233,7 @@ def test_timeout_and_max_duration() -> None:
 
 def test_cli_writes_json_and_plots_and_compare(server: SSEServer, tmp_path, capsys) -> None:
     out, plots = tmp_path / "r.json", tmp_path / "plots"
+    sent_before = len(server.bodies)
     rc = cli.main(["--target", server.url, "--workload", "fixed:6:8", "--rates", "30,60", "--num-requests", "8",
                    "--vocab-size", "512", "--ttft-target", "1", "--tpot-target", "0.1", "--label", "fake",
                    "--out", str(out), "--plots", str(plots), "--no-progress"])
@@ -242,6 +243,8 @@ def test_cli_writes_json_and_plots_and_compare(server: SSEServer, tmp_path, caps
     assert doc["label"] == "fake" and [r["config"]["rate"] for r in doc["runs"]] == [30.0, 60.0]
     assert all(r["summary"]["requests"]["ok"] == 8 and len(r["records"]) == 8 for r in doc["runs"])
     assert all(r["summary"]["goodput"]["good_requests"] == 8 for r in doc["runs"])
+    first, second = (server.bodies[sent_before + 8 * i:sent_before + 8 * (i + 1)] for i in range(2))
+    assert not {tuple(b["prompt"]) for b in first} & {tuple(b["prompt"]) for b in second}  # no prompt replayed
     for name in ("latency_cdf.png", "phases_0.png", "phases_1.png", "goodput_vs_rate.png"):
         assert (plots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
     other = tmp_path / "r2.json"

@@ -36,8 +36,23 @@ def test_a_packed_layer_equals_the_plain_one(dtype, tol, rows, bias):
     got = layer(x)
     assert got.shape == want.shape and got.dtype == dtype
     assert float((got.float() - want.float()).abs().max()) <= tol * float(want.float().abs().max())
-    op = torch.ops.pdserve_linear.packed_linear(x, layer.handle, linear.bias, 160)  # the compiled step's entry
-    assert torch.equal(op, got)
+    assert layer._op is (kernels.packed_op() or packed_linear.packed_linear)
+    assert torch.equal(layer._op(x, layer.handle, linear.bias, 160), got)  # the compiled step's entry
+
+
+def test_without_the_cpp_operator_the_python_one_serves(monkeypatch):
+    """Where the operator library does not build, packed layers hand the compiled step the Python op,
+    its handles name the Python table's weights, and both go with the layer."""
+    monkeypatch.setattr(packed_linear, "_packed_op", lambda: packed_linear.packed_linear)
+    linear = torch.nn.Linear(96, 160).requires_grad_(False)
+    before = len(packed_linear._PACKED)
+    layer = PackedLinear(linear)
+    assert layer._op is packed_linear.packed_linear and len(packed_linear._PACKED) == before + 1
+    x = torch.randn(5, 96)
+    assert torch.equal(layer._op(x, layer.handle, linear.bias, 160), layer(x))
+    del layer
+    gc.collect()
+    assert len(packed_linear._PACKED) == before
 
 
 def test_pack_swaps_every_linear_layer():
@@ -49,13 +64,13 @@ def test_pack_swaps_every_linear_layer():
 
 
 def test_a_dropped_model_drops_its_packed_weights():
-    before = len(packed_linear._PACKED)
+    before = packed_linear.held()
     model = tiny_model("qwen2", seed=2)
     n = packed_linear.pack(model)
-    assert len(packed_linear._PACKED) == before + n
+    assert packed_linear.held() == before + n
     del model
     gc.collect()
-    assert len(packed_linear._PACKED) == before
+    assert packed_linear.held() == before
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
