@@ -75,8 +75,8 @@ class EngineConfig:
         "flag": "--threads", "help": "torch threads per engine (default: torch's choice; serve: --cpus-per-worker)"})
     linear: str = field(default=AUTO, metadata={"choices": LINEARS, "help": (
         "linear layers on CPU: packed (weights packed once for oneDNN), plain (F.linear), or auto: per group of "
-        "layers, the fastest for decode-sized batches here of plain, packed and pdserve's own kernel (fp32, AVX2 "
-        "+ FMA), measured at start-up")})
+        "layers, the fastest for decode-sized batches here of plain, packed and pdserve's own kernel (fp32: AVX2 "
+        "+ FMA; bf16: AVX-512 BF16 or AMX), measured at start-up")})
     seed: int = field(default=0, metadata={"help": "seed of sampled requests that give none of their own"})
     compile: bool = field(default=False, metadata={
         "help": "run each decode step as one torch.compile'd graph (faster decode; ~15 s of compiling at start, "

@@ -89,7 +89,7 @@ class LinearChoice:
     """How linear layers compute: `groups` names those packed for oneDNN (weights packed once; a group is
     the layers of one name and shape, e.g. "gate_proj 1536x576"; `ALL_LAYERS` is every one; empty is
     none), or None when only a measurement on the model can tell; `kernel` names those pdserve's own
-    small-batch kernel computes (`engine.kernels`, fp32); the rest run plain `F.linear`; and why."""
+    small-batch kernel computes (`engine.kernels`, fp32 or bf16); the rest run plain `F.linear`; and why."""
 
     groups: frozenset[str] | None
     reason: str
@@ -170,13 +170,14 @@ class KernelBuild:
     cflags: tuple[str, ...]
 
 
-# Best first. Every build holds every dtype; a build uses its vector paths where it has them and
-# the portable C elsewhere.
+# Best first. Every build holds every dtype's attention; a build uses its vector paths where it has
+# them and the portable C elsewhere.
+_AVX512_BF16 = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "fma", "avx2", "f16c"})
+_AVX512_BF16_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx2", "-mfma", "-mf16c")
 KERNEL_BUILDS: tuple[KernelBuild, ...] = (
-    KernelBuild("avx512_bf16", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "fma",
-                                          "avx2", "f16c"}),
-                ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx2", "-mfma",
-                 "-mf16c")),
+    # The avx512_bf16 build plus AMX tiles for the bf16 linear kernel (more than a few rows).
+    KernelBuild("amx_bf16", _AVX512_BF16 | {"amx_tile", "amx_bf16"}, (*_AVX512_BF16_FLAGS, "-mamx-tile", "-mamx-bf16")),
+    KernelBuild("avx512_bf16", _AVX512_BF16, _AVX512_BF16_FLAGS),
     KernelBuild("avx2", frozenset({"avx2", "fma", "f16c"}), ("-mavx2", "-mfma", "-mf16c")),
     KernelBuild("portable", frozenset(), ()),
 )

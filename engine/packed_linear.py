@@ -5,8 +5,9 @@ A decode step multiplies a few rows (one per running sequence) by every weight m
 model. A plain `F.linear` can run those skinny products well below what the CPU does; oneDNN,
 given a weight reordered once into its own blocked layout, runs them faster at the batch sizes
 decode lives at, but pays a fixed cost per call that small matrices at batch 1 do not earn back
-(BENCHMARKS.md, "packed linear layers"); the kernel (`engine.kernels`, fp32 with AVX2 + FMA)
-streams each weight once for all the rows with no fixed cost to speak of. So the choice is per
+(BENCHMARKS.md, "packed linear layers"); the kernel (`engine.kernels`: fp32 with AVX2 + FMA, bf16
+with AVX-512 BF16, on AMX tiles where the CPU has them) streams each weight once for all the rows
+with no fixed cost to speak of. So the choice is per
 group of layers (one name and shape: "gate_proj 1536x576", "lm_head 49152x576"):
 `EngineConfig(linear="auto")` times each group's own weights every way at start-up (`measure`,
 decided by `hardware.pick_linear`), and `pack` swaps the winners' `nn.Linear`s for
@@ -139,11 +140,10 @@ def _kernel():
 
 
 def kernel_available(dtype: torch.dtype) -> bool:
-    """Whether pdserve's linear kernel runs here: fp32, and a kernel build with AVX2 + FMA loaded."""
-    if dtype != torch.float32:
-        return False
+    """Whether pdserve's linear kernel runs here for `dtype` (fp32: a kernel build with AVX2 + FMA
+    loaded; bf16: one with AVX-512 BF16)."""
     kernel = _kernel()
-    return kernel is not None and kernel.has_linear
+    return kernel is not None and kernel.has_linear(dtype)
 
 
 def _kernel_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -158,11 +158,11 @@ def kernel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return _kernel_forward(x, weight, bias)
 
 
-def _kernel_op():
-    """The kernel's C++ operator, or the Python one over ctypes: what a `KernelLinear` calls."""
+def _kernel_op(dtype: torch.dtype):
+    """The kernel's C++ operator, or the Python one over ctypes: what a `KernelLinear` of `dtype` calls."""
     from engine import kernels
 
-    return kernels.active().linear_op or kernel_linear
+    return kernels.active().linear_op(dtype) or kernel_linear
 
 
 @kernel_linear.register_fake
@@ -171,14 +171,14 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
 
 
 class KernelLinear(torch.nn.Module):
-    """An `nn.Linear` (its own weight and bias, fp32) computed by pdserve's small-batch kernel."""
+    """An `nn.Linear` (its own weight and bias, fp32 or bf16) computed by pdserve's small-batch kernel."""
 
     def __init__(self, linear: torch.nn.Linear) -> None:
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight_dtype = linear.weight.dtype  # as `PackedLinear` has it
         self.weight, self.bias = linear.weight, linear.bias
-        self._op = _kernel_op()
+        self._op = _kernel_op(linear.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._op(x, self.weight, self.bias)

@@ -1,5 +1,6 @@
 """CPU kernels: one C source, compiled with the system C compiler into one build per instruction set
-(`engine.hardware.KERNEL_BUILDS`: AVX-512 BF16, AVX2 + FMA, portable C), loaded with ctypes.
+(`engine.hardware.KERNEL_BUILDS`: AMX + AVX-512 BF16, AVX-512 BF16, AVX2 + FMA, portable C), loaded
+with ctypes.
 
 The process uses `active()`: the best build this CPU runs (or the one `PDSERVE_KERNEL` forces),
 checked once against the torch reference before any request. A build that does not compile or
@@ -30,9 +31,13 @@ _SRC = Path(__file__).with_name("cpu_kernels.c")
 _BASE_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno", "-ffp-contract=fast",
                "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math")
 MAX_GROUP = 64  # query heads per kv head the portable kernel's stack arrays hold
-LINEAR_MAX_ROWS = 256  # the linear kernel computes up to this many rows; torch's linear, more (prefill):
-# on an AVX2 AMD EPYC it ran at 0.70 / 0.90 / 1.00 / 1.18x of F.linear's time at 16 / 64 / 256 / 1024 rows
+# The linear kernel computes up to this many rows; torch's linear, more (prefill). fp32, on an AVX2 AMD
+# EPYC: 0.70 / 0.90 / 1.00 / 1.18x of F.linear's time at 16 / 64 / 256 / 1024 rows. bf16 with AMX, on
+# a 2-core Xeon, a decode step's linears of the embedded model: 0.68 / 0.90 / 1.21x of F.linear's time at
+# 32 / 64 / 128 rows (0.45x and 0.80x of oneDNN's packed weights at 1 and 16 rows).
+LINEAR_MAX_ROWS = {torch.float32: 256, torch.bfloat16: 64}
 _ENTRY = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
+_LINEAR_ENTRY = {torch.float32: "pdserve_linear_f32", torch.bfloat16: "pdserve_linear_bf16"}
 
 
 class KernelError(RuntimeError):
@@ -73,29 +78,30 @@ class Kernel:
             tables.shape[1], ctypes.c_float(scale), torch.get_num_threads())
         return out
 
-    @property
-    def has_linear(self) -> bool:
-        """Whether this build holds the small-batch linear kernel (fp32; builds with AVX2 + FMA)."""
-        return hasattr(self.lib, "pdserve_linear_f32")
+    def has_linear(self, dtype: torch.dtype) -> bool:
+        """Whether this build holds the small-batch linear kernel for `dtype` (fp32: builds with AVX2 +
+        FMA; bf16: builds with AVX-512 BF16, on AMX tiles in the amx_bf16 build)."""
+        return dtype in _LINEAR_ENTRY and hasattr(self.lib, _LINEAR_ENTRY[dtype])
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """`x @ weight.T (+ bias)` for the few rows of a decode step, fp32 (more than `LINEAR_MAX_ROWS`
-        rows: torch's linear).
+        """`x @ weight.T (+ bias)` for the few rows of a decode step, in x's dtype, fp32 accumulation
+        (more than `LINEAR_MAX_ROWS` rows: torch's linear).
 
         Args:
-            x: [M, K]; weight: [N, K]; bias: [N] or None (made contiguous where they are not).
+            x: [M, K]; weight: [N, K]; bias: [N] or None, all one dtype (made contiguous where they are not).
         Returns:
             [M, N].
         """
-        if x.shape[0] > LINEAR_MAX_ROWS:
+        if x.shape[0] > LINEAR_MAX_ROWS[x.dtype]:
             return torch.nn.functional.linear(x, weight, bias)
         x, weight = x.contiguous(), weight.contiguous()
         bias = None if bias is None else bias.contiguous()
         (m, k), n = x.shape, weight.shape[0]
-        out = torch.empty(m, n, dtype=torch.float32)
+        out = torch.empty(m, n, dtype=x.dtype)
         p = ctypes.c_void_p
-        self.lib.pdserve_linear_f32(p(x.data_ptr()), p(weight.data_ptr()), None if bias is None else p(bias.data_ptr()),
-                                    p(out.data_ptr()), m, n, k, torch.get_num_threads())
+        getattr(self.lib, _LINEAR_ENTRY[x.dtype])(
+            p(x.data_ptr()), p(weight.data_ptr()), None if bias is None else p(bias.data_ptr()), p(out.data_ptr()), m, n,
+            k, torch.get_num_threads())
         return out
 
 
@@ -152,14 +158,21 @@ def _self_check(kernel: Kernel) -> None:
         err = float((out.float() - want).abs().max())
         if not err <= tol:
             raise KernelError(f"differs from the reference attention in {dtype} (max error {err:.3g})")
-    if kernel.has_linear:  # every tile height, a tail of w's rows and of K, with and without bias
-        w, bias = torch.randn(13, 20, generator=g), torch.randn(13, generator=g)
-        for m in range(1, 8):
-            x = torch.randn(m, 20, generator=g)
+    # The linear kernel: every tile height, a tail of w's rows and of K, with and without bias; bf16 also
+    # on AMX tiles (K a multiple of 32, rows of w past the last 32, two blocks of 16 rows of x and a part).
+    for dtype, (n, k), rows, tol in ((torch.float32, (13, 20), range(1, 8), 1e-4),
+                                     (torch.bfloat16, (13, 40), range(1, 8), 2e-2),
+                                     (torch.bfloat16, (70, 64), (5, 16, 23, 40), 2e-2)):
+        if not kernel.has_linear(dtype):
+            continue
+        w, bias = torch.randn(n, k, generator=g).to(dtype), torch.randn(n, generator=g).to(dtype)
+        for m in rows:
+            x = torch.randn(m, k, generator=g).to(dtype)
             for b in (None, bias):
-                err = float((kernel.linear(x, w, b) - torch.nn.functional.linear(x, w, b)).abs().max())
-                if not err <= 1e-4:
-                    raise KernelError(f"its linear kernel differs from torch's (max error {err:.3g})")
+                want = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+                err = float((kernel.linear(x, w, b).float() - want).abs().max() / want.abs().max())
+                if not err <= tol:
+                    raise KernelError(f"its {dtype} linear kernel differs from torch's (relative error {err:.3g})")
 
 
 _loaded: dict[str, Kernel] = {}
@@ -224,10 +237,10 @@ def _torch_op(kernel: Kernel) -> tuple[object | None, str]:
     build holds the linear kernel."""
     try:
         path = _load_ops()
-        entry = [ctypes.cast(kernel.lib.paged_decode_f32, ctypes.c_void_p),
-                 ctypes.cast(kernel.lib.paged_decode_bf16, ctypes.c_void_p),
-                 ctypes.cast(kernel.lib.pdserve_linear_f32, ctypes.c_void_p) if kernel.has_linear else None]
-        ctypes.CDLL(str(path)).pdserve_bind(*entry, ctypes.c_int64(LINEAR_MAX_ROWS))
+        entry = [ctypes.cast(getattr(kernel.lib, _ENTRY[t]), ctypes.c_void_p) for t in _ENTRY]
+        linear = [ctypes.cast(getattr(kernel.lib, _LINEAR_ENTRY[t]), ctypes.c_void_p) if kernel.has_linear(t) else None
+                  for t in _LINEAR_ENTRY]
+        ctypes.CDLL(str(path)).pdserve_bind(*entry, *linear, *(ctypes.c_int64(LINEAR_MAX_ROWS[t]) for t in _LINEAR_ENTRY))
         torch.library.register_fake("pdserve_cpu::paged_decode")(_fake_decode)
         torch.library.register_fake("pdserve_cpu::linear")(_fake_linear)
     except (KernelError, OSError, RuntimeError) as e:
@@ -264,10 +277,9 @@ class Selection:
     op: object | None = None
     calls: str = ""
 
-    @property
-    def linear_op(self) -> object | None:
-        """The linear kernel's torch operator (None: not built, or the build holds no linear kernel)."""
-        if self.op is None or self.kernel is None or not self.kernel.has_linear:
+    def linear_op(self, dtype: torch.dtype) -> object | None:
+        """The linear kernel's torch operator (None: not built, or the build holds no linear kernel for `dtype`)."""
+        if self.op is None or self.kernel is None or not self.kernel.has_linear(dtype):
             return None
         return torch.ops.pdserve_cpu.linear.default
 

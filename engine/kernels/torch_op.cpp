@@ -53,25 +53,30 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_new, const at::
     return out;
 }
 
-using LinearFn = void (*)(const float*, const float*, const float*, float*, int, int, int, int);
-LinearFn linear_fn = nullptr;
-int64_t linear_max_rows = 0;  // more rows than this: torch's own linear (bound with the kernel)
+using LinearFn = void (*)(const void*, const void*, const void*, void*, int, int, int, int);
+LinearFn linear_f32_fn = nullptr, linear_bf16_fn = nullptr;
+// More rows than this: torch's own linear (bound with the kernel, per dtype).
+int64_t linear_f32_max_rows = 0, linear_bf16_max_rows = 0;
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-    TORCH_CHECK(linear_fn != nullptr, "no linear kernel bound (a kernel build with AVX2 + FMA holds it)");
-    TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "linear: float32 only");
+    const bool f32 = x.scalar_type() == at::kFloat;
+    TORCH_CHECK(f32 || x.scalar_type() == at::kBFloat16, "linear: float32 or bfloat16, got ", x.scalar_type());
+    const LinearFn fn = f32 ? linear_f32_fn : linear_bf16_fn;
+    TORCH_CHECK(fn != nullptr, "no ", x.scalar_type(), " linear kernel bound (fp32: a build with AVX2 + FMA; bf16: "
+                "a build with AVX-512 BF16)");
+    TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "x and weight must have one dtype");
     TORCH_CHECK(weight.dim() == 2 && x.dim() >= 1 && x.size(-1) == weight.size(1),
                 "x [..., K] and weight [N, K] disagree");
-    if (x.numel() / x.size(-1) > linear_max_rows) return at::linear(x, weight, bias);
+    if (x.numel() / x.size(-1) > (f32 ? linear_f32_max_rows : linear_bf16_max_rows)) return at::linear(x, weight, bias);
     const at::Tensor xc = x.reshape({-1, x.size(-1)}).contiguous(), wc = weight.contiguous();
     at::Tensor bc;
     if (bias.has_value()) {
         bc = bias->contiguous();
-        TORCH_CHECK(bc.scalar_type() == at::kFloat && bc.numel() == wc.size(0), "bias must be [N] float32");
+        TORCH_CHECK(bc.scalar_type() == x.scalar_type() && bc.numel() == wc.size(0), "bias must be [N] of x's dtype");
     }
     at::Tensor out = at::empty({xc.size(0), wc.size(0)}, xc.options());
-    linear_fn(xc.data_ptr<float>(), wc.data_ptr<float>(), bias.has_value() ? bc.data_ptr<float>() : nullptr,
-              out.data_ptr<float>(), xc.size(0), wc.size(0), wc.size(1), at::get_num_threads());
+    fn(xc.data_ptr(), wc.data_ptr(), bias.has_value() ? bc.data_ptr() : nullptr, out.data_ptr(), xc.size(0), wc.size(0),
+       wc.size(1), at::get_num_threads());
     std::vector<int64_t> sizes = x.sizes().vec();
     sizes.back() = wc.size(0);
     return out.view(sizes);
@@ -127,11 +132,14 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& handle, const st
 
 }  // namespace
 
-extern "C" void pdserve_bind(void* f32, void* bf16, void* lin, int64_t lin_max_rows) {
+extern "C" void pdserve_bind(void* f32, void* bf16, void* lin_f32, void* lin_bf16, int64_t lin_f32_max_rows,
+                             int64_t lin_bf16_max_rows) {
     f32_fn = reinterpret_cast<DecodeFn>(f32);
     bf16_fn = reinterpret_cast<DecodeFn>(bf16);
-    linear_fn = reinterpret_cast<LinearFn>(lin);
-    linear_max_rows = lin_max_rows;
+    linear_f32_fn = reinterpret_cast<LinearFn>(lin_f32);
+    linear_bf16_fn = reinterpret_cast<LinearFn>(lin_bf16);
+    linear_f32_max_rows = lin_f32_max_rows;
+    linear_bf16_max_rows = lin_bf16_max_rows;
 }
 
 TORCH_LIBRARY(pdserve_cpu, m) {

@@ -105,7 +105,7 @@ def test_a_measurement_with_the_kernel_picks_the_fastest_way_that_clearly_wins()
 
 
 @pytest.mark.parametrize("flags,arch,want", [
-    (AMX, "x86_64", "avx512_bf16"),
+    (AMX, "x86_64", "amx_bf16"),
     (AVX512_BF16, "x86_64", "avx512_bf16"),
     (AVX512, "x86_64", "avx2"),  # AVX-512 without BF16: the AVX2 build's fp32 and bf16 paths
     (AVX2, "x86_64", "avx2"),
@@ -128,7 +128,7 @@ def test_a_forced_kernel_wins_where_the_cpu_runs_it():
 def test_a_forced_kernel_the_cpu_cannot_run_or_that_does_not_exist_is_refused_by_name():
     with pytest.raises(ValueError, match=r"PDSERVE_KERNEL='avx512_bf16' needs CPU flags .*avx512_bf16"):
         choose_kernel(cpu(AVX2), "avx512_bf16")
-    with pytest.raises(ValueError, match=r"PDSERVE_KERNEL='avx9' names no kernel build; choose from avx512_bf16"):
+    with pytest.raises(ValueError, match=r"PDSERVE_KERNEL='avx9' names no kernel build; choose from amx_bf16, avx512_bf16"):
         choose_kernel(cpu(AVX2), "avx9")
 
 
