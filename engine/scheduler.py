@@ -2,8 +2,12 @@
 
 A step computes, under a token budget, one token for every decoding sequence and a chunk of the
 prompt of sequences still prefilling, in one forward pass ("mixed" steps): a long prompt never
-stops the running batch for longer than one chunk. A sequence is sampled once the KV of all its
-tokens is computed (after its last chunk; every decode step). Per step:
+stops the running batch for longer than one chunk, and prompts prefilled side by side each move
+every step. A prompt alone in its step (nothing decodes, no other prompt waits or prefills) goes
+whole, within the budget: a chunk would hold nobody up less, and smaller products run slower
+(a 2000-token prompt in 256-token chunks took 1.5x as long on an AMX CPU in bf16, 1.12x on AVX2).
+A sequence is sampled once the KV of all its tokens is computed (after its last chunk; every
+decode step). Per step:
 1. decoding sequences (one uncomputed token) get a slot for it; when none is free, the most
    recently admitted sequence is preempted: its blocks are freed and it waits to be recomputed
    (its cached prefix blocks usually survive);
@@ -74,8 +78,9 @@ class Scheduler:
         max_num_seqs: most sequences running at once.
         max_num_batched_tokens: most tokens one step computes (decoding sequences always run).
         stop_check: decides after each new token whether a sequence is done.
-        prefill_chunk_tokens: most prompt tokens of one sequence in a step, and most prompt tokens
-            in all of a step while sequences decode in it (the longest a prompt stalls them).
+        prefill_chunk_tokens: most prompt tokens of one sequence in a step that it shares (with
+            decoding sequences or other prompts), and most prompt tokens in all of a step while
+            sequences decode in it (the longest a prompt stalls them).
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
@@ -132,11 +137,13 @@ class Scheduler:
         budget = self.max_num_batched_tokens - len(decode)
         if decode:
             budget = min(budget, self.prefill_chunk_tokens)
+        alone = not decode and len(prefilling) + len(self.waiting) == 1  # one prompt, nobody to hold up
+        chunk = budget if alone else self.prefill_chunk_tokens
         chunks = []
         for seq in prefilling:
             if budget <= 0:
                 break
-            chunks.append(self._chunk(seq, budget))
+            chunks.append(self._chunk(seq, min(budget, chunk)))
             budget -= chunks[-1].end - chunks[-1].start
         i = 0  # waiting sequences are admitted in order, passing over those whose prefix is being computed
         while budget > 0 and i < len(self.waiting) and len(self.running) < self.max_num_seqs:
@@ -152,7 +159,7 @@ class Scheduler:
             seq.num_computed_tokens = seq.num_cached_tokens
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            chunks.append(self._chunk(seq, budget))
+            chunks.append(self._chunk(seq, min(budget, chunk)))
             budget -= chunks[-1].end - chunks[-1].start
         return Batch(decode, chunks) if decode or chunks else None
 
@@ -165,9 +172,9 @@ class Scheduler:
         return sum(s.num_uncomputed for s in self.waiting) + sum(s.num_uncomputed for s in self.running
                                                                  if not self._decoding(s))
 
-    def _chunk(self, seq: Sequence, budget: int) -> Chunk:
+    def _chunk(self, seq: Sequence, most: int) -> Chunk:
         start = seq.num_computed_tokens
-        end = start + min(seq.num_uncomputed, self.prefill_chunk_tokens, budget)
+        end = start + min(seq.num_uncomputed, most)
         return Chunk(seq, start, end, final=end == seq.num_tokens)
 
     def _schedule_running(self) -> tuple[list[Sequence], list[Sequence]]:

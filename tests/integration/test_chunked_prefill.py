@@ -1,6 +1,6 @@
 """Chunked prefill and mixed steps: greedy output equals transformers `generate` (fp32) whatever the
 chunk size (a block, half a block, uneven), with the decode kernel and without, with prefix hits
-and under preemption; a long prompt never stops the running batch."""
+and under preemption; a long prompt never stops the running batch; a prompt alone goes whole."""
 from __future__ import annotations
 
 import pytest
@@ -54,21 +54,22 @@ def test_a_prompt_waits_for_the_prefix_blocks_another_is_computing_and_reuses_th
     computing them again, then reuses every full block of the prefix."""
     ref, model = tiny_pair
     prefix = random_prompt(100, 3)
-    a, b = prefix + random_prompt(20, 4), prefix + random_prompt(30, 5)
+    a, b, c = prefix + random_prompt(20, 4), prefix + random_prompt(30, 5), random_prompt(90, 6)
     engine = make_engine(model, prefill_chunk_tokens=32)
     engine.add_request(a, SamplingParams(max_tokens=6), request_id="a")
+    engine.add_request(c, SamplingParams(max_tokens=6), request_id="c")  # a is not alone: it goes in chunks
     engine.step()
     engine.step()  # a: 64 tokens computed, four 16-token blocks keyed, the next two being computed
     engine.add_request(b, SamplingParams(max_tokens=6), request_id="b")
-    got: dict[str, list[int]] = {"a": [], "b": []}
+    got: dict[str, list[int]] = {"a": [], "b": [], "c": []}
     cached = {}
     while engine.has_unfinished():
         for out in engine.step():
             got[out.request_id] += out.new_token_ids
             cached[out.request_id] = out.num_cached_tokens
     assert cached["b"] == 96  # the prefix's six full blocks, all computed by a
-    assert got == {"a": greedy_reference(ref, a, 6), "b": greedy_reference(ref, b, 6)}
-    assert engine.stats.prefill_tokens == len(a) + len(b) - 96
+    assert got == {"a": greedy_reference(ref, a, 6), "b": greedy_reference(ref, b, 6), "c": greedy_reference(ref, c, 6)}
+    assert engine.stats.prefill_tokens == len(a) + len(b) + len(c) - 96
     assert_all_free(engine)
 
 
@@ -83,6 +84,22 @@ def test_concurrent_prompts_sharing_a_prefix_compute_it_once(tiny_pair):
     assert [o.output_token_ids for o in outs] == [greedy_reference(ref, p, 8) for p in prompts]
     assert [o.num_cached_tokens for o in outs] == [0, 64, 64, 64, 64, 0]
     assert engine.stats.prefill_tokens == sum(len(p) for p in prompts) - 4 * 64
+    assert_all_free(engine)
+
+
+def test_a_prompt_alone_is_prefilled_whole(tiny_pair):
+    """Nothing decodes and no other prompt waits: one step computes the whole prompt (a chunk would
+    hold nobody up less), and the output equals `generate`."""
+    ref, model = tiny_pair
+    prompt = random_prompt(150, 8)
+    engine = make_engine(model, prefill_chunk_tokens=16)
+    engine.add_request(prompt, SamplingParams(max_tokens=5), request_id="alone")
+    first = engine.step()
+    assert [o.request_id for o in first] == ["alone"] and engine.stats.prefill_tokens == 150
+    tokens = first[0].new_token_ids
+    while engine.has_unfinished():
+        tokens += [t for o in engine.step() for t in o.new_token_ids]
+    assert tokens == greedy_reference(ref, prompt, 5)
     assert_all_free(engine)
 
 

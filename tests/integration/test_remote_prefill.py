@@ -101,8 +101,9 @@ def test_reserve_refuses_when_full_and_abort_frees(pair):
     assert prefill.held_blocks("p") and prefill.abort("p")  # an abort frees held blocks too
     assert prefill.block_manager.num_free_blocks == prefill.block_manager.num_blocks
     prefill.add_request(random_prompt(300, 4), SamplingParams(max_tokens=4), request_id="q", prefill_only=True)
-    prefill.step()  # part-way through its prompt
-    assert prefill.abort("q") and not prefill.has_unfinished()
+    prefill.add_request(random_prompt(200, 5), SamplingParams(max_tokens=4), request_id="q2", prefill_only=True)
+    prefill.step()  # both part-way through their prompts (side by side, in chunks)
+    assert prefill.abort("q") and prefill.abort("q2") and not prefill.has_unfinished()
     assert prefill.block_manager.num_free_blocks == prefill.block_manager.num_blocks
 
 

@@ -84,6 +84,20 @@ def test_a_long_prompt_is_prefilled_in_chunks_next_to_the_running_batch() -> Non
     assert [s.num_output_tokens for s in (short1, long_, short2)] == [5, 1, 1]
 
 
+def test_a_prompt_alone_goes_whole_within_the_budget() -> None:
+    """Nothing decodes and no other prompt waits: no chunks (they would hold nobody up less); a second
+    prompt arriving makes both move in chunks again; the budget still bounds a step."""
+    a, b_ = make_seq(9), make_seq(30, base=100)
+    sched = make(a, max_tokens=20, chunk=4)
+    assert chunks(step(sched)) == [(a, 0, 9)]
+    sched.add(b_)
+    b = step(sched)
+    assert b.decode == [a] and chunks(b) == [(b_, 0, 4)]
+    sched.abort(a.request_id)
+    assert chunks(step(sched)) == [(b_, 4, 24)]  # alone again: the rest, up to the budget
+    assert chunks(step(sched)) == [(b_, 24, 30)]
+
+
 def test_without_decoding_sequences_several_chunks_fill_the_budget() -> None:
     a, b_ = make_seq(20, base=0), make_seq(20, base=100)
     sched = make(a, b_, max_tokens=10, chunk=6)
@@ -214,7 +228,7 @@ def test_a_prompt_waiting_for_a_shared_prefix_goes_ahead_when_its_computer_is_ab
     sched.abort(a.request_id)
     assert not sched.block_manager.pending
     batch = step(sched)
-    assert chunks(batch) == [(b, BS, 2 * BS)]  # a's first block was computed: b reuses it, computes the rest
+    assert chunks(batch) == [(b, BS, len(b.prompt_token_ids))]  # b reuses a's computed block; alone: the rest whole
 
 
 def test_abort_waiting_and_running() -> None:
@@ -298,13 +312,14 @@ def test_random_workload_runs_to_completion(seed: int, num_blocks: int, max_num_
             sched.add(pending.pop(0))  # arrivals between steps, also while others decode
         steps += 1
         assert steps <= limit, "no progress"
+        alone = len(sched.running) + len(sched.waiting) == 1  # a lone prompt goes whole, within the budget
         batch = sched.schedule()
         assert batch is not None and batch.num_tokens >= 1, "work left but nothing scheduled"
         assert len(sched.running) <= max_num_seqs
         chunked = [c.seq for c in batch.prefill]
         assert batch.decode == [s for s in sched.running if s.num_uncomputed == 1 and s not in chunked], \
             "every decoding sequence runs"
-        assert all(c.end - c.start <= chunk for c in batch.prefill)
+        assert all(c.end - c.start <= (budget if alone else chunk) for c in batch.prefill)
         assert batch.num_prefill_tokens <= (min(chunk, budget - len(batch.decode)) if batch.decode else budget)
         runner.run(batch)
         sched.update(batch, [rng.randrange(4) for _ in batch.sampled])
