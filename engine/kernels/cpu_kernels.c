@@ -116,9 +116,9 @@ PAGED_DECODE(decode_bf16_d128, uint16_t, bf16_load, bf16_store, 128)
 PAGED_DECODE(decode_bf16_any, uint16_t, bf16_load, bf16_store, 0)
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-/* bf16 with AVX-512: scores 16 tokens at a time with bf16 dot products (fp32 accumulation, no
- * horizontal sum per token: one transposing reduction per 16), a vector exp, and P·V in fp32
- * with the accumulators in registers. D = 16 * NF. */
+/* bf16 with AVX-512: scores 16 at a time with bf16 dot products (fp32 accumulation, no horizontal
+ * sum per token: one transposing reduction per 16), a vector exp, and P·V in fp32 with the
+ * accumulators in registers. D = 16 * NF. */
 #include <immintrin.h>
 #define HAVE_AVX512_BF16 1
 
@@ -152,12 +152,16 @@ static inline __m512 bf16x16_to_f32(const uint16_t* src) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)src)), 16));
 }
 
-#define PAGED_DECODE_AVX512(NAME, NF)                                                                   \
+/* Query heads are taken GB at a time (grouped queries: 4 at D = 64, 2 at D = 128; one without
+ * grouping): each K and V row is read once for all of them. Scores: TPR = 16 / GB tokens x GB heads
+ * fill the 16 slots of one transposing reduction (lane h * TPR + t: head h, token t). P.V: GB x NF
+ * accumulators. */
+#define PAGED_DECODE_AVX512(NAME, NF, HEADS)                                                            \
     static void NAME(const uint16_t* q, const uint16_t* k_new, const uint16_t* v_new,                  \
                      const int64_t* slots, uint16_t* k, uint16_t* v, const int64_t* tables,             \
                      const int64_t* ctx, uint16_t* out, int B, int H, int KVH, int NB, int BS,          \
                      int MAXNB, float scale, int nthreads) {                                            \
-        enum { D = 16 * (NF), NQ = (NF) / 2 };                                                          \
+        enum { D = 16 * (NF), NQ = (NF) / 2, GB = (HEADS), TPR = 16 / GB };                             \
         const int G = H / KVH;                                                                          \
         _Pragma("omp parallel for collapse(2) schedule(dynamic, 1) num_threads(nthreads)")              \
         for (int b = 0; b < B; b++) {                                                                   \
@@ -169,66 +173,89 @@ static inline __m512 bf16x16_to_f32(const uint16_t* src) {
                 const int64_t* tb = tables + (int64_t)b * MAXNB;                                        \
                 const uint16_t* kbase = k + (int64_t)kh * NB * BS * D;                                  \
                 const uint16_t* vbase = v + (int64_t)kh * NB * BS * D;                                  \
-                float* sc = (float*)malloc(sizeof(float) * (size_t)(G * LP) + sizeof(int64_t) * (size_t)L); \
-                int64_t* row = (int64_t*)(sc + G * LP); /* element offset of token t's row */           \
+                float* sc = (float*)malloc(sizeof(float) * (size_t)(GB * LP) + sizeof(int64_t) * (size_t)L); \
+                int64_t* row = (int64_t*)(sc + GB * LP); /* element offset of token t's row */          \
                 for (int t = 0, bi = 0, o = 0; t < L; t++) {                                            \
                     row[t] = (tb[bi] * BS + o) * D;                                                     \
                     if (++o == BS) o = 0, bi++;                                                         \
                 }                                                                                       \
-                for (int g = 0; g < G; g++) {                                                           \
-                    const uint16_t* qg = q + ((int64_t)b * H + kh * G + g) * D;                         \
-                    __m512bh qv[NQ];                                                                    \
-                    for (int i = 0; i < NQ; i++) qv[i] = (__m512bh)_mm512_loadu_si512(qg + 32 * i);     \
+                for (int g0 = 0; g0 < G; g0 += GB) {                                                    \
+                    const int hb = G - g0 < GB ? G - g0 : GB; /* heads in this block */                 \
+                    __m512bh qv[GB][NQ];                                                                \
+                    for (int h = 0; h < GB; h++)                                                        \
+                        for (int i = 0; i < NQ; i++)                                                    \
+                            qv[h][i] = (__m512bh)(h < hb ? _mm512_loadu_si512(                          \
+                                q + ((int64_t)b * H + kh * G + g0 + h) * D + 32 * i) : _mm512_setzero_si512()); \
+                    __mmask16 heads = 0; /* lanes of the block's real heads */                           \
+                    for (int h = 0; h < hb; h++) heads |= (__mmask16)(((1u << TPR) - 1u) << (h * TPR)); \
                     __m512 vmax = _mm512_set1_ps(-INFINITY);                                            \
-                    for (int t0 = 0; t0 < L; t0 += 16) {                                                \
-                        const int m = L - t0 < 16 ? L - t0 : 16;                                        \
-                        if (g == 0) { /* blocks are scattered: fetch the next K rows and these V rows */ \
+                    for (int t0 = 0; t0 < L; t0 += TPR) {                                               \
+                        const int m = L - t0 < TPR ? L - t0 : TPR;                                      \
+                        if (g0 == 0 && t0 % 16 == 0) { /* scattered blocks: the next K rows, these V */ \
                             const int m2 = L - t0 - 16 < 16 ? L - t0 - 16 : 16;                         \
                             for (int j = 0; j < m2; j++)                                                \
                                 for (int c = 0; c < D; c += 32)                                         \
                                     _mm_prefetch((const char*)(kbase + row[t0 + 16 + j] + c), _MM_HINT_T0); \
-                            for (int j = 0; j < m; j++)                                                 \
+                            const int m1 = L - t0 < 16 ? L - t0 : 16;                                   \
+                            for (int j = 0; j < m1; j++)                                                \
                                 for (int c = 0; c < D; c += 32)                                         \
                                     _mm_prefetch((const char*)(vbase + row[t0 + j] + c), _MM_HINT_T1);  \
                         }                                                                               \
                         __m512 acc[16];                                                                 \
-                        for (int j = 0; j < 16; j++) {                                                  \
-                            __m512 a = _mm512_setzero_ps();                                             \
-                            if (j < m) {                                                                \
-                                const uint16_t* kr = kbase + row[t0 + j];                               \
-                                for (int i = 0; i < NQ; i++)                                            \
-                                    a = _mm512_dpbf16_ps(a, qv[i], (__m512bh)_mm512_loadu_si512(kr + 32 * i)); \
+                        for (int t = 0; t < TPR; t++) {                                                 \
+                            __m512bh kr[NQ];                                                            \
+                            for (int i = 0; i < NQ; i++)                                                \
+                                kr[i] = (__m512bh)(t < m ? _mm512_loadu_si512(kbase + row[t0 + t] + 32 * i) \
+                                                         : _mm512_setzero_si512());                     \
+                            for (int h = 0; h < GB; h++) {                                              \
+                                __m512 a = _mm512_setzero_ps();                                         \
+                                for (int i = 0; i < NQ; i++) a = _mm512_dpbf16_ps(a, qv[h][i], kr[i]);  \
+                                acc[PERM16[h * TPR + t]] = a;                                           \
                             }                                                                           \
-                            acc[PERM16[j]] = a;                                                         \
                         }                                                                               \
-                        const __mmask16 mask = (__mmask16)((1u << m) - 1u);                             \
                         const __m512 s = _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale));           \
-                        _mm512_storeu_ps(sc + g * LP + t0, s);                                          \
-                        vmax = _mm512_mask_max_ps(vmax, mask, vmax, s);                                 \
+                        float lanes[16];                                                                \
+                        _mm512_storeu_ps(lanes, s);                                                     \
+                        for (int h = 0; h < hb; h++) memcpy(sc + h * LP + t0, lanes + h * TPR, sizeof(float) * TPR); \
+                        __mmask16 valid = 0;                                                            \
+                        for (int h = 0; h < GB; h++) valid |= (__mmask16)(((1u << m) - 1u) << (h * TPR)); \
+                        vmax = _mm512_mask_max_ps(vmax, valid & heads, vmax, s);                        \
                     }                                                                                   \
-                    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));                       \
-                    __m512 z = _mm512_setzero_ps();                                                     \
-                    for (int t0 = 0; t0 < L; t0 += 16) {                                                \
-                        const int m = L - t0 < 16 ? L - t0 : 16;                                        \
-                        const __mmask16 mask = (__mmask16)((1u << m) - 1u);                             \
-                        const __m512 e = _mm512_maskz_mov_ps(mask, exp512(_mm512_sub_ps(               \
-                            _mm512_loadu_ps(sc + g * LP + t0), mx)));                                   \
-                        _mm512_storeu_ps(sc + g * LP + t0, e);                                          \
-                        z = _mm512_add_ps(z, e);                                                        \
+                    float maxes[16], inv[GB];                                                           \
+                    _mm512_storeu_ps(maxes, vmax);                                                      \
+                    for (int h = 0; h < hb; h++) {                                                      \
+                        float mh = -INFINITY;                                                           \
+                        for (int t = 0; t < TPR; t++) mh = maxes[h * TPR + t] > mh ? maxes[h * TPR + t] : mh; \
+                        const __m512 mx = _mm512_set1_ps(mh);                                           \
+                        __m512 z = _mm512_setzero_ps();                                                 \
+                        for (int t0 = 0; t0 < L; t0 += 16) {                                            \
+                            const int m = L - t0 < 16 ? L - t0 : 16;                                    \
+                            const __mmask16 mask = (__mmask16)((1u << m) - 1u);                         \
+                            const __m512 e = _mm512_maskz_mov_ps(mask, exp512(_mm512_sub_ps(           \
+                                _mm512_loadu_ps(sc + h * LP + t0), mx)));                               \
+                            _mm512_storeu_ps(sc + h * LP + t0, e);                                      \
+                            z = _mm512_add_ps(z, e);                                                    \
+                        }                                                                               \
+                        inv[h] = 1.f / _mm512_reduce_add_ps(z);                                         \
                     }                                                                                   \
-                    const float inv = 1.f / _mm512_reduce_add_ps(z);                                    \
-                    __m512 o[NF];                                                                       \
-                    for (int i = 0; i < NF; i++) o[i] = _mm512_setzero_ps();                            \
+                    __m512 o[GB][NF];                                                                   \
+                    for (int h = 0; h < GB; h++)                                                        \
+                        for (int i = 0; i < NF; i++) o[h][i] = _mm512_setzero_ps();                     \
                     for (int t = 0; t < L; t++) {                                                       \
-                        const __m512 p = _mm512_set1_ps(sc[g * LP + t]);                                \
                         const uint16_t* vr = vbase + row[t];                                            \
-                        for (int i = 0; i < NF; i++) o[i] = _mm512_fmadd_ps(p, bf16x16_to_f32(vr + 16 * i), o[i]); \
+                        __m512 vv[NF];                                                                  \
+                        for (int i = 0; i < NF; i++) vv[i] = bf16x16_to_f32(vr + 16 * i);               \
+                        for (int h = 0; h < GB; h++) {                                                  \
+                            if (h >= hb) break;                                                         \
+                            const __m512 p = _mm512_set1_ps(sc[h * LP + t]);                            \
+                            for (int i = 0; i < NF; i++) o[h][i] = _mm512_fmadd_ps(p, vv[i], o[h][i]);  \
+                        }                                                                               \
                     }                                                                                   \
-                    uint16_t* og = out + ((int64_t)b * H + kh * G + g) * D;                             \
-                    for (int i = 0; i < NF; i++) {                                                      \
-                        float tmp[16];                                                                  \
-                        _mm512_storeu_ps(tmp, _mm512_mul_ps(o[i], _mm512_set1_ps(inv)));                \
-                        for (int d = 0; d < 16; d++) og[16 * i + d] = bf16_store(tmp[d]);               \
+                    for (int h = 0; h < hb; h++) {                                                      \
+                        uint16_t* og = out + ((int64_t)b * H + kh * G + g0 + h) * D;                    \
+                        for (int i = 0; i < NF; i++)                                                    \
+                            _mm256_storeu_si256((__m256i*)(og + 16 * i), (__m256i)_mm512_cvtneps_pbh(   \
+                                _mm512_mul_ps(o[h][i], _mm512_set1_ps(inv[h]))));                       \
                     }                                                                                   \
                 }                                                                                       \
                 free(sc);                                                                               \
@@ -236,8 +263,10 @@ static inline __m512 bf16x16_to_f32(const uint16_t* src) {
         }                                                                                               \
     }
 
-PAGED_DECODE_AVX512(decode_bf16_avx512_d64, 4)
-PAGED_DECODE_AVX512(decode_bf16_avx512_d128, 8)
+PAGED_DECODE_AVX512(decode_bf16_avx512_d64, 4, 4)
+PAGED_DECODE_AVX512(decode_bf16_avx512_d128, 8, 2)
+PAGED_DECODE_AVX512(decode_bf16_avx512_d64_mha, 4, 1)
+PAGED_DECODE_AVX512(decode_bf16_avx512_d128_mha, 8, 1)
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -403,14 +432,15 @@ void paged_decode_f32 SIGNATURE(float) {
 
 void paged_decode_bf16 SIGNATURE(uint16_t) {
 #ifdef HAVE_AVX512_BF16
+#define AVX512_ARGS q, k_new, v_new, slots, k, v, tables, ctx, out, B, H, KVH, NB, BS, MAXNB, scale, nthreads
     if (D == 64) {
-        decode_bf16_avx512_d64(q, k_new, v_new, slots, k, v, tables, ctx, out, B, H, KVH, NB, BS, MAXNB, scale,
-                               nthreads);
+        if (H == KVH) decode_bf16_avx512_d64_mha(AVX512_ARGS);
+        else decode_bf16_avx512_d64(AVX512_ARGS);
         return;
     }
     if (D == 128) {
-        decode_bf16_avx512_d128(q, k_new, v_new, slots, k, v, tables, ctx, out, B, H, KVH, NB, BS, MAXNB, scale,
-                                nthreads);
+        if (H == KVH) decode_bf16_avx512_d128_mha(AVX512_ARGS);
+        else decode_bf16_avx512_d128(AVX512_ARGS);
         return;
     }
 #endif
