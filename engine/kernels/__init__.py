@@ -32,10 +32,12 @@ _BASE_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno", "-ffp-c
                "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math")
 MAX_GROUP = 64  # query heads per kv head the portable kernel's stack arrays hold
 # The linear kernel computes up to this many rows; torch's linear, more (prefill). fp32, on an AVX2 AMD
-# EPYC: 0.70 / 0.90 / 1.00 / 1.18x of F.linear's time at 16 / 64 / 256 / 1024 rows. bf16 with AMX, on
-# a 2-core Xeon, a decode step's linears of the embedded model: 0.68 / 0.90 / 1.21x of F.linear's time at
-# 32 / 64 / 128 rows (0.45x and 0.80x of oneDNN's packed weights at 1 and 16 rows).
-LINEAR_MAX_ROWS = {torch.float32: 256, torch.bfloat16: 64}
+# EPYC: 0.70 / 0.90 / 1.00 / 1.18x of F.linear's time at 16 / 64 / 256 / 1024 rows. bf16, on a 2-core
+# Xeon, a decode step's linears of the embedded model: on AMX tiles 0.68 / 0.90 / 1.21x of F.linear's
+# time at 32 / 64 / 128 rows (0.45x and 0.80x of oneDNN's packed weights at 1 and 16 rows); with
+# AVX-512 BF16 dot products alone 0.88 / 1.66x at 8 / 16 rows.
+LINEAR_MAX_ROWS = {torch.float32: 256, torch.bfloat16: 8}
+_AMX_LINEAR_MAX_ROWS = 64  # bf16 in the amx_bf16 build
 _ENTRY = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
 _LINEAR_ENTRY = {torch.float32: "pdserve_linear_f32", torch.bfloat16: "pdserve_linear_bf16"}
 
@@ -83,16 +85,20 @@ class Kernel:
         FMA; bf16: builds with AVX-512 BF16, on AMX tiles in the amx_bf16 build)."""
         return dtype in _LINEAR_ENTRY and hasattr(self.lib, _LINEAR_ENTRY[dtype])
 
+    def linear_max_rows(self, dtype: torch.dtype) -> int:
+        """Most rows the linear kernel computes in `dtype` with this build (more: torch's linear)."""
+        return _AMX_LINEAR_MAX_ROWS if dtype == torch.bfloat16 and self.name == "amx_bf16" else LINEAR_MAX_ROWS[dtype]
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """`x @ weight.T (+ bias)` for the few rows of a decode step, in x's dtype, fp32 accumulation
-        (more than `LINEAR_MAX_ROWS` rows: torch's linear).
+        (more than `linear_max_rows` rows: torch's linear).
 
         Args:
             x: [M, K]; weight: [N, K]; bias: [N] or None, all one dtype (made contiguous where they are not).
         Returns:
             [M, N].
         """
-        if x.shape[0] > LINEAR_MAX_ROWS[x.dtype]:
+        if x.shape[0] > self.linear_max_rows(x.dtype):
             return torch.nn.functional.linear(x, weight, bias)
         x, weight = x.contiguous(), weight.contiguous()
         bias = None if bias is None else bias.contiguous()
@@ -240,7 +246,8 @@ def _torch_op(kernel: Kernel) -> tuple[object | None, str]:
         entry = [ctypes.cast(getattr(kernel.lib, _ENTRY[t]), ctypes.c_void_p) for t in _ENTRY]
         linear = [ctypes.cast(getattr(kernel.lib, _LINEAR_ENTRY[t]), ctypes.c_void_p) if kernel.has_linear(t) else None
                   for t in _LINEAR_ENTRY]
-        ctypes.CDLL(str(path)).pdserve_bind(*entry, *linear, *(ctypes.c_int64(LINEAR_MAX_ROWS[t]) for t in _LINEAR_ENTRY))
+        rows = [ctypes.c_int64(kernel.linear_max_rows(t)) for t in _LINEAR_ENTRY]
+        ctypes.CDLL(str(path)).pdserve_bind(*entry, *linear, *rows)
         torch.library.register_fake("pdserve_cpu::paged_decode")(_fake_decode)
         torch.library.register_fake("pdserve_cpu::linear")(_fake_linear)
     except (KernelError, OSError, RuntimeError) as e:
