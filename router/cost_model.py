@@ -187,17 +187,19 @@ class CostModel:
         """Args: tokens: tokens whose KV moves. Returns: seconds for the whole transfer."""
         return self.transfer(tokens * self.kv_bytes_per_token)
 
-    def exposed_transfer_s(self, tokens: int) -> float:
+    def exposed_transfer_s(self, tokens: int, whole: bool = False) -> float:
         """Transfer seconds TTFT still pays when KV ships layer by layer while the later layers of the
         prompt's last chunk compute.
 
         Args:
             tokens: prompt tokens.
+            whole: the prompt is prefilled in one step (alone on its prefill worker), its one chunk.
         Returns:
             max(transfer / num_layers, transfer - last chunk's prefill * (num_layers - 1) / num_layers).
         """
         t, layers = self.transfer_s(tokens), self.num_layers
-        return max(t / layers, t - self.prefill_s(self.chunks(tokens)[-1]) * (layers - 1) / layers)
+        last = tokens if whole else self.chunks(tokens)[-1]
+        return max(t / layers, t - self.prefill_s(last) * (layers - 1) / layers)
 
     def to_dict(self) -> dict:
         """Returns: a JSON-serialisable dict; `from_dict` reads it back."""

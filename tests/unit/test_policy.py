@@ -149,6 +149,19 @@ def test_chunks_cost_a_local_prefill_what_they_add_beyond_the_running_batch_s_ow
     t = chunked.transfer_s(n)
     assert chunked.exposed_transfer_s(n) == pytest.approx(max(t / 30, t - chunked.prefill_s(8) * 29 / 30))
     assert chunked.exposed_transfer_s(n) > whole.exposed_transfer_s(n)
+    # a prompt alone on its prefill worker goes whole: its transfer hides behind all of its prefill
+    assert chunked.exposed_transfer_s(n, whole=True) == pytest.approx(whole.exposed_transfer_s(n))
+
+
+def test_a_remote_prompt_alone_on_its_prefill_worker_hides_its_transfer_behind_the_whole_prefill() -> None:
+    slow = measured_cost(bandwidth=10e6)  # a transfer longer than one chunk's prefill
+    n = 1000
+    idle, queued = (make_policy("always_remote", slow).place(req(n, 16), pools([p], [dec()]))
+                    for p in (PrefillLoad("p", 0), PrefillLoad("p", 100)))
+    rest = slow.prefill_s(n) + slow.hop_s + slow.step_s(1) / 2
+    assert idle.est_ttft_s == pytest.approx(rest + slow.exposed_transfer_s(n, whole=True))
+    assert queued.est_ttft_s == pytest.approx(rest + 100 * slow.prefill.per_unit_s + slow.exposed_transfer_s(n))
+    assert slow.exposed_transfer_s(n, whole=True) < slow.exposed_transfer_s(n)
 
 
 def test_a_cost_model_written_before_chunking_reads_as_whole_prompts() -> None:
