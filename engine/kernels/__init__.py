@@ -31,13 +31,7 @@ _SRC = Path(__file__).with_name("cpu_kernels.c")
 _BASE_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno", "-ffp-contract=fast",
                "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math")
 MAX_GROUP = 64  # query heads per kv head the portable kernel's stack arrays hold
-# The linear kernel computes up to this many rows; torch's linear, more (prefill). fp32, on an AVX2 AMD
-# EPYC: 0.70 / 0.90 / 1.00 / 1.18x of F.linear's time at 16 / 64 / 256 / 1024 rows. bf16, on a 2-core
-# Xeon, a decode step's linears of the embedded model: on AMX tiles 0.68 / 0.90 / 1.21x of F.linear's
-# time at 32 / 64 / 128 rows (0.45x and 0.80x of oneDNN's packed weights at 1 and 16 rows); with
-# AVX-512 BF16 dot products alone 0.88 / 1.66x at 8 / 16 rows.
-LINEAR_MAX_ROWS = {torch.float32: 256, torch.bfloat16: 8}
-_AMX_LINEAR_MAX_ROWS = 64  # bf16 in the amx_bf16 build
+# Entry points by dtype, in the order `pdserve_bind` takes them (fp32, then bf16).
 _ENTRY = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
 _LINEAR_ENTRY = {torch.float32: "pdserve_linear_f32", torch.bfloat16: "pdserve_linear_bf16"}
 
@@ -86,8 +80,9 @@ class Kernel:
         return dtype in _LINEAR_ENTRY and hasattr(self.lib, _LINEAR_ENTRY[dtype])
 
     def linear_max_rows(self, dtype: torch.dtype) -> int:
-        """Most rows the linear kernel computes in `dtype` with this build (more: torch's linear)."""
-        return _AMX_LINEAR_MAX_ROWS if dtype == torch.bfloat16 and self.name == "amx_bf16" else LINEAR_MAX_ROWS[dtype]
+        """Most rows this build's linear kernel computes in `dtype` (more: torch's linear); the build says,
+        by what it was measured to win (`pdserve_linear_*_max_rows` in the C source)."""
+        return getattr(self.lib, _LINEAR_ENTRY[dtype] + "_max_rows")()
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """`x @ weight.T (+ bias)` for the few rows of a decode step, in x's dtype, fp32 accumulation
@@ -105,9 +100,9 @@ class Kernel:
         (m, k), n = x.shape, weight.shape[0]
         out = torch.empty(m, n, dtype=x.dtype)
         p = ctypes.c_void_p
-        getattr(self.lib, _LINEAR_ENTRY[x.dtype])(
-            p(x.data_ptr()), p(weight.data_ptr()), None if bias is None else p(bias.data_ptr()), p(out.data_ptr()), m, n,
-            k, torch.get_num_threads())
+        getattr(self.lib, _LINEAR_ENTRY[x.dtype])(p(x.data_ptr()), p(weight.data_ptr()),
+                                                  None if bias is None else p(bias.data_ptr()), p(out.data_ptr()),
+                                                  m, n, k, torch.get_num_threads())
         return out
 
 

@@ -67,7 +67,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
     TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "x and weight must have one dtype");
     TORCH_CHECK(weight.dim() == 2 && x.dim() >= 1 && x.size(-1) == weight.size(1),
                 "x [..., K] and weight [N, K] disagree");
-    if (x.numel() / x.size(-1) > (f32 ? linear_f32_max_rows : linear_bf16_max_rows)) return at::linear(x, weight, bias);
+    const int64_t max_rows = f32 ? linear_f32_max_rows : linear_bf16_max_rows;
+    if (x.numel() / x.size(-1) > max_rows) return at::linear(x, weight, bias);
     const at::Tensor xc = x.reshape({-1, x.size(-1)}).contiguous(), wc = weight.contiguous();
     at::Tensor bc;
     if (bias.has_value()) {
@@ -115,7 +116,8 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& handle, const st
         w = packed_weights[h];
     }
     TORCH_CHECK(w.defined(), "packed weight ", h, " was dropped");
-    static const c10::OperatorHandle op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+    static const c10::OperatorHandle op =
+        c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
     torch::jit::Stack stack;
     stack.reserve(6);
     stack.emplace_back(x.reshape({-1, x.size(-1)}).contiguous());
