@@ -105,12 +105,13 @@ class LLMEngine:
         self.layout = KVLayout.from_budget(layers, kv_heads, head_dim, dtype_bytes, config.cache)
         self.block_manager = BlockManager(self.layout.num_blocks, self.layout.block_size,
                                           config.cache.enable_prefix_caching)
-        self.stop_checker = StopChecker(eos_token_ids(model, tokenizer), self.max_model_len, tokenizer)
+        eos_ids = eos_token_ids(model, tokenizer)
+        self.stop_checker = StopChecker(eos_ids, self.max_model_len, tokenizer)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.stop_checker, config.prefill_chunk_tokens)
         self.linear_choice = packed_linear.apply(model, config.linear, config.device)
         self.runner = ModelRunner(model, self.layout, compile=config.compile)
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, eos_ids)
         self.stats = EngineStats()
         self._ids = itertools.count()
         self._batch_seqs: list[Sequence] = []  # the step's prompts that finish, for the prefill layer hook

@@ -17,18 +17,46 @@ from engine.sequence import Sequence
 
 
 class Sampler:
-    """Args: seed: engine seed; requests without their own seed draw one from it."""
+    """Args: seed: engine seed; requests without their own seed draw one from it. eos_ids: the
+    model's end tokens, masked out with the stop token ids until a request's `min_tokens`."""
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, eos_ids: frozenset[int] = frozenset()) -> None:
         self._seeds = random.Random(seed)
+        self._eos_ids = eos_ids
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """One token per row of `logits` [B, V]."""
         tokens = logits.max(dim=-1).indices.tolist()  # first maximum, like argmax; faster on bf16 CPU
         for i, seq in enumerate(seqs):
-            if not seq.sampling.greedy:
-                tokens[i] = self._sample_one(logits[i].float().cpu(), seq)
+            sp = seq.sampling
+            if sp.greedy and not sp.adjusts_logits:
+                continue
+            row = logits[i].float().cpu()
+            if sp.adjusts_logits:
+                row = self._adjust(row, seq)
+            tokens[i] = int(row.argmax()) if sp.greedy else self._sample_one(row, seq)
         return tokens
+
+    def _adjust(self, logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
+        """Penalties and `min_tokens` on one row of fp32 logits. The output is what the request
+        generated, earlier workers' part included (`prior_output_tokens`)."""
+        sp = seq.sampling
+        generated = seq.num_output_tokens + sp.prior_output_tokens
+        output = torch.tensor(seq.token_ids[len(seq.token_ids) - generated:], dtype=torch.long)
+        logits = logits.clone()
+        if sp.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(seq.token_ids)), dtype=torch.long)
+            picked = logits[seen]
+            logits[seen] = torch.where(picked > 0, picked / sp.repetition_penalty, picked * sp.repetition_penalty)
+        if (sp.presence_penalty or sp.frequency_penalty) and len(output):
+            counts = torch.bincount(output, minlength=logits.shape[-1])[:logits.shape[-1]].to(logits.dtype)
+            logits -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).to(logits.dtype)
+        if generated < sp.min_tokens:
+            ends = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self._eos_ids))
+            ends = [t for t in ends if t < logits.shape[-1]]
+            if ends:
+                logits[torch.tensor(ends, dtype=torch.long)] = float("-inf")
+        return logits
 
     def _sample_one(self, logits: torch.Tensor, seq: Sequence) -> int:
         sp = seq.sampling
@@ -46,6 +74,8 @@ class Sampler:
             drop = probs.cumsum(-1) - probs > sp.top_p  # keep the first token always
             logits = logits.scatter(0, order[drop], float("-inf"))
         probs = logits.softmax(-1)
+        if sp.min_p > 0:
+            probs = probs.masked_fill(probs < sp.min_p * probs.max(), 0.0)  # the likeliest always stays
         return int(torch.multinomial(probs, 1, generator=generator))
 
 

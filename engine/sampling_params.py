@@ -1,6 +1,7 @@
 """Per-request sampling and stop settings, validated on construction."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError
@@ -29,6 +30,12 @@ class SamplingParams:
         prior_output_chars: characters of that earlier output's text already handed out; the rest
             of it (held back while it could begin a stop string or an unfinished character) comes
             out first.
+        min_p: sampling keeps only tokens at least this fraction as likely as the likeliest, in [0, 1].
+        min_tokens: no EOS or stop token id before this many output tokens (they are masked out).
+        presence_penalty: subtracted from the logit of every token the output holds, in [-2, 2].
+        frequency_penalty: subtracted from a token's logit once per time the output holds it, in [-2, 2].
+        repetition_penalty: a token in the prompt or output has its logit divided by this (multiplied
+            when negative), > 0; 1 disables. Penalties apply to greedy requests too.
     """
 
     max_tokens: int = 16
@@ -41,6 +48,11 @@ class SamplingParams:
     ignore_eos: bool = False
     prior_output_tokens: int = 0
     prior_output_chars: int = 0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -58,6 +70,16 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise InvalidRequestError(name, f"must be an integer >= 0, got {value!r}")
+        if not _number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise InvalidRequestError("min_p", f"must be in [0, 1], got {self.min_p!r}")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or \
+                not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequestError("min_tokens", f"must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not _number(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
+                raise InvalidRequestError(name, f"must be in [-2, 2], got {getattr(self, name)!r}")
+        if not _number(self.repetition_penalty) or not 0 < self.repetition_penalty <= 100:
+            raise InvalidRequestError("repetition_penalty", f"must be in (0, 100], got {self.repetition_penalty!r}")
         object.__setattr__(self, "stop", _as_tuple(self.stop, str, "stop"))
         object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids, int, "stop_token_ids"))
         if any(s == "" for s in self.stop):
@@ -66,6 +88,16 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the logits change before the token is picked (penalties, min_tokens)."""
+        return bool(self.min_tokens or self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
 
 
 def _as_tuple(value: object, kind: type, name: str) -> tuple:

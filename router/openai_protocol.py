@@ -2,12 +2,15 @@
 
 Parsing checks every field the OpenAI API defines for /v1/completions and /v1/chat/completions,
 raising `InvalidRequestError(field, message)` that names the field and what is allowed; fields we
-cannot honour (n > 1, logprobs, penalties, tools, ...) are refused rather than silently ignored.
-Unknown top-level fields are ignored, as OpenAI-compatible servers commonly do.
+cannot honour (n > 1, logprobs, tools, ...) are refused rather than silently ignored, and so are the
+sampling extensions of other OpenAI-compatible servers that pdserve does not implement
+(`UNSUPPORTED_EXTENSIONS`). Other unknown top-level fields are ignored, as such servers commonly do.
 
 Defaults follow OpenAI: temperature 1.0, top_p 1.0, max_tokens 16 for completions; chat without
-max_tokens gets the server's default (cut to the room left in the context). Extensions (names common
-among OpenAI-compatible servers): top_k (-1 or 0 disables), ignore_eos, stop_token_ids.
+max_tokens gets the server's default (cut to the room left in the context). presence_penalty and
+frequency_penalty as OpenAI defines them. Extensions (names common among OpenAI-compatible servers):
+top_k (-1 or 0 disables), min_p, min_tokens, repetition_penalty, ignore_eos, stop_token_ids,
+skip_special_tokens (true only: text never holds special tokens).
 
 Size limits (`router.limits.RequestLimits`: prompt characters, messages, stop strings, stop token
 ids) are checked here too, shared with the gRPC API; over a limit → InvalidRequestError naming the field.
@@ -24,6 +27,13 @@ from router.types import Chunk, GenerateRequest, PhaseTimings, RequestFailed, Us
 from worker_core.protocol import ErrorKind
 
 DEFAULT_MAX_TOKENS = 16
+# Sampling and output options other OpenAI-compatible servers take that pdserve does not implement: a
+# request that sets one (to anything but null) is refused naming it, never served as if it were absent.
+UNSUPPORTED_EXTENSIONS = ("use_beam_search", "length_penalty", "early_stopping", "bad_words", "allowed_token_ids",
+                          "prompt_logprobs", "include_stop_str_in_output", "spaces_between_special_tokens",
+                          "truncate_prompt_tokens", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                          "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs",
+                          "logits_processors", "return_tokens_as_token_ids", "min_new_tokens")
 MAX_TOKEN_ID = 2**31 - 1
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 FINISH_REASONS = ("stop", "length")
@@ -119,9 +129,11 @@ def _parsed(body: dict, request: GenerateRequest) -> ParsedRequest:
 def _sampling(body: dict, max_tokens: int) -> SamplingParams:
     if _typed(body, "n", int, "an integer", 1) != 1:
         raise InvalidRequestError("n", "only 1 is supported (one choice per request)")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if _typed(body, name, (int, float), "a number", 0) != 0:
-            raise InvalidRequestError(name, "is not supported; use 0 or leave it out")
+    for name in UNSUPPORTED_EXTENSIONS:
+        if body.get(name) is not None:
+            raise InvalidRequestError(name, "is not supported by pdserve; leave it out")
+    _only_null_or(body, "skip_special_tokens", (True,), "only true is supported (text never holds special tokens)",
+                  bool)
     if _typed(body, "logit_bias", dict, "an object", None):
         raise InvalidRequestError("logit_bias", "is not supported; leave it out or use {}")
     top_k = _typed(body, "top_k", int, "an integer", 0)
@@ -134,6 +146,11 @@ def _sampling(body: dict, max_tokens: int) -> SamplingParams:
         stop=_stop(body.get("stop")),
         stop_token_ids=tuple(_typed(body, "stop_token_ids", list, "a list of token ids", [])),
         ignore_eos=_typed(body, "ignore_eos", bool, "a boolean", False),
+        min_p=_typed(body, "min_p", (int, float), "a number", 0.0),
+        min_tokens=_typed(body, "min_tokens", int, "an integer", 0),
+        presence_penalty=_typed(body, "presence_penalty", (int, float), "a number", 0.0),
+        frequency_penalty=_typed(body, "frequency_penalty", (int, float), "a number", 0.0),
+        repetition_penalty=_typed(body, "repetition_penalty", (int, float), "a number", 1.0),
     )
 
 

@@ -13,7 +13,8 @@ from test_http_server import ServerThread, sse_events
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n",
           "stream", "stream_options", "stop", "seed", "logprobs", "top_logprobs", "echo", "best_of",
           "presence_penalty", "frequency_penalty", "logit_bias", "user", "suffix", "response_format", "tools",
-          "tool_choice", "top_k", "ignore_eos", "stop_token_ids"]
+          "tool_choice", "top_k", "ignore_eos", "stop_token_ids", "repetition_penalty", "min_p", "min_tokens",
+          "skip_special_tokens", "use_beam_search"]
 
 # Token ids stay small: the fake router materialises a word of `id` characters per prompt token.
 ints = st.one_of(st.integers(-1000, 1000), st.sampled_from([2**31, 2**63, -(2**63), 10**30]))
@@ -50,6 +51,11 @@ plausible = {  # per field: values that are often valid
     "response_format": st.sampled_from([None, {"type": "text"}, {"type": "json_object"}]),
     "tools": st.sampled_from([None, [], [{"type": "function"}]]),
     "tool_choice": st.sampled_from([None, "none", "auto"]),
+    "repetition_penalty": st.sampled_from([None, 1, 1.3, 0, -1.0]),
+    "min_p": st.sampled_from([None, 0, 0.2, 1.5]),
+    "min_tokens": st.integers(-1, 80),
+    "skip_special_tokens": st.sampled_from([None, True, False]),
+    "use_beam_search": st.sampled_from([None, False]),
 }
 random_bodies = st.dictionaries(st.sampled_from(FIELDS),
                                 st.deferred(lambda: json_values), max_size=6)

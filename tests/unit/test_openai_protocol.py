@@ -37,8 +37,16 @@ COMPLETION_REJECTS = [  # (body, field)
     ({**P, "logprobs": 5}, "logprobs"), ({**P, "logprobs": 0}, "logprobs"), ({**P, "logprobs": True}, "logprobs"),
     ({**P, "echo": True}, "echo"), ({**P, "echo": "no"}, "echo"),
     ({**P, "best_of": 2}, "best_of"), ({**P, "best_of": True}, "best_of"), ({**P, "best_of": "1"}, "best_of"),
-    ({**P, "presence_penalty": 0.5}, "presence_penalty"), ({**P, "presence_penalty": "0"}, "presence_penalty"),
-    ({**P, "frequency_penalty": -1}, "frequency_penalty"), ({**P, "frequency_penalty": False}, "frequency_penalty"),
+    ({**P, "presence_penalty": 2.5}, "presence_penalty"), ({**P, "presence_penalty": "0"}, "presence_penalty"),
+    ({**P, "frequency_penalty": -3}, "frequency_penalty"), ({**P, "frequency_penalty": False}, "frequency_penalty"),
+    ({**P, "repetition_penalty": 0}, "repetition_penalty"), ({**P, "repetition_penalty": "1"}, "repetition_penalty"),
+    ({**P, "min_p": 1.5}, "min_p"), ({**P, "min_p": True}, "min_p"),
+    ({**P, "min_tokens": -1}, "min_tokens"), ({**P, "min_tokens": 1.0}, "min_tokens"),
+    ({**P, "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+    ({**P, "skip_special_tokens": False}, "skip_special_tokens"),
+    ({**P, "skip_special_tokens": 1}, "skip_special_tokens"),
+    ({**P, "use_beam_search": True}, "use_beam_search"), ({**P, "guided_json": {"type": "object"}}, "guided_json"),
+    ({**P, "include_stop_str_in_output": False}, "include_stop_str_in_output"),
     ({**P, "logit_bias": {"50256": -100}}, "logit_bias"), ({**P, "logit_bias": [1]}, "logit_bias"),
     ({**P, "suffix": "end"}, "suffix"), ({**P, "suffix": 1}, "suffix"),
     ({**P, "ignore_eos": "true"}, "ignore_eos"),
@@ -67,7 +75,8 @@ CHAT_REJECTS = [  # (body, field)
     ({**M, "temperature": None, "top_p": "x"}, "top_p"), ({**M, "n": 2}, "n"),
     ({**M, "logprobs": True}, "logprobs"), ({**M, "logprobs": 1}, "logprobs"),
     ({**M, "top_logprobs": 2}, "top_logprobs"), ({**M, "top_logprobs": 0}, "top_logprobs"),
-    ({**M, "presence_penalty": 1}, "presence_penalty"), ({**M, "frequency_penalty": 0.1}, "frequency_penalty"),
+    ({**M, "presence_penalty": 3}, "presence_penalty"), ({**M, "frequency_penalty": 2.1}, "frequency_penalty"),
+    ({**M, "guided_regex": "a+"}, "guided_regex"), ({**M, "prompt_logprobs": 1}, "prompt_logprobs"),
     ({**M, "response_format": {"type": "json_object"}}, "response_format"),
     ({**M, "response_format": "text"}, "response_format"),
     ({**M, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
@@ -114,7 +123,18 @@ def test_completion_all_supported_fields() -> None:
     assert (req.prompt, req.model) == ("one", "m")
     s = req.sampling
     assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed, s.stop) == (7, 0, 0.5, 0, 3, ("x",))
-    assert s.ignore_eos and s.stop_token_ids == (2, 3) and s.greedy
+    assert s.ignore_eos and s.stop_token_ids == (2, 3) and s.greedy and not s.adjusts_logits
+
+
+def test_sampling_extensions_are_honoured() -> None:
+    """Penalties, min_p and min_tokens reach the sampling parameters (chat and completions alike)."""
+    fields = {"presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.3, "min_p": 0.1,
+              "min_tokens": 3, "max_tokens": 8, "skip_special_tokens": True}
+    for parse, body in ((parse_completion_request, {**P, **fields}), (parse_chat_request, {**M, **fields})):
+        s = parse(body).request.sampling
+        assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty, s.min_p, s.min_tokens) == \
+            (0.5, -1, 1.3, 0.1, 3)
+        assert s.adjusts_logits
 
 
 @pytest.mark.parametrize(("prompt", "want"), [([5, 6, 7], [5, 6, 7]), ([[5, 6]], [5, 6]), (["text"], "text"),
