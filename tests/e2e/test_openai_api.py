@@ -8,6 +8,7 @@ import urllib.request
 
 import openai
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.conftest import chat_ids, greedy_ids, text_of
@@ -67,6 +68,44 @@ def test_completion_matches_generate(client, server, oracle):
     assert resp.usage.completion_tokens == len(want_ids)
     stream = client.completions.create(model=server.model, prompt=prompt, max_tokens=20, stream=True, temperature=0)
     assert "".join(c.choices[0].text for c in stream if c.choices) == text_of(oracle, want_ids)
+
+
+def penalised_greedy_ids(oracle, prompt_ids: list[int], max_new_tokens: int, repetition: float, presence: float,
+                         frequency: float, min_tokens: int) -> list[int]:
+    """Greedy with the penalties and min_tokens, one full forward per token (fp32), stopping at EOS."""
+    from engine.model_loader import eos_token_ids
+
+    model, tokenizer = oracle
+    eos = sorted(eos_token_ids(model, tokenizer))
+    seq, out = list(prompt_ids), []
+    with torch.no_grad():
+        while len(out) < max_new_tokens:
+            logits = model(torch.tensor([seq])).logits[0, -1].float()
+            seen = torch.tensor(sorted(set(seq)))
+            picked = logits[seen]
+            logits[seen] = torch.where(picked > 0, picked / repetition, picked * repetition)
+            counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=logits.shape[-1]).float()
+            logits -= frequency * counts + presence * (counts > 0).float()
+            if len(out) < min_tokens:
+                logits[torch.tensor(eos)] = float("-inf")
+            out.append(int(logits.argmax()))
+            seq.append(out[-1])
+            if out[-1] in eos:
+                break
+    return out
+
+
+def test_penalties_and_min_tokens_through_the_sdk_equal_the_reference(client, server, oracle):
+    """OpenAI's presence / frequency penalties and the extensions repetition_penalty / min_tokens (through
+    `extra_body`), greedy, streamed and not: the text of the penalised greedy reference."""
+    prompt = "List the days of the week: Monday, Tuesday,"
+    want = text_of(oracle, penalised_greedy_ids(oracle, oracle[1](prompt)["input_ids"], 20, 1.3, 0.4, 0.6, 5))
+    kw = {"model": server.model, "prompt": prompt, "max_tokens": 20, "temperature": 0, "presence_penalty": 0.4,
+          "frequency_penalty": 0.6, "extra_body": {"repetition_penalty": 1.3, "min_tokens": 5}}
+    assert client.completions.create(**kw).choices[0].text == want
+    assert "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw) if c.choices) == want
+    with pytest.raises(openai.BadRequestError, match="use_beam_search"):
+        client.completions.create(model=server.model, prompt=prompt, max_tokens=4, extra_body={"use_beam_search": True})
 
 
 def test_long_prompt_through_the_server_matches_generate(client, server, oracle):
