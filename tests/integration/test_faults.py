@@ -185,10 +185,11 @@ def test_a_flipped_prefill_worker_killed_mid_stream_hands_its_streams_on(cluster
     n = 300
 
     async def main():
-        # the ratio policy, with remote prefill priced out (a slow hop) so that requests run whole
-        # on decode workers and flex slots alike: the calibrated tiny model's costs alone may send
-        # none to a flex slot
-        router = make_router(cluster, replace(cluster[3], hop_s=60.0), flip_roles=True)
+        # the ratio policy with remote prefill priced out (a slow hop), so that requests run whole on
+        # decode workers and flex slots alike, and decode steps that grow with the batch whatever the
+        # calibration on a busy machine measured, so that crowding spreads them over all four slots
+        cost = replace(cluster[3], hop_s=60.0, decode_step=((1, 0.01), (4, 0.03), (16, 0.12)))
+        router = make_router(cluster, cost, flip_roles=True)
         flipper = router.placer.elastic
         for _ in range(2):
             await router.poll_once()
@@ -201,7 +202,8 @@ def test_a_flipped_prefill_worker_killed_mid_stream_hands_its_streams_on(cluster
             return [v[1] for v in progress.values() if v[0] >= 20 and v[1].decode.worker_id in flex_ids]
         while not on_flex() and not all(t.done() for t in tasks):
             await asyncio.sleep(0.01)
-        assert on_flex(), "no request ran on a flipped prefill worker"
+        placed = [(v[1].placement.path, v[1].placement.reason, v[1].decode.worker_id) for v in progress.values()]
+        assert on_flex(), f"no request ran on a flipped prefill worker (flex slots {flex_ids}; placed {placed})"
         victim = on_flex()[0]
         index = [s.worker_id for s in router.book.prefill].index(victim.decode.worker_id)
         kill(pools.prefill[index])
