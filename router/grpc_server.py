@@ -61,7 +61,8 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
 # SamplingParams fields whose proto field is `optional`: unset takes the dataclass default.
-_OPTIONAL_SAMPLING = ("max_tokens", "temperature", "top_p", "seed")
+_OPTIONAL_SAMPLING = ("max_tokens", "temperature", "top_p", "seed", "min_p", "presence_penalty", "frequency_penalty",
+                      "repetition_penalty")
 # Methods callable without an API key: health checks and reflection.
 OPEN_METHOD_PREFIXES = (f"/{health.SERVICE_NAME}/", f"/{reflection.SERVICE_NAME}/",
                         "/grpc.reflection.v1.ServerReflection/")
@@ -108,7 +109,7 @@ def to_sampling_params(msg: pb.SamplingParams) -> SamplingParams:
     """Args: the proto settings (unset optional fields → defaults). Returns: validated SamplingParams."""
     optional = {name: getattr(msg, name) for name in _OPTIONAL_SAMPLING if msg.HasField(name)}
     return SamplingParams(top_k=msg.top_k, stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
-                          ignore_eos=msg.ignore_eos, **optional)
+                          ignore_eos=msg.ignore_eos, min_tokens=msg.min_tokens, **optional)
 
 
 def to_response(request_id: str, chunk: Chunk) -> pb.GenerateResponse:

@@ -105,12 +105,15 @@ def test_all_sampling_fields_and_ids_reach_the_router(served: Served) -> None:
     request = pb.GenerateRequest(
         text="a b", request_id="client-7", model=MODEL,
         sampling=pb.SamplingParams(max_tokens=3, temperature=0.7, top_p=0.9, top_k=40, seed=0, stop=["x", "yy"],
-                                   stop_token_ids=[2, 5], ignore_eos=True))
+                                   stop_token_ids=[2, 5], ignore_eos=True, min_p=0.1, min_tokens=2,
+                                   presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.25))
     responses = served.generate(request)
     assert {r.request_id for r in responses} == {"client-7"}
     sent = served.router.requests[-1]
     assert sent.sampling == SamplingParams(max_tokens=3, temperature=0.7, top_p=0.9, top_k=40, seed=0,
-                                           stop=("x", "yy"), stop_token_ids=(2, 5), ignore_eos=True)
+                                           stop=("x", "yy"), stop_token_ids=(2, 5), ignore_eos=True, min_p=0.1,
+                                           min_tokens=2, presence_penalty=0.5, frequency_penalty=-0.5,
+                                           repetition_penalty=1.25)
     assert (sent.request_id, sent.model) == ("client-7", MODEL)
 
 
@@ -163,6 +166,11 @@ ERROR_CASES = [
     (text_request("hi", top_p=1.5), grpc.StatusCode.INVALID_ARGUMENT, "top_p:"),
     (text_request("hi", seed=2**63), grpc.StatusCode.INVALID_ARGUMENT, "seed:"),
     (text_request("hi", stop=[""]), grpc.StatusCode.INVALID_ARGUMENT, "stop:"),
+    (text_request("hi", min_p=1.5), grpc.StatusCode.INVALID_ARGUMENT, "min_p:"),
+    (text_request("hi", max_tokens=2, min_tokens=3), grpc.StatusCode.INVALID_ARGUMENT, "min_tokens:"),
+    (text_request("hi", presence_penalty=2.5), grpc.StatusCode.INVALID_ARGUMENT, "presence_penalty:"),
+    (text_request("hi", frequency_penalty=float("nan")), grpc.StatusCode.INVALID_ARGUMENT, "frequency_penalty:"),
+    (text_request("hi", repetition_penalty=0.0), grpc.StatusCode.INVALID_ARGUMENT, "repetition_penalty:"),
     (pb.GenerateRequest(text="hi", model="gpt-9"), grpc.StatusCode.NOT_FOUND, "model: the model 'gpt-9'"),
     (pb.GenerateRequest(chat=pb.ChatMessages()), grpc.StatusCode.INVALID_ARGUMENT, "messages:"),
     (pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="robot", content="x")])),
