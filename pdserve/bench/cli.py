@@ -98,7 +98,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                                          "with those linear=auto packs for oneDNN, interleaved"))
     add_turns_arguments(bsub.add_parser("turns", help="multi-turn conversations over a shared system prompt on "
                                         "pdserve (prefix-aware and prefix-blind) and vLLM-CPU: TTFT of later turns"))
-    add_soak_arguments(bsub.add_parser("soak", help="steady load for --minutes while worker processes are killed: "
-                                       "served, failed, migrated, memory"))
+    add_soak_arguments(bsub.add_parser("soak", help="steady load for --minutes while worker processes are killed "
+                                       "or hung and the router is restarted: served, failed, migrated, memory"))
     bench.set_defaults(func=cmd_bench)
     return bench
