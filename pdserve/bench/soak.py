@@ -163,8 +163,16 @@ def _faulter(address: str, router: _Router, faults: tuple[str, ...], every_s: fl
         print(f"[soak] {fault}: {event['out']}", file=sys.stderr, flush=True)
 
 
+def machine() -> str:
+    """This machine, for the report: CPU, cores, class and flags, torch."""
+    from pdserve.bench.engine import machine_info
+
+    m = machine_info()
+    return f"{m['cpu']}, {m['cores']} cores, {m['machine_class']} ({m['isa']}), torch {m['torch']}"
+
+
 def run_soak(args: argparse.Namespace) -> int:
-    from pdserve.bench.serving import _free_port, _machine, _stop, _wait_http
+    from pdserve.bench.serving import _free_port, _stop, _wait_http
 
     faults = tuple(args.faults)
     out = Path(args.out)
@@ -208,7 +216,7 @@ def run_soak(args: argparse.Namespace) -> int:
         mem_end = {"router": _rss_mib("pdserve serve"), "workers": _rss_mib("ray::")}
         summary = summarize(result.records, result.wall_time_s)
         totals = router.totals()
-        doc = {"command": " ".join(cmd), "machine": _machine(), "minutes": args.minutes, "rate": args.rate,
+        doc = {"command": " ".join(cmd), "machine": machine(), "minutes": args.minutes, "rate": args.rate,
                "workload": f"{args.prompt}/{args.output}", "faults": events, "summary": summary,
                "recoveries": totals["request_recoveries"], "replacements": totals["worker_replacements"],
                "outcomes": totals["requests"], "memory_mib": {"start": mem_start, "end": mem_end}}

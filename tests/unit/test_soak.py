@@ -5,7 +5,7 @@ import argparse
 
 import pytest
 
-from pdserve.bench.soak import FAULTS, MARK_END, MARK_START, _faults, _write_report
+from pdserve.bench.soak import FAULTS, MARK_END, MARK_START, _faults, _write_report, machine
 
 
 def test_the_fault_cycle_is_checked_by_name() -> None:
@@ -32,3 +32,10 @@ def test_the_report_counts_faults_that_happened_and_the_router_s_downtime(tmp_pa
     assert "| 297 | 3 (connection: 3) |" in row
     assert "kill-prefill: 1, kill-decode: 1, hang-prefill: 1, hang-decode: 1, restart-router: 1" in row  # failed one not
     assert "| 8–8 s |" in row and "migrate: 2" in row and "decode: 2" in row
+
+
+def test_the_machine_line_names_the_class_and_cores() -> None:
+    from engine import hardware
+
+    line = machine()
+    assert hardware.this_cpu().machine_class() in line and " cores, " in line and "torch " in line
