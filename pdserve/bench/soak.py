@@ -209,6 +209,7 @@ def run_soak(args: argparse.Namespace) -> int:
                 return await run_open_loop(client, specs, args.rate, 1, args.minutes * 60 + 60)
             finally:
                 await client.aclose()
+        t_run = time.time()
         result = asyncio.run(drive())
         stop.set()
         faulter.join(400)
@@ -219,7 +220,8 @@ def run_soak(args: argparse.Namespace) -> int:
         doc = {"command": " ".join(cmd), "machine": machine(), "minutes": args.minutes, "rate": args.rate,
                "workload": f"{args.prompt}/{args.output}", "faults": events, "summary": summary,
                "recoveries": totals["request_recoveries"], "replacements": totals["worker_replacements"],
-               "outcomes": totals["requests"], "memory_mib": {"start": mem_start, "end": mem_end}}
+               "outcomes": totals["requests"], "memory_mib": {"start": mem_start, "end": mem_end},
+               "failures": failures_by_cause(result.records, events, t_run)}
         out.write_text(json.dumps(doc, indent=1))
         _write_report(doc, Path(args.report))
         print(json.dumps({k: doc[k] for k in ("recoveries", "replacements", "outcomes", "memory_mib")}, indent=1))
@@ -232,9 +234,36 @@ def run_soak(args: argparse.Namespace) -> int:
     return 0
 
 
+def failures_by_cause(records: list, events: list[dict], t_run: float) -> dict[str, int]:
+    """The failed requests by what was happening: sent while the router was down (`router_down`),
+    in flight through a router that was killed (`router_killed`), or neither (`other`).
+
+    Args:
+        records: the load generator's `RequestRecord`s; events: the faults (`downtime_s` on restarts);
+        t_run: the wall-clock time the records' `start_s` count from.
+    """
+    windows = [(e["t"] - t_run, e["t"] - t_run + e["downtime_s"]) for e in events if "downtime_s" in e]
+    out = {"router_down": 0, "router_killed": 0, "other": 0}
+    for r in records:
+        if r.error is None:
+            continue
+        end = None if r.e2e_s is None else r.start_s + r.e2e_s
+        if any(a <= r.start_s <= b for a, b in windows):
+            out["router_down"] += 1
+        elif any(r.start_s < a and (end is None or end >= a - 1.0) for a, _ in windows):
+            out["router_killed"] += 1
+        else:
+            out["other"] += 1
+    return out
+
+
 def _write_report(doc: dict, report: Path) -> None:
     s, m = doc["summary"], doc["memory_mib"]
     errors = ", ".join(f"{k}: {v}" for k, v in s["errors_by_kind"].items()) or "none"
+    if s["requests"]["errors"]:
+        f = doc["failures"]
+        errors += (f"; sent while the router was down: {f['router_down']}, in flight when it was killed: "
+                   f"{f['router_killed']}, other: {f['other']}")
     rec = ", ".join(f"{k.split('=')[1]}: {v:.0f}" for k, v in doc["recoveries"].items()) or "none"
     rep = ", ".join(f"{k.split('=')[1]}: {v:.0f}" for k, v in doc["replacements"].items()) or "none"
     done = [e for e in doc["faults"] if e["ok"]]
