@@ -80,6 +80,7 @@ def _wait_port(port: int, proc: subprocess.Popen, timeout_s: float) -> None:
 
 
 FAULTS = ("kill-prefill", "kill-decode", "hang-prefill", "hang-decode", "restart-router")
+COUNTERS = ("request_recoveries", "worker_replacements", "requests")  # the router's, summed across its restarts
 _WORKER_CLASS = {"prefill": "PrefillWorker", "decode": "DecodeWorker"}
 
 
@@ -139,8 +140,6 @@ class _Router:
                     out.setdefault(name, {})[key] = out.get(name, {}).get(key, 0.0) + v
         return {name: out.get(name, {}) for name in COUNTERS}
 
-
-COUNTERS = ("request_recoveries", "worker_replacements", "requests")
 
 
 def _faulter(address: str, router: _Router, faults: tuple[str, ...], every_s: float, stop: threading.Event,
