@@ -3,8 +3,9 @@
 Request lifecycle on a decode worker:
 1. `reserve` (remote prefill): blocks reserved for the prompt (RECEIVING), the receive posted on
    the connector; refused with CapacityError when the worker is full (the caller picks another).
-2. `start_remote`: the prefill worker's first token arrives; once every layer has landed the
-   sequence joins the running batch (RUNNING). A failed transfer ends the request with an error.
+2. `start_remote`: the prefill worker's first token arrives (with its log-probabilities when the
+   request asked; they lead the stream); once every layer has landed the sequence joins the
+   running batch (RUNNING). A failed transfer ends the request with an error.
    `submit_local` instead queues the whole request; this worker runs its prefill itself.
 3. The engine loop (its own thread) steps while there is work; each new token goes to the
    request's stream; `stream` yields them to the caller as they come. A request started with
@@ -23,6 +24,7 @@ from collections.abc import Iterator
 
 from engine import EngineConfig, RequestOutput, SamplingParams
 from engine.command_loop import Round, Stopped
+from engine.logprobs import TokenLogprob
 from engine.profiling import time_decode_steps, time_mixed_step
 from kv_transfer import PeerInfo, TransferConfig, TransferState
 from worker_core import WorkerBase
@@ -37,7 +39,8 @@ class DecodeWorker(WorkerBase):
     def __init__(self, engine_config: EngineConfig, transfer_config: TransferConfig, worker_id: str) -> None:
         super().__init__(engine_config, transfer_config, worker_id)
         self._streams: dict[str, queue.Queue] = {}
-        self._landing: dict[str, int | None] = {}  # reserved request -> first token (None: not yet)
+        # reserved request -> its first token and that token's logprobs (None: not come yet)
+        self._landing: dict[str, tuple[int, TokenLogprob | None] | None] = {}
         self._started: dict[str, float] = {}  # request id -> when its first token arrived
         self._reading: set[str] = set()  # requests whose stream a caller is reading
         self._fed: set[str] = set()  # requests whose items go to the feed (engine thread only)
@@ -60,13 +63,15 @@ class DecodeWorker(WorkerBase):
             return reservation.cached_blocks
         return self._owner.call(do)
 
-    def start_remote(self, request_id: str, first_token: int, handoff: object | None = None) -> None:
-        """The prefill worker's first token (and its connector's handoff): start once the KV landed."""
+    def start_remote(self, request_id: str, first_token: int, handoff: object | None = None,
+                     first_logprob: TokenLogprob | None = None) -> None:
+        """The prefill worker's first token (its connector's handoff, and the token's logprobs when the
+        request asked: `PrefillResult.first_logprob`): start once the KV landed."""
         def do() -> None:
             if request_id not in self._landing:
                 raise ValueError(f"{request_id!r} has no reservation here (expired or aborted)")
             self.connector.accept(request_id, handoff)
-            self._landing[request_id] = first_token
+            self._landing[request_id] = (first_token, first_logprob)
             self._started[request_id] = time.perf_counter()
         self._owner.call(do)
 
@@ -174,7 +179,7 @@ class DecodeWorker(WorkerBase):
     def _on_output(self, out: RequestOutput) -> None:
         """A step's output for one request: its stream's next item."""
         self._emit(out.request_id, StreamItem(tuple(out.new_token_ids), out.new_text, out.finish_reason,
-                                              cached_tokens=out.num_cached_tokens))
+                                              cached_tokens=out.num_cached_tokens, logprobs=tuple(out.logprobs)))
 
     def _abort(self, request_id: str) -> bool:
         self._landing.pop(request_id, None)
@@ -214,10 +219,10 @@ class DecodeWorker(WorkerBase):
                 del self._landing[rid]
                 # KV still in flight after the prefill worker returned: the transfer time TTFT pays
                 transfer_s = time.perf_counter() - self._started.pop(rid)
-                out = self.engine.activate(rid, first)
+                out = self.engine.activate(rid, *first)
                 self.connector.forget(rid)
                 self._emit(rid, StreamItem(tuple(out.new_token_ids), out.new_text, out.finish_reason,
-                                           transfer_s=transfer_s))
+                                           transfer_s=transfer_s, logprobs=tuple(out.logprobs)))
             elif state == TransferState.FAILED:
                 del self._landing[rid]
                 self._started.pop(rid, None)

@@ -4,7 +4,8 @@ Request lifecycle:
 1. `add_request`: validate, tokenize (chat template for messages), queue as WAITING.
 2. `step` (prefill): the scheduler admits it with blocks (reusing a cached prefix); the
    runner computes the uncached prompt tokens in chunks, one per step, next to the running
-   batch's decode tokens; after the last chunk the sampler picks the first token.
+   batch's decode tokens; after the last chunk the sampler picks the first token (and, when
+   the request asked, its log-probabilities: `RequestOutput.logprobs`).
 3. `step` (decode): one token per step in the running batch, sequences joining and
    leaving between steps.
 4. The stop check finishes it (EOS, stop token or string, max_tokens, context limit),
@@ -29,6 +30,7 @@ from engine.config import EngineConfig, KVLayout
 from engine.detokenizer import StopChecker
 from engine.errors import CapacityError, InvalidRequestError
 from engine.hardware import DtypeChoice
+from engine.logprobs import TokenLogprob
 from engine.model_loader import dtype_name, encode_prompt, eos_token_ids, max_context
 from engine.model_runner import ModelRunner, kv_shape
 from engine.sampler import Sampler
@@ -51,6 +53,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per new token, when the request asked
 
 
 @dataclass(frozen=True)
@@ -151,9 +154,10 @@ class LLMEngine:
         cached = seq.num_cached_tokens // self.block_manager.block_size
         return Reservation(list(seq.block_table[cached:]), cached)
 
-    def activate(self, request_id: str, first_token: int) -> RequestOutput:
-        """The reserved request's KV has landed: it joins the decode batch after `first_token`."""
-        return self._output(self.scheduler.activate(request_id, first_token), [first_token])
+    def activate(self, request_id: str, first_token: int, logprob: TokenLogprob | None = None) -> RequestOutput:
+        """The reserved request's KV has landed: it joins the decode batch after `first_token` (with its
+        `logprob` from the prefill worker, when the request asked)."""
+        return self._output(self.scheduler.activate(request_id, first_token), [first_token], logprob)
 
     def held_blocks(self, request_id: str) -> list[int]:
         """Prefill side: the blocks holding a prefill-only request's prompt KV."""
@@ -230,9 +234,10 @@ class LLMEngine:
         self._batch_seqs = [c.seq for c in batch.prefill if c.final]
         logits = self.runner.run(batch.decode, batch.prefill)
         tokens = self.sampler.sample(logits, sampled) if sampled else []
+        logprobs = self.sampler.logprobs(logits, sampled, tokens) if sampled else []
         self._account(batch, time.perf_counter() - t0)
         self.scheduler.update(batch, tokens)
-        return [self._output(seq, [tok]) for seq, tok in zip(sampled, tokens)]
+        return [self._output(seq, [tok], lp) for seq, tok, lp in zip(sampled, tokens, logprobs)]
 
     def _account(self, batch: Batch, seconds: float) -> None:
         """A step with prompt chunks counts as prefill time (its decode tokens ride along), one
@@ -248,27 +253,31 @@ class LLMEngine:
             s.decode_seconds += seconds
             s.decode_steps += 1
 
-    def _output(self, seq: Sequence, new_ids: list[int]) -> RequestOutput:
+    def _output(self, seq: Sequence, new_ids: list[int], logprob: TokenLogprob | None = None) -> RequestOutput:
         text = seq.detok.take(final=seq.is_finished) if seq.detok is not None else ""
         reason = seq.finish_reason.value if seq.finish_reason is not None else None
         return RequestOutput(seq.request_id, new_ids, text, seq.is_finished, reason, seq.num_prompt_tokens,
-                             seq.num_cached_tokens, seq.output_token_ids if seq.is_finished else [])
+                             seq.num_cached_tokens, seq.output_token_ids if seq.is_finished else [],
+                             [logprob] if logprob is not None else [])
 
     def generate(self, prompts: list[Prompt], sampling: SamplingParams | list[SamplingParams] | None = None,
                  chat: bool = False) -> list[RequestOutput]:
         """Run prompts to completion together. Returns one final output per prompt, in order,
-        whose `new_text` holds the whole text."""
+        whose `new_text` holds the whole text and `logprobs` those of every output token."""
         params = sampling if isinstance(sampling, list) else [sampling or SamplingParams()] * len(prompts)
         ids = [self.add_request(p, sp, chat=chat) for p, sp in zip(prompts, params)]
         texts: dict[str, list[str]] = {i: [] for i in ids}
+        logprobs: dict[str, list[TokenLogprob]] = {i: [] for i in ids}
         final: dict[str, RequestOutput] = {}
         while self.has_unfinished():
             for out in self.step():
                 texts[out.request_id].append(out.new_text)
+                logprobs[out.request_id] += out.logprobs
                 if out.finished:
                     final[out.request_id] = out
         for rid, out in final.items():
             out.new_text = "".join(texts[rid])
+            out.logprobs = logprobs[rid]
         return [final[i] for i in ids]
 
 

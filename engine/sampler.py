@@ -5,6 +5,11 @@ alone (`token_seed`), not from a generator that advances with each token: any wo
 token i of a request samples it the same way. So a seeded request gives the same tokens whether its
 first token is sampled on a prefill worker and the rest on a decode worker, or all on one, and
 after its stream moved to another worker mid-way (`SamplingParams.prior_output_tokens`).
+
+`logprobs` gives the requests that asked (`SamplingParams.logprobs`) their token's log-probability
+and the top k: the float32 log-softmax of the raw logits (before penalties and temperature; see
+`engine.logprobs`), top-k taken on the tensor, so only k + 1 numbers per row reach Python. A batch
+where no request asked costs nothing more.
 """
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ import random
 
 import torch
 
+from engine.logprobs import TokenLogprob
 from engine.sequence import Sequence
 
 
@@ -36,6 +42,28 @@ class Sampler:
                 row = self._adjust(row, seq)
             tokens[i] = int(row.argmax()) if sp.greedy else self._sample_one(row, seq)
         return tokens
+
+    @staticmethod
+    def logprobs(logits: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> list[TokenLogprob | None]:
+        """Per row of `logits` [B, V]: the log-probability of `tokens[i]` and the top
+        `seqs[i].sampling.logprobs`, or None where the request did not ask (all None: nothing computed)."""
+        rows = [i for i, seq in enumerate(seqs) if seq.sampling.logprobs is not None]
+        out: list[TokenLogprob | None] = [None] * len(seqs)
+        if not rows:
+            return out
+        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        lp = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
+        chosen_ids = torch.tensor([tokens[i] for i in rows], dtype=torch.long, device=logits.device)
+        chosen = lp.gather(1, chosen_ids[:, None])[:, 0].tolist()
+        k = max(seqs[i].sampling.logprobs for i in rows)
+        top_lp, top_ids = [[]] * len(rows), [[]] * len(rows)
+        if k:
+            values, ids = lp.topk(min(k, lp.shape[-1]), dim=-1)
+            top_lp, top_ids = values.tolist(), ids.tolist()
+        for j, i in enumerate(rows):
+            n = seqs[i].sampling.logprobs
+            out[i] = TokenLogprob(tokens[i], chosen[j], tuple(top_ids[j][:n]), tuple(top_lp[j][:n]))
+        return out
 
     def _adjust(self, logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
         """Penalties and `min_tokens` on one row of fp32 logits. The output is what the request

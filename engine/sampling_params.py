@@ -5,6 +5,7 @@ import math
 from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError
+from engine.logprobs import MAX_LOGPROBS
 
 # Below this temperature sampling is greedy: logits / temperature would overflow float32 (a temperature
 # of 1e-300 even rounds to 0.0 there), and the softmax of inf is NaN.
@@ -36,6 +37,9 @@ class SamplingParams:
         frequency_penalty: subtracted from a token's logit once per time the output holds it, in [-2, 2].
         repetition_penalty: a token in the prompt or output has its logit divided by this (multiplied
             when negative), > 0; 1 disables. Penalties apply to greedy requests too.
+        logprobs: None: no log-probabilities; k in [0, 20]: each output token comes with its
+            log-probability and the k likeliest tokens' (`engine.logprobs`: the model's raw
+            log-softmax, before penalties and temperature).
     """
 
     max_tokens: int = 16
@@ -53,6 +57,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -80,6 +85,10 @@ class SamplingParams:
                 raise InvalidRequestError(name, f"must be in [-2, 2], got {getattr(self, name)!r}")
         if not _number(self.repetition_penalty) or not 0 < self.repetition_penalty <= 100:
             raise InvalidRequestError("repetition_penalty", f"must be in (0, 100], got {self.repetition_penalty!r}")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise InvalidRequestError("logprobs", f"must be null or an integer in [0, {MAX_LOGPROBS}], "
+                                                  f"got {self.logprobs!r}")
         object.__setattr__(self, "stop", _as_tuple(self.stop, str, "stop"))
         object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids, int, "stop_token_ids"))
         if any(s == "" for s in self.stop):

@@ -5,7 +5,8 @@ Request lifecycle on a prefill worker:
 2. The engine loop (its own thread) runs every queued prompt in one prefill step; after each
    layer, that layer's blocks are queued on the connector for each request's decode worker,
    so layer i travels while layer i + 1 computes.
-3. The first token is sampled and returned to the caller (HELD: blocks kept while sending).
+3. The first token is sampled and returned to the caller with its log-probabilities when the
+   request asked (HELD: blocks kept while sending).
 4. When the connector reports the transfer DONE or FAILED, the blocks return to the pool.
 A prefill worker is a decode worker too (the class extends `DecodeWorker`): while its router has
 flipped it to serve decode (`router.elastic.RoleFlipper`), it also runs whole requests
@@ -88,8 +89,8 @@ class PrefillWorker(DecodeWorker):
             self._skip[request_id] = skip_blocks
             self._first[request_id] = first
         self._owner.call(do)
-        token, handoff = first.result()
-        return PrefillResult(token, time.perf_counter() - t0, handoff)
+        token, handoff, logprob = first.result()
+        return PrefillResult(token, time.perf_counter() - t0, handoff, logprob)
 
     def _load_now(self) -> LoadReport:
         bm, sched = self.engine.block_manager, self.engine.scheduler
@@ -136,14 +137,15 @@ class PrefillWorker(DecodeWorker):
         return max(left, Round.WAITING) if self._sending else left
 
     def _on_output(self, out: RequestOutput) -> None:
-        """A prompt prefilled for a decode worker: its caller gets the first token and the connector's
-        handoff; its blocks are held until the KV is sent. Any other request: a token of its stream."""
+        """A prompt prefilled for a decode worker: its caller gets the first token (its logprobs too) and
+        the connector's handoff; its blocks are held until the KV is sent. Any other request: a token of its stream."""
         fut = self._first.pop(out.request_id, None)
         if fut is None and out.request_id not in self._peers:
             super()._on_output(out)
             return
         if fut is not None:
-            fut.set_result((out.new_token_ids[0], self.connector.handoff(out.request_id)))
+            fut.set_result((out.new_token_ids[0], self.connector.handoff(out.request_id),
+                            out.logprobs[0] if out.logprobs else None))
         if out.request_id in self._dropped:  # fault "drop": nothing in flight to wait for
             self._dropped.discard(out.request_id)
             self._fault = None

@@ -4,14 +4,16 @@ Request lifecycle at the router (after `Router.submit` admitted and placed it):
 1. remote path: decode worker D reserves the prompt's blocks (reusing the prefix its cache holds)
    and posts the KV receive; prefill worker P prefills (batched with other prompts), ships the KV of
    the blocks D lacks layer by layer, returns the first token; D starts the sequence once every
-   layer landed. Local path: D runs the whole request.
-2. D's tokens (with their text, stop strings already applied) come through D's feed (`router.feed`:
-   one message per engine step for all of D's requests); each becomes a `Chunk`, timed for TTFT,
-   inter-token latency and the phase split.
+   layer landed (the first token's log-probabilities, when the request asked, go from P's answer to
+   D, which puts them first on its stream). Local path: D runs the whole request.
+2. D's tokens (with their text, stop strings already applied, and their log-probabilities when
+   asked) come through D's feed (`router.feed`: one message per engine step for all of D's
+   requests); each becomes a `Chunk`, timed for TTFT, inter-token latency and the phase split.
 3. Failures before the first token (P died, KV transfer failed or timed out, D refused): both
    sides abort and the request is placed again (another P, or local prefill), bounded attempts.
    D died mid-stream: the prompt plus the tokens already sent are replayed on another decode
-   worker, which continues the stream where it stopped (bounded migrations).
+   worker, which continues the stream where it stopped (bounded migrations), the log-probabilities
+   of the later tokens from that worker.
 4. The last chunk carries usage and timings. `aclose()` before the end (client gone) aborts the
    request on P and D; the blocks return. The booking is released exactly once, whatever happens.
 """
@@ -228,7 +230,7 @@ class RouterStream:
         self._planner.prefilled(b)
         self.timings.prefill_s = first.prefill_s
         try:
-            await d.start_remote.remote(rid, first.first_token, first.handoff)
+            await d.start_remote.remote(rid, first.first_token, first.handoff, first.first_logprob)
         except ray.exceptions.RayActorError as e:
             raise _WorkerFailure("decode", e, dead=True, kind=ErrorKind.INTERNAL) from None
         except Stopped as e:  # the decode worker shut down (Ray raises the worker's own error type)
@@ -281,7 +283,7 @@ class RouterStream:
             self._sent += item.token_ids
         self._sent_chars += len(item.text)
         if not item.finished:
-            self._queue.put_nowait(Chunk(item.text, list(item.token_ids)))
+            self._queue.put_nowait(Chunk(item.text, list(item.token_ids), logprobs=item.logprobs))
             return False
         t.e2e_s = now - self._arrival
         t.decode_s = (self._last_at - self._first_at) if self._first_at is not None else 0.0
@@ -291,7 +293,7 @@ class RouterStream:
             n = len(self._sent)
             self._planner.observed(b, t.ttft_s - t.queue_s, t.decode_s / (n - 1) if n > 1 else None)
         self._queue.put_nowait(Chunk(item.text, list(item.token_ids), item.finish_reason,
-                                     Usage(self.prompt_tokens, len(self._sent), self._cached), t))
+                                     Usage(self.prompt_tokens, len(self._sent), self._cached), t, item.logprobs))
         return True
 
     def _observe(self, n_out: int, path: str) -> None:

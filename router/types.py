@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.errors import CapacityError, InvalidRequestError
+from engine.logprobs import TokenLogprob
 from engine.sampling_params import SamplingParams
 from worker_core.protocol import ErrorKind, WorkerInfo
 
@@ -140,7 +141,9 @@ class Chunk:
 
     text: new text (text that may still turn into a stop string is held back until it cannot);
     token_ids: new token ids; finish_reason: None until the last chunk, then "stop", "length" or
-    "abort"; usage and timings: set on the last chunk only.
+    "abort"; usage and timings: set on the last chunk only; logprobs: one per token of token_ids,
+    in order, when the request asked (`SamplingParams.logprobs`), else empty. They follow the tokens,
+    not the text: a chunk whose text is held back still carries its tokens' logprobs.
     """
 
     text: str
@@ -148,6 +151,7 @@ class Chunk:
     finish_reason: str | None = None
     usage: Usage | None = None
     timings: PhaseTimings | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -4,10 +4,12 @@ Request lifecycle as seen on this boundary:
 1. At start-up the router asks each worker for its `WorkerInfo` (KV geometry, limits, what runs
    the model), and later for a `LoadReport` every poll.
 2. Remote path: the decode worker reserves blocks; the prefill worker returns a `PrefillResult`
-   (first token, its prefill time, the connector's handoff), which the router passes on to the
-   decode worker. Local path: the decode worker runs the prompt itself.
-3. The decode worker streams `StreamItem`s: the tokens of one engine step each, the last one with
-   its finish reason. A request that ends badly ends with an item carrying a `WorkerError`, whose
+   (first token and, when the request asked, its `TokenLogprob`; its prefill time; the connector's
+   handoff), which the router passes on to the decode worker. Local path: the decode worker runs
+   the prompt itself.
+3. The decode worker streams `StreamItem`s: the tokens of one engine step each (with their
+   log-probabilities when asked; the remote path's first token's from the prefill worker), the
+   last one with its finish reason. A request that ends badly ends with an item carrying a `WorkerError`, whose
    `ErrorKind` (never its message text) tells the router what to do: start again (a transfer
    failed before the first token), migrate (the worker is stopping), or fail the request.
 
@@ -18,6 +20,8 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, fields
+
+from engine.logprobs import TokenLogprob  # plain Python too
 
 
 class ErrorKind(enum.Enum):
@@ -91,12 +95,14 @@ class FeedEntry:
 
 @dataclass(frozen=True)
 class PrefillResult:
-    """A prefill worker's answer: the first token, seconds from call to first token, and the
-    connector's handoff for the decode worker's `start_remote` (None where it needs none)."""
+    """A prefill worker's answer: the first token, seconds from call to first token, the
+    connector's handoff for the decode worker's `start_remote` (None where it needs none), and the
+    first token's log-probabilities (None unless the request asked: `SamplingParams.logprobs`)."""
 
     first_token: int
     prefill_s: float
     handoff: object | None = None
+    first_logprob: TokenLogprob | None = None
 
 
 @dataclass(frozen=True)
@@ -105,7 +111,8 @@ class StreamItem:
     text, stop strings applied). `finish_reason` is set on the last item only ("stop", "length",
     "abort"); an item with an `error` is always the last. `transfer_s`: on the first item of the
     remote path, how long the KV was still in flight after prefill. `cached_tokens`: prompt tokens
-    served from the prefix cache, on items from engine steps."""
+    served from the prefix cache, on items from engine steps. `logprobs`: one per token of
+    `token_ids`, in order, when the request asked (`SamplingParams.logprobs`); else empty."""
 
     token_ids: tuple[int, ...] = ()
     text: str = ""
@@ -113,6 +120,7 @@ class StreamItem:
     error: WorkerError | None = None
     transfer_s: float | None = None
     cached_tokens: int | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
 
     @property
     def finished(self) -> bool:

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import ray
 
 from engine import SamplingParams
+from engine.logprobs import TokenLogprob
 from router.pools import Pools
 from worker_core.protocol import PrefillResult, StreamItem
 
@@ -33,6 +34,7 @@ class Result:
     finish_reason: str | None
     prefill_s: float | None  # remote path: time the prefill worker took to return the first token
     transfer_s: float | None  # remote path: KV still in flight after that, before decoding could start
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, when the request asked
 
 
 class Orchestrator:
@@ -57,7 +59,7 @@ class Orchestrator:
                 ray.get(d.abort.remote(rid))
                 raise
             prefill_s = first.prefill_s
-            ray.get(d.start_remote.remote(rid, first.first_token, first.handoff))
+            ray.get(d.start_remote.remote(rid, first.first_token, first.handoff, first.first_logprob))
         else:
             ray.get(d.submit_local.remote(rid, prompt, sampling))
         for ref in d.stream.options(num_returns="streaming").remote(rid):
@@ -70,11 +72,13 @@ class Orchestrator:
     def generate(self, prompt: list[int], sampling: SamplingParams, **kw: object) -> Result:
         """Run a request to completion. Raises RequestFailed or the worker's own error."""
         tokens: list[int] = []
+        logprobs: list[TokenLogprob] = []
         reason = prefill_s = transfer_s = None
         rid = kw.pop("request_id", None) or uuid.uuid4().hex
         for item, took in self.stream(prompt, sampling, request_id=rid, **kw):  # type: ignore[arg-type]
             tokens += item.token_ids
+            logprobs += item.logprobs
             reason = item.finish_reason
             prefill_s = took if took is not None else prefill_s
             transfer_s = item.transfer_s if item.transfer_s is not None else transfer_s
-        return Result(rid, tokens, reason, prefill_s, transfer_s)
+        return Result(rid, tokens, reason, prefill_s, transfer_s, logprobs)

@@ -13,6 +13,7 @@ from router.pools import add_worker, create_pools
 from tests.conftest import greedy_reference, random_prompt, tiny_model
 from tests.integration.conftest import saved_tiny_model
 from tests.integration.direct_driver import Orchestrator
+from tests.integration.test_logprobs import assert_match, reference_logprobs
 from worker_core.protocol import ErrorKind
 
 
@@ -41,6 +42,24 @@ def test_remote_and_local_paths_match_generate(cluster):
     assert remote.token_ids == expected and remote.finish_reason == "length"
     assert remote.prefill_s > 0 and remote.transfer_s >= 0
     assert orch.generate(prompt, SamplingParams(max_tokens=24), remote=False).token_ids == expected
+    assert_all_free(pools)
+
+
+def test_logprobs_on_both_paths_equal_the_models_and_each_other(cluster):
+    """The remote path's first token's logprobs cross from the prefill worker to the decode worker's
+    stream; on both paths every token's equal the model's own log-softmax, and each other's."""
+    ref, pools, _, _ = cluster
+    orch = Orchestrator(pools)
+    prompt = random_prompt(33, 21)
+    sp = SamplingParams(max_tokens=8, logprobs=3)
+    remote = orch.generate(prompt, sp, remote=True)
+    local = orch.generate(prompt, sp, remote=False)
+    assert remote.token_ids == local.token_ids == greedy_reference(ref, prompt, 8)
+    assert_match(reference_logprobs(ref, prompt, remote.token_ids), remote.token_ids, remote.logprobs, 3)
+    assert_match(reference_logprobs(ref, prompt, local.token_ids), local.token_ids, local.logprobs, 3)
+    for r, lo in zip(remote.logprobs, local.logprobs):
+        assert r.top_ids == lo.top_ids and abs(r.logprob - lo.logprob) < 1e-4
+    assert orch.generate(random_prompt(20, 22), SamplingParams(max_tokens=3), remote=True).logprobs == []  # not asked
     assert_all_free(pools)
 
 

@@ -52,14 +52,17 @@ def make_router(cluster, cost: CostModel | None = None, **kw) -> Router:
 
 
 async def run_one(router: Router, prompt: list[int], max_tokens: int, progress: dict, key: int,
-                  sampling: SamplingParams | None = None):
-    """Stream one request (greedy unless `sampling` is given) to its end; `progress[key]` follows it."""
+                  sampling: SamplingParams | None = None, logprobs: list | None = None):
+    """Stream one request (greedy unless `sampling` is given) to its end; `progress[key]` follows it;
+    its tokens' logprobs (when `sampling` asks) go to `logprobs`."""
     try:
         stream = await router.submit(GenerateRequest(prompt=prompt, sampling=sampling or SamplingParams(
             max_tokens=max_tokens)))
         tokens = []
         async for chunk in stream:
             tokens += chunk.token_ids
+            if logprobs is not None:
+                logprobs += chunk.logprobs
             progress[key] = (len(tokens), stream._booking)
         return tokens
     except RequestFailed as e:
@@ -132,22 +135,25 @@ def test_a_decode_worker_lost_mid_stream_hands_its_streams_on_without_losing_a_t
     """Killed: the router sees the actor die. Stopped (a graceful shutdown): the worker ends its streams
     with WORKER_STOPPING. Hung (SIGSTOP): it answers nothing, and after `hang_timeout_s` the router
     kills it. Each way the router moves its streams to the other decode worker, which continues each
-    where it stopped, and the lost worker is replaced."""
+    where it stopped (the seeded ones' logprobs too), and the lost worker is replaced."""
     ref, pools = cluster[0], cluster[1]
     prompts = [random_prompt(20 + 3 * i, seed=200 + i) for i in range(6)]
     n = 300
     # and two seeded samples, one on each decode worker (round robin): the moved one samples on as if unbroken
     sampled = [random_prompt(30, seed=260 + i) for i in range(2)]
-    sampling = SamplingParams(max_tokens=n, temperature=1.0, top_k=20, seed=31)
+    sampling = SamplingParams(max_tokens=n, temperature=1.0, top_k=20, seed=31, logprobs=2)
     oracle = LLMEngine(EngineConfig(dtype="float32", cache=CacheConfig(memory_gib=0.02)), model=copy.deepcopy(ref))
-    expected = [o.output_token_ids for o in oracle.generate(sampled, sampling)]
+    oracle_outs = oracle.generate(sampled, sampling)
+    expected = [o.output_token_ids for o in oracle_outs]
+    logprobs: list[list] = [[], []]
 
     async def main():
         router = make_router(cluster, policy="round_robin", hang_timeout_s=2.0)
         router.start_polling()
         progress: dict = {}
         tasks = [asyncio.create_task(run_one(router, p, n, progress, i)) for i, p in enumerate(prompts)]
-        tasks += [asyncio.create_task(run_one(router, p, n, progress, 6 + i, sampling)) for i, p in enumerate(sampled)]
+        tasks += [asyncio.create_task(run_one(router, p, n, progress, 6 + i, sampling, logprobs[i]))
+                  for i, p in enumerate(sampled)]
         while not all(v[0] >= 20 for k, v in progress.items() if k >= 6) or len(progress) < 8:  # under way
             await asyncio.sleep(0.01)
         victim = progress[6][1].decode.worker_id
@@ -169,6 +175,10 @@ def test_a_decode_worker_lost_mid_stream_hands_its_streams_on_without_losing_a_t
     router, results, index = asyncio.run(main())
     assert_all_match(ref, prompts, results[:6], n)
     assert results[6:] == expected
+    for got, want in zip(logprobs, oracle_outs):  # one per token, those after the move from the new worker
+        for g, w in zip(got, want.logprobs, strict=True):
+            assert g.token_id == w.token_id and abs(g.logprob - w.logprob) < 1e-4
+            assert max(abs(a - b) for a, b in zip(g.top_logprobs, w.top_logprobs, strict=True)) < 1e-4
     # the router's copy of the replaced slot's prefix cache is the new worker's, nothing of the lost one's
     assert router.placer.prefix.keys("decode", index) == set(ray.get(pools.decode[index].cache_events.remote(0)).stored)
     text = router.metrics_text()[0].decode()

@@ -14,6 +14,7 @@ from kv_transfer import TransferState
 from router.grpc_server import error_status
 from router.http_server import _error
 from router.types import ERROR_STATUS, DeadlineExceeded, RequestFailed
+from engine.logprobs import TokenLogprob
 from worker_core import protocol
 from worker_core.protocol import ErrorKind, LoadReport, PrefillResult, StreamItem, WorkerError, WorkerInfo
 
@@ -28,7 +29,9 @@ INFO = WorkerInfo(worker_id="decode-0-abc123", num_blocks=64, block_size=16, kv_
     LoadReport(free_blocks=3, num_blocks=64, running=2, receiving=1),
     LoadReport(free_blocks=64, num_blocks=64, queued_tokens=900, sending=2),
     PrefillResult(first_token=17, prefill_s=0.25, handoff={"refs": [1, 2]}),
+    PrefillResult(first_token=17, prefill_s=0.25, first_logprob=TokenLogprob(17, -0.5, (17, 4), (-0.5, -1.25))),
     StreamItem((1, 2, 3), "abc", cached_tokens=16),
+    StreamItem((5, 6), "ef", logprobs=(TokenLogprob(5, -0.1), TokenLogprob(6, -2.0, (1,), (-0.3,)))),
     StreamItem((4,), "d", "length", transfer_s=0.01),
     StreamItem.failed(ErrorKind.TRANSFER_FAILED, "KV transfer for r1 failed"),
     TransferState.DONE,
@@ -39,7 +42,7 @@ def test_round_trips_through_rays_serializer(value):
 
 
 def test_the_types_are_frozen_and_typed():
-    for cls in (WorkerInfo, LoadReport, PrefillResult, StreamItem, WorkerError):
+    for cls in (WorkerInfo, LoadReport, PrefillResult, StreamItem, WorkerError, TokenLogprob):
         assert dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen, cls
     with pytest.raises(dataclasses.FrozenInstanceError):
         INFO.num_blocks = 1  # type: ignore[misc]

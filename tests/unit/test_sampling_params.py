@@ -46,6 +46,10 @@ BAD = [
     ("stop_token_ids", [1.0], "non-negative int"),
     ("stop_token_ids", [True], "non-negative int"),
     ("stop_token_ids", 7.5, "list of int"),
+    ("logprobs", -1, "[0, 20]"),
+    ("logprobs", 21, "[0, 20]"),
+    ("logprobs", True, "[0, 20]"),
+    ("logprobs", 2.0, "[0, 20]"),
 ]
 
 
@@ -76,6 +80,9 @@ GOOD = [
     {"stop_token_ids": [0, 7]},
     {"stop_token_ids": 3},
     {"ignore_eos": True},
+    {"logprobs": 0},
+    {"logprobs": 20},
+    {"logprobs": None},
 ]
 
 
