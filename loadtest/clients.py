@@ -1,7 +1,9 @@
 """Clients that stream one request and time it: the interface and the factory.
 
 Backends: `openai` (`loadtest.openai_client.OpenAIClient`, any OpenAI-compatible HTTP server) and `grpc`
-(`loadtest.grpc_client.GrpcClient`, pdserve's gRPC API).
+(`loadtest.grpc_client.GrpcClient`, pdserve's gRPC API). The openai backend sends to one of ENDPOINTS:
+`completions` (POST /v1/completions, the prompt as is) or `chat` (POST /v1/chat/completions, text prompts
+as messages).
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from loadtest.records import RequestRecord
 from loadtest.workload import RequestSpec
 
 APIS = ("openai", "grpc")
+ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}  # name → path
 
 
 class Client(Protocol):
@@ -25,15 +28,20 @@ class Client(Protocol):
 
 
 def make_client(api: str, target: str, model: str | None = None, timeout_s: float = 300.0,
-                ignore_eos: bool = True, api_key: str | None = None) -> Client:
+                ignore_eos: bool = True, api_key: str | None = None, endpoint: str = "completions") -> Client:
     """Args: api ("openai" or "grpc"), target (base URL or HOST:PORT), model (None: the server's default),
-    timeout_s (per request), ignore_eos (ask for exactly max_tokens), api_key (sent as a Bearer token).
+    timeout_s (per request), ignore_eos (ask for exactly max_tokens), api_key (sent as a Bearer token),
+    endpoint (openai only: a name in ENDPOINTS).
     Returns: a client.
-    Raises: ValueError for an unknown api."""
+    Raises: ValueError for an unknown api or endpoint, or an endpoint other than completions for grpc."""
+    if endpoint not in ENDPOINTS:
+        raise ValueError(f"unknown endpoint {endpoint!r}; allowed: {', '.join(ENDPOINTS)}")
     if api == "openai":
         from loadtest.openai_client import OpenAIClient
 
-        return OpenAIClient(target, model, timeout_s, ignore_eos, api_key)
+        return OpenAIClient(target, model, timeout_s, ignore_eos, api_key, endpoint)
+    if api == "grpc" and endpoint != "completions":
+        raise ValueError(f"endpoint {endpoint!r} is an OpenAI HTTP endpoint; the grpc api has none")
     if api == "grpc":
         from loadtest.grpc_client import GrpcClient
 

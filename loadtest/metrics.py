@@ -9,6 +9,8 @@ Definitions (all over successful requests only, i.e. records with no error):
   e2e     send → end of the stream.
   Percentiles: linear interpolation between closest ranks (numpy.percentile's default "linear" method):
           for sorted x[0..n-1], p-th percentile = x[i] + (x[i+1] - x[i]) * f where i + f = p/100 * (n - 1).
+          Every statistic has p50 / p90 / p99; a `PercentileSelection` adds more (e.g. p99.9, keyed by
+          `percentile_key`) to the metrics it selects, and says which the text report shows.
   Throughput: successful requests / wall time, and their output tokens / wall time; wall time is the
           run's (first send to last end).
   Goodput: requests / wall time that succeeded AND met both targets: TTFT <= ttft_target_s and
@@ -17,6 +19,8 @@ Definitions (all over successful requests only, i.e. records with no error):
           may hold in its prefix cache), apart.
   Prefix cache: prompt tokens the server reported as served from its cache, against all prompt tokens of
           the requests that reported it (None when no request did).
+  Prompt tokens: of the successful requests, as the workload counted them and as the server's usage did
+          (None when no request reported it); they differ where a chat template wraps the messages.
 """
 from __future__ import annotations
 
@@ -24,11 +28,64 @@ import itertools
 import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from loadtest.records import RequestRecord
 
-PERCENTILES = (50, 90, 99)
+PERCENTILES = (50, 90, 99)  # in every statistic, and the report's default columns
+# vLLM's names (`vllm bench serve --percentile-metrics`) → the summary's keys
+PERCENTILE_METRICS = {"ttft": "ttft_s", "tpot": "tpot_s", "itl": "itl_s", "e2el": "e2e_s"}
+
+
+def percentile_key(p: float) -> str:
+    """The statistic's key of the p-th percentile: p50, p99, p99.9 (as `vllm bench serve` names them)."""
+    return f"p{int(p)}" if p == int(p) else f"p{p}"
+
+
+@dataclass(frozen=True)
+class PercentileSelection:
+    """Which percentiles a summary carries beyond p50 / p90 / p99, and of which metrics.
+
+    percentiles: each in [0, 100], ascending, no repeats; the text report's columns after the mean.
+    metrics: names from PERCENTILE_METRICS (ttft, tpot, itl, e2el); they get the percentiles in the
+    summary and are the text report's rows.
+    """
+
+    percentiles: tuple[float, ...] = PERCENTILES
+    metrics: tuple[str, ...] = tuple(PERCENTILE_METRICS)
+
+    def __post_init__(self) -> None:
+        if not self.percentiles:
+            raise ValueError("percentiles: give at least one")
+        for p in self.percentiles:
+            if not 0 <= p <= 100:
+                raise ValueError(f"percentiles: each must be in [0, 100], got {p:g}")
+        if list(self.percentiles) != sorted(set(self.percentiles)):
+            raise ValueError(f"percentiles must be ascending without repeats, got {list(self.percentiles)}")
+        unknown = [m for m in self.metrics if m not in PERCENTILE_METRICS]
+        if unknown or not self.metrics or len(set(self.metrics)) != len(self.metrics):
+            raise ValueError(f"percentile metrics must be distinct names from {', '.join(PERCENTILE_METRICS)}; "
+                             f"got {', '.join(self.metrics) or 'none'}")
+
+    @classmethod
+    def parse(cls, percentiles: str | None = None, metrics: str | None = None) -> PercentileSelection:
+        """From comma-separated lists ("50,90,99,99.9"; "ttft,tpot,itl,e2el"); None: the default.
+        Percentiles are sorted and repeats dropped. Raises: ValueError saying what is wrong."""
+        ps, ms = cls.percentiles, cls.metrics  # the defaults, as class attributes
+        if percentiles is not None:
+            items = [t.strip() for t in percentiles.split(",") if t.strip()]
+            try:
+                values = [float(t) for t in items]
+            except ValueError:
+                raise ValueError(f"percentiles: expected comma-separated numbers in [0, 100] (e.g. 50,90,99,99.9), "
+                                 f"got {percentiles!r}") from None
+            if any(math.isnan(v) for v in values):
+                raise ValueError(f"percentiles: expected numbers in [0, 100], got {percentiles!r}")
+            ps = tuple(sorted(set(values)))
+        if metrics is not None:
+            ms = tuple(dict.fromkeys(t.strip() for t in metrics.split(",") if t.strip()))
+        return cls(ps, ms)
 
 
 def percentile(values: Sequence[float], p: float) -> float:
@@ -45,13 +102,15 @@ def percentile(values: Sequence[float], p: float) -> float:
     return float(xs[i] + (xs[i + 1] - xs[i]) * (pos - i))
 
 
-def stats(values: Sequence[float]) -> dict[str, float | int | None]:
-    """Returns: count, mean, min, max and p50/p90/p99 (None when there are no values)."""
+def stats(values: Sequence[float], extra_percentiles: Iterable[float] = ()) -> dict[str, float | int | None]:
+    """Returns: count, mean, min, max, p50/p90/p99 and the extra percentiles (keys `percentile_key`), in
+    ascending order; None when there are no values."""
+    ps = sorted(set(PERCENTILES).union(extra_percentiles))
     out: dict[str, float | int | None] = {"count": len(values)}
     if not values:
-        return {**out, "mean": None, "min": None, "max": None, **{f"p{p}": None for p in PERCENTILES}}
+        return {**out, "mean": None, "min": None, "max": None, **{percentile_key(p): None for p in ps}}
     out.update(mean=math.fsum(values) / len(values), min=float(min(values)), max=float(max(values)))
-    out.update({f"p{p}": percentile(values, p) for p in PERCENTILES})
+    out.update({percentile_key(p): percentile(values, p) for p in ps})
     return out
 
 
@@ -81,12 +140,14 @@ def is_good(rec: RequestRecord, ttft_target_s: float | None, tpot_target_s: floa
 
 
 def summarize(records: Iterable[RequestRecord], wall_time_s: float, ttft_target_s: float | None = None,
-              tpot_target_s: float | None = None) -> dict[str, Any]:
-    """Args: a run's records, its wall time (> 0), the goodput targets. Returns: a JSON-ready summary:
-    requests {total, ok, errors, short_outputs}, errors_by_kind, wall_time_s, ttft_s / itl_s / tpot_s / e2e_s
-    (see `stats`), send_lag_s (how late requests were sent against the open-loop schedule; a large lag means
-    the client, not the server, was the bottleneck), throughput {requests_per_s, output_tokens_per_s}, goodput {ttft_target_s, tpot_target_s,
-    good_requests, requests_per_s, fraction}. short_outputs: successful requests that got fewer tokens than
+              tpot_target_s: float | None = None, percentiles: PercentileSelection | None = None) -> dict[str, Any]:
+    """Args: a run's records, its wall time (> 0), the goodput targets, the percentiles to add (None: the
+    default selection). Returns: a JSON-ready summary: requests {total, ok, errors, short_outputs},
+    errors_by_kind, wall_time_s, ttft_s / itl_s / tpot_s / e2e_s (see `stats`; the selected ones with the
+    selected percentiles), percentiles {percentiles, metrics} (the selection), prompt_tokens {workload,
+    server}, send_lag_s (how late requests were sent against the open-loop schedule; a large lag means the
+    client, not the server, was the bottleneck), throughput {requests_per_s, output_tokens_per_s}, goodput
+    {ttft_target_s, tpot_target_s, good_requests, requests_per_s, fraction}. short_outputs: successful requests that got fewer tokens than
     asked for (the server stopped early: EOS without ignore_eos, or a context limit)."""
     recs = list(records)
     if not wall_time_s > 0:
@@ -94,15 +155,23 @@ def summarize(records: Iterable[RequestRecord], wall_time_s: float, ttft_target_
     ok = [r for r in recs if r.ok]
     good = sum(is_good(r, ttft_target_s, tpot_target_s) for r in recs)
     tpots = [t for t in map(request_tpot, ok) if t is not None]
+    sel = percentiles if percentiles is not None else PercentileSelection()
+
+    def latency(metric: str, values: list[float]) -> dict[str, float | int | None]:
+        return stats(values, sel.percentiles if metric in sel.metrics else ())
+
+    told = [r.server_prompt_tokens for r in ok if r.server_prompt_tokens is not None]
     return {
         "requests": {"total": len(recs), "ok": len(ok), "errors": len(recs) - len(ok),
                      "short_outputs": sum(r.output_tokens < r.requested_output_tokens for r in ok)},
         "errors_by_kind": dict(sorted(Counter(r.error_kind or "unknown" for r in recs if not r.ok).items())),
         "wall_time_s": wall_time_s,
-        "ttft_s": stats([r.ttft_s for r in ok if r.ttft_s is not None]),
-        "itl_s": stats([g for r in ok for g in request_itls(r)]),
-        "tpot_s": stats(tpots),
-        "e2e_s": stats([r.e2e_s for r in ok if r.e2e_s is not None]),
+        "ttft_s": latency("ttft", [r.ttft_s for r in ok if r.ttft_s is not None]),
+        "itl_s": latency("itl", [g for r in ok for g in request_itls(r)]),
+        "tpot_s": latency("tpot", tpots),
+        "e2e_s": latency("e2el", [r.e2e_s for r in ok if r.e2e_s is not None]),
+        "percentiles": {"percentiles": list(sel.percentiles), "metrics": list(sel.metrics)},
+        "prompt_tokens": {"workload": sum(r.prompt_tokens for r in ok), "server": sum(told) if told else None},
         "send_lag_s": stats([r.start_s - r.scheduled_s for r in recs]),
         "throughput": {"requests_per_s": len(ok) / wall_time_s,
                        "output_tokens_per_s": sum(r.output_tokens for r in ok) / wall_time_s},

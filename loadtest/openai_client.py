@@ -1,10 +1,15 @@
-"""Streams one request from an OpenAI-compatible server (POST /v1/completions, SSE) and times it.
+"""Streams one request from an OpenAI-compatible server (POST /v1/completions or /v1/chat/completions,
+SSE) and times it.
 
-Sent: {"prompt": text | [token ids], "max_tokens": N, "temperature": 0, "stream": true,
+Sent to /v1/completions: {"prompt": text | [token ids], "max_tokens": N, "temperature": 0, "stream": true,
 "stream_options": {"include_usage": true}, "ignore_eos": true (unless disabled), "model": M (if given)}.
+Sent to /v1/chat/completions (as `vllm bench serve --backend openai-chat` does): the same, with
+"messages" instead of "prompt" (the spec's messages, else one user message holding the text prompt;
+token-id prompts cannot be sent as chat) and "max_completion_tokens" instead of "max_tokens".
 Read: every `data:` event until `data: [DONE]`. A chunk carrying output is a choice with non-empty `text`
-(or chat `delta.content`); the usage event gives completion_tokens and pdserve's `usage.pdserve_timings`
-(also accepted top-level on the finishing chunk). Anything malformed fails the request, never the run.
+(or chat `delta.content`); the usage event gives completion_tokens, prompt_tokens (for chat, the server's
+count after its chat template) and pdserve's `usage.pdserve_timings` (also accepted top-level on the
+finishing chunk). Anything malformed fails the request, never the run.
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ from typing import Any
 import aiohttp
 
 from loadtest import records as R
+from loadtest.clients import ENDPOINTS
 from loadtest.records import RequestRecord, parse_timings
 from loadtest.workload import RequestSpec
 
@@ -29,13 +35,17 @@ class StreamError(Exception):
 
 
 class OpenAIClient:
-    """Args: base_url (e.g. http://127.0.0.1:8000; "/v1/completions" is appended), model (None: not sent),
+    """Args: base_url (e.g. http://127.0.0.1:8000; the endpoint's path is appended), model (None: not sent),
     timeout_s (per request, send to end of stream), ignore_eos (send the `ignore_eos` extension field),
-    api_key (sent as `Authorization: Bearer <key>`; None: no header)."""
+    api_key (sent as `Authorization: Bearer <key>`; None: no header), endpoint ("completions" or "chat",
+    see `loadtest.clients.ENDPOINTS`)."""
 
     def __init__(self, base_url: str, model: str | None = None, timeout_s: float = 300.0,
-                 ignore_eos: bool = True, api_key: str | None = None) -> None:
-        self.url = base_url.rstrip("/") + "/v1/completions"
+                 ignore_eos: bool = True, api_key: str | None = None, endpoint: str = "completions") -> None:
+        if endpoint not in ENDPOINTS:
+            raise ValueError(f"unknown endpoint {endpoint!r}; allowed: {', '.join(ENDPOINTS)}")
+        self.endpoint = endpoint
+        self.url = base_url.rstrip("/") + ENDPOINTS[endpoint]
         if not self.url.startswith(("http://", "https://")):
             self.url = "http://" + self.url
         self.model, self.timeout_s, self.ignore_eos = model, timeout_s, ignore_eos
@@ -43,10 +53,14 @@ class OpenAIClient:
         self._session: aiohttp.ClientSession | None = None
 
     def body(self, spec: RequestSpec) -> dict[str, Any]:
-        """The JSON body for one spec."""
-        prompt: Any = spec.prompt_text if spec.prompt_text is not None else list(spec.prompt_token_ids or ())
-        body: dict[str, Any] = {"prompt": prompt, "max_tokens": spec.output_tokens, "temperature": 0,
-                                "stream": True, "stream_options": {"include_usage": True}}
+        """The JSON body for one spec. Raises: ValueError for a token-id prompt on the chat endpoint."""
+        body: dict[str, Any]
+        if self.endpoint == "chat":
+            body = {"messages": chat_messages(spec), "max_completion_tokens": spec.output_tokens}
+        else:
+            prompt: Any = spec.prompt_text if spec.prompt_text is not None else list(spec.prompt_token_ids or ())
+            body = {"prompt": prompt, "max_tokens": spec.output_tokens}
+        body.update({"temperature": 0, "stream": True, "stream_options": {"include_usage": True}})
         if self.ignore_eos:
             body["ignore_eos"] = True
         if self.model:
@@ -84,6 +98,16 @@ class OpenAIClient:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+def chat_messages(spec: RequestSpec) -> list[dict[str, str]]:
+    """The chat messages of a spec: its own (a multi-turn history), else one user message holding its text.
+    Raises: ValueError for a token-id prompt (chat messages hold text)."""
+    if spec.messages is not None:
+        return [{"role": m.role, "content": m.content} for m in spec.messages]
+    if spec.prompt_text is None:
+        raise ValueError(f"request {spec.index} has a token-id prompt; the chat endpoint sends text messages")
+    return [{"role": "user", "content": spec.prompt_text}]
 
 
 class _StreamState:

@@ -1,7 +1,7 @@
 """Results as JSON and as text.
 
 A results file (format "pdserve-loadtest/1"):
-  {"format", "label", "created_unix", "meta": {target, api, model, workload, ...},
+  {"format", "label", "created_unix", "meta": {target, api, endpoint, model, workload, ..., warmup},
    "runs": [{"config": RunResult.config, "summary": metrics.summarize(...), "records": [RequestRecord...]}]}
 One file holds one run, or one run per rate of a sweep. `plots.plot_goodput_vs_rate` reads several.
 """
@@ -13,21 +13,39 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loadtest.metrics import summarize
+from loadtest.metrics import PercentileSelection, percentile_key, summarize
 from loadtest.records import RequestRecord
-from loadtest.runner import RunResult
+from loadtest.runner import RunResult, WarmupResult
 
 FORMAT = "pdserve-loadtest/1"
 LAG_WARN_S = 0.1
 
 
 def results_document(label: str, meta: dict[str, Any], runs: list[RunResult], ttft_target_s: float | None,
-                     tpot_target_s: float | None) -> dict[str, Any]:
-    """Returns: the JSON-ready document of these runs, each summarized against the targets."""
+                     tpot_target_s: float | None, percentiles: PercentileSelection | None = None) -> dict[str, Any]:
+    """Returns: the JSON-ready document of these runs, each summarized against the targets with the
+    selected percentiles (None: the default selection)."""
     return {"format": FORMAT, "label": label, "created_unix": time.time(), "meta": meta,
             "runs": [{"config": r.config,
-                      "summary": summarize(r.records, max(r.wall_time_s, 1e-9), ttft_target_s, tpot_target_s),
+                      "summary": summarize(r.records, max(r.wall_time_s, 1e-9), ttft_target_s, tpot_target_s,
+                                           percentiles),
                       "records": [rec.to_dict() for rec in r.records]} for r in runs]}
+
+
+def warmup_meta(warmup: WarmupResult) -> dict[str, Any]:
+    """The results file's `meta.warmup`: requests, ok, errors_by_kind, wall_time_s."""
+    return {"requests": warmup.requests, "ok": warmup.ok, "errors_by_kind": dict(warmup.errors_by_kind),
+            "wall_time_s": warmup.wall_time_s}
+
+
+def format_warmup(warmup: WarmupResult) -> str:
+    """One line: how many warm-up requests ran before the measured runs (none of them is in any metric)."""
+    if warmup.requests == 0:
+        return "warm-up: none"
+    errors = warmup.requests - warmup.ok
+    kinds = ", ".join(f"{k}={v}" for k, v in warmup.errors_by_kind.items())
+    return (f"warm-up: {warmup.requests} requests before the measured runs, {warmup.ok} ok"
+            + (f", {errors} errors ({kinds})" if errors else "") + f", {warmup.wall_time_s:.2f} s; not in any metric")
 
 
 def write_results(path: str | Path, doc: dict[str, Any]) -> Path:
@@ -68,11 +86,17 @@ def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v * 1000:.1f}"
 
 
+def _burstiness(config: dict[str, Any]) -> str:
+    b = config.get("burstiness", 1.0)
+    return "" if b in (None, 1.0) else f", burstiness {float(b):g} (gamma arrivals)"
+
+
 def _mode(config: dict[str, Any]) -> str:
     if config.get("mode") == "open":
-        return f"open loop, {config['rate']:g} req/s"
+        return f"open loop, {float(config['rate']):g} req/s{_burstiness(config)}"
     if config.get("mode") == "conversations":
-        return f"{config['conversations']} conversations at {config['rate']:g}/s, think {config['think_s']:g} s"
+        return (f"{config['conversations']} conversations at {float(config['rate']):g}/s{_burstiness(config)}, "
+                f"think {config['think_s']:g} s")
     return f"closed loop, concurrency {config.get('concurrency')}"
 
 
@@ -87,14 +111,23 @@ def format_summary(config: dict[str, Any], summary: dict[str, Any]) -> str:
         lines.append("   errors: " + ", ".join(f"{k}={v}" for k, v in summary["errors_by_kind"].items()))
     if req.get("short_outputs"):
         lines.append(f"   {req['short_outputs']} successful requests got fewer tokens than asked for")
-    lines.append(f"   {'ms':<6}{'mean':>9}{'p50':>9}{'p90':>9}{'p99':>9}")
-    for key, name in (("ttft_s", "TTFT"), ("itl_s", "ITL"), ("tpot_s", "TPOT"), ("e2e_s", "E2E")):
-        s = summary[key]
-        lines.append(f"   {name:<6}" + "".join(f"{_ms(s[k]):>9}" for k in ("mean", "p50", "p90", "p99")))
+    sel = summary.get("percentiles") or {}  # files from before the selection: the default table
+    columns = ["mean"] + [percentile_key(p) for p in sel.get("percentiles", PercentileSelection.percentiles)]
+    shown = sel.get("metrics", PercentileSelection.metrics)
+    lines.append(f"   {'ms':<6}" + "".join(f"{c:>9}" for c in columns))
+    for metric, key, name in (("ttft", "ttft_s", "TTFT"), ("itl", "itl_s", "ITL"), ("tpot", "tpot_s", "TPOT"),
+                              ("e2el", "e2e_s", "E2E")):
+        if metric in shown:
+            s = summary[key]
+            lines.append(f"   {name:<6}" + "".join(f"{_ms(s.get(k)):>9}" for k in columns))
     if summary.get("turns"):
         for key, name in (("first_ttft_s", "TTFT turn 1"), ("later_ttft_s", "TTFT turns 2+")):
             t = summary["turns"][key]
             lines.append(f"   {name:<14} p50 {_ms(t['p50'])} ms, p90 {_ms(t['p90'])} ms ({t['count']} requests)")
+    tokens = summary.get("prompt_tokens") or {}
+    if tokens.get("server") is not None and tokens["server"] != tokens.get("workload"):
+        lines.append(f"   prompt tokens: {tokens['server']} counted by the server, {tokens['workload']} by the "
+                     "workload")
     if summary.get("prefix_cache"):
         pc = summary["prefix_cache"]
         lines.append(f"   prefix cache: {pc['cached_tokens']} of {pc['prompt_tokens']} prompt tokens "

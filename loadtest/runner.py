@@ -1,5 +1,6 @@
-"""Drives a client through a workload: open loop (Poisson arrivals at a rate; a sweep of rates), closed
-loop (fixed concurrency), or conversations (multi-turn: each sends its turns in order). A run ends when
+"""Drives a client through a workload: open loop (Poisson or, with a burstiness other than 1, gamma arrivals
+at a rate; a sweep of rates), closed loop (fixed concurrency), or conversations (multi-turn: each sends its
+turns in order); and the warm-up requests sent before a measured run (`warm_up`). A run ends when
 every request is done or at max_duration_s: then no new request starts and the ones in flight are
 cancelled and recorded with error kind "cancelled".
 """
@@ -10,7 +11,7 @@ import math
 import random
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tqdm import tqdm
@@ -23,8 +24,8 @@ from loadtest.workload import RequestSpec
 
 @dataclass
 class RunResult:
-    """One run. config: mode ("open" | "closed"), rate, concurrency, num_requests (planned), sent, seed,
-    max_duration_s, stopped_by_max_duration. wall_time_s: from the run's start until its last request ended.
+    """One run. config: mode ("open" | "closed" | "conversations"), rate, burstiness (open loop and
+    conversations), concurrency, num_requests (planned), sent, seed, max_duration_s, stopped_by_max_duration. wall_time_s: from the run's start until its last request ended.
     records: one per request sent, in workload order."""
 
     config: dict[str, Any]
@@ -32,21 +33,41 @@ class RunResult:
     wall_time_s: float = 0.0
 
 
-def poisson_arrivals(rate: float, n: int, seed: int = 0) -> list[float]:
-    """Send times of a Poisson process: the first at 0, then exponential gaps of mean 1/rate, seeded.
+def gamma_arrivals(rate: float, n: int, seed: int = 0, burstiness: float = 1.0) -> list[float]:
+    """Send times of a renewal process: the first at 0, then gaps drawn from a gamma distribution of shape
+    `burstiness` and mean 1/rate (scale 1 / (rate * burstiness)), seeded. Burstiness 1 is the Poisson
+    process (exponential gaps: exactly `random.Random(seed).expovariate(rate)` draws); below 1 the gaps
+    vary more (bursts and lulls), above 1 less; inf gives constant gaps of 1/rate.
 
-    Args: rate: requests per second (> 0; inf sends all at once). n: how many. Returns: n sorted times (s).
+    Args: rate: requests per second (> 0; inf sends all at once). n: how many. burstiness: > 0 (inf allowed).
+    Returns: n sorted times (s). Raises: ValueError naming a bad rate or burstiness.
     """
     if not rate > 0:
         raise ValueError(f"rate must be > 0 requests/s (or inf), got {rate}")
+    if not burstiness > 0:
+        raise ValueError(f"burstiness must be > 0 (1: Poisson; < 1 burstier; > 1 more uniform), got {burstiness}")
     if math.isinf(rate):
         return [0.0] * n
     rng = random.Random(seed)
     times, t = [], 0.0
     for _ in range(n):
         times.append(t)
-        t += rng.expovariate(rate)
+        if burstiness == 1.0:
+            t += rng.expovariate(rate)  # the Poisson draw
+        elif math.isinf(burstiness):
+            t += 1.0 / rate
+        else:
+            t += rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
     return times
+
+
+def poisson_arrivals(rate: float, n: int, seed: int = 0) -> list[float]:
+    """Send times of a Poisson process: the first at 0, then exponential gaps of mean 1/rate, seeded
+    (`gamma_arrivals` with burstiness 1).
+
+    Args: rate: requests per second (> 0; inf sends all at once). n: how many. Returns: n sorted times (s).
+    """
+    return gamma_arrivals(rate, n, seed)
 
 
 class _Tracker:
@@ -101,10 +122,11 @@ class _Tracker:
 
 
 async def run_open_loop(client: Client, specs: list[RequestSpec], rate: float, seed: int = 0,
-                        max_duration_s: float = math.inf, progress: bool = True) -> RunResult:
-    """Sends specs at Poisson arrival times (`poisson_arrivals(rate, len(specs), seed)`), never waiting for
-    responses. Returns: the run's result."""
-    arrivals = poisson_arrivals(rate, len(specs), seed)
+                        max_duration_s: float = math.inf, progress: bool = True,
+                        burstiness: float = 1.0) -> RunResult:
+    """Sends specs at the arrival times `gamma_arrivals(rate, len(specs), seed, burstiness)` (Poisson for
+    burstiness 1), never waiting for responses. Returns: the run's result."""
+    arrivals = gamma_arrivals(rate, len(specs), seed, burstiness)
     tr = _Tracker(client, len(specs), f"rate {rate:g}/s", progress)
     stopped = False
     for spec, at in zip(specs, arrivals):
@@ -120,8 +142,8 @@ async def run_open_loop(client: Client, specs: list[RequestSpec], rate: float, s
         if pending:
             stopped = True
             await tr.cancel_inflight()
-    config = {"mode": "open", "rate": rate, "concurrency": None, "num_requests": len(specs), "seed": seed,
-              "max_duration_s": max_duration_s}
+    config = {"mode": "open", "rate": rate, "burstiness": burstiness, "concurrency": None,
+              "num_requests": len(specs), "seed": seed, "max_duration_s": max_duration_s}
     return tr.result(config, stopped)
 
 
@@ -153,8 +175,10 @@ async def run_closed_loop(client: Client, specs: list[RequestSpec], concurrency:
 
 
 async def run_conversations(client: Client, specs: list[RequestSpec], rate: float, think_s: float = 0.0,
-                            seed: int = 0, max_duration_s: float = math.inf, progress: bool = True) -> RunResult:
-    """Multi-turn: conversations start at Poisson arrival times (`rate` conversations/s; inf: all at once),
+                            seed: int = 0, max_duration_s: float = math.inf, progress: bool = True,
+                            burstiness: float = 1.0) -> RunResult:
+    """Multi-turn: conversations start at the arrival times `gamma_arrivals(rate, conversations, seed,
+    burstiness)` (`rate` conversations/s, Poisson for burstiness 1; inf: all at once),
     and each sends its turns in order, the next one `think_s` after the last one ended (also after a failed
     turn: the history the workload holds does not depend on the answers). Specs without a conversation run
     as conversations of one turn. Returns: the run's result."""
@@ -175,7 +199,7 @@ async def run_conversations(client: Client, specs: list[RequestSpec], rate: floa
                 return
             await tr.launch(spec, tr.now())
 
-    arrivals = poisson_arrivals(rate, len(conversations), seed)
+    arrivals = gamma_arrivals(rate, len(conversations), seed, burstiness)
     tasks = [asyncio.create_task(conversation(turns, at)) for turns, at in zip(conversations.values(), arrivals)]
     _, pending = await asyncio.wait(tasks, timeout=_left(tr, max_duration_s))
     if pending:
@@ -183,15 +207,48 @@ async def run_conversations(client: Client, specs: list[RequestSpec], rate: floa
         for t in pending:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-    config = {"mode": "conversations", "rate": rate, "concurrency": None, "num_requests": len(specs),
+    config = {"mode": "conversations", "rate": rate, "burstiness": burstiness, "concurrency": None,
+              "num_requests": len(specs),
               "conversations": len(conversations), "think_s": think_s, "seed": seed, "max_duration_s": max_duration_s}
     return tr.result(config, bool(pending) or len(tr.records) < len(specs))
 
 
 async def run_sweep(client: Client, specs: list[RequestSpec], rates: list[float], seed: int = 0,
-                    max_duration_s: float = math.inf, progress: bool = True) -> list[RunResult]:
-    """One open-loop run per rate, in the given order, each with the same specs and seed."""
-    return [await run_open_loop(client, specs, rate, seed, max_duration_s, progress) for rate in rates]
+                    max_duration_s: float = math.inf, progress: bool = True,
+                    burstiness: float = 1.0) -> list[RunResult]:
+    """One open-loop run per rate, in the given order, each with the same specs, seed and burstiness."""
+    return [await run_open_loop(client, specs, rate, seed, max_duration_s, progress, burstiness) for rate in rates]
+
+
+@dataclass(frozen=True)
+class WarmupResult:
+    """The warm-up before the measured runs. requests: how many were sent; ok: how many succeeded;
+    errors_by_kind: the failed ones by error kind; wall_time_s: how long the warm-up took."""
+
+    requests: int
+    ok: int
+    errors_by_kind: dict[str, int]
+    wall_time_s: float
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.ok <= self.requests or self.wall_time_s < 0:
+            raise ValueError(f"inconsistent warm-up counts: {self.ok} ok of {self.requests} in {self.wall_time_s} s")
+
+
+async def warm_up(client: Client, specs: list[RequestSpec], concurrency: int | None = None,
+                  max_duration_s: float = math.inf) -> WarmupResult:
+    """Sends `specs` before a measured run and waits for them all; their records are dropped, so nothing of
+    them reaches any metric. concurrency: requests in flight (None: all at once). Returns: what ran."""
+    if not specs:
+        return WarmupResult(0, 0, {}, 0.0)
+    run = await run_closed_loop(client, [replace(s, conversation=None, turn=0) for s in specs],
+                                concurrency or len(specs), max_duration_s, progress=False)
+    kinds: dict[str, int] = {}
+    for r in run.records:
+        if not r.ok:
+            kinds[r.error_kind or "unknown"] = kinds.get(r.error_kind or "unknown", 0) + 1
+    return WarmupResult(len(run.records), sum(r.ok for r in run.records), dict(sorted(kinds.items())),
+                        run.wall_time_s)
 
 
 def _left(tr: _Tracker, max_duration_s: float) -> float | None:

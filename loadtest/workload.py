@@ -14,7 +14,9 @@ Workload names (`parse_workload_lengths` / `build_workload`):
                  prompt, the conversation's history (every earlier user message, U tokens, each followed by
                  a stand-in of its reply, O seeded tokens, so every server gets the same prompts), and a
                  new user message of U tokens; O output tokens. A runner sends a conversation's turns in
-                 order (`loadtest.runner.run_conversations`).
+                 order (`loadtest.runner.run_conversations`). Text prompts also carry the turn as chat
+                 messages (RequestSpec.messages: the system prompt, then user / assistant in turn), which
+                 the chat endpoint sends instead of one user message.
   prefix:K:P:S:O K shared prefixes of P tokens; request i is prefix i mod K followed by S tokens of its own;
                  O output tokens.
   PATH.jsonl | jsonl:PATH
@@ -54,8 +56,23 @@ WORDS = (
 TokenCounter = Callable[[str], int]
 
 
+CHAT_ROLES = ("system", "user", "assistant")
+
+
 class WorkloadError(ValueError):
     """A workload name, parameter or file is invalid; the message says what is allowed."""
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    """One message of a chat prompt. role: one of CHAT_ROLES. content: its text."""
+
+    role: str
+    content: str
+
+    def __post_init__(self) -> None:
+        if self.role not in CHAT_ROLES:
+            raise ValueError(f"chat message role must be one of {', '.join(CHAT_ROLES)}, got {self.role!r}")
 
 
 @dataclass(frozen=True)
@@ -65,7 +82,10 @@ class RequestSpec:
     index: position in the workload. prompt_tokens: the prompt's length in tokens (exact for token ids
     and calibrated text; an estimate otherwise). output_tokens: tokens to ask for (max_tokens).
     Exactly one of prompt_text / prompt_token_ids is set. conversation / turn: in a multi-turn workload,
-    the conversation (None: an independent request) and the turn in it (0: the first).
+    the conversation (None: an independent request) and the turn in it (0: the first). messages: the same
+    prompt as chat messages where the workload has them (a multi-turn text prompt: system, then user /
+    assistant in turn, ending with the new user message); None: the chat endpoint sends prompt_text as
+    one user message.
     """
 
     index: int
@@ -75,10 +95,13 @@ class RequestSpec:
     prompt_token_ids: tuple[int, ...] | None = None
     conversation: int | None = None
     turn: int = 0
+    messages: tuple[ChatMessage, ...] | None = None
 
     def __post_init__(self) -> None:
         assert (self.prompt_text is None) != (self.prompt_token_ids is None), "exactly one prompt form"
         assert self.output_tokens >= 1
+        assert self.messages is None or (self.prompt_text is not None and len(self.messages) > 0), \
+            "messages only with a text prompt"
 
 
 def safe_token_range(vocab_size: int) -> tuple[int, int]:
@@ -217,6 +240,12 @@ def run_seed(seed: int, run: int) -> int:
     return seed + 100 * run
 
 
+def warmup_seed(seed: int) -> int:
+    """The seed of the warm-up requests sent before a run or sweep seeded `seed`: none of its runs' seeds
+    (`run_seed(seed, i)`, i >= 0), so a prefix-caching server holds none of the measured prompts."""
+    return run_seed(seed, -1)
+
+
 def build_workload(name: str, num_requests: int, seed: int = 0, max_context: int = 8192,
                    vocab_size: int | None = None, token_range: tuple[int, int] | None = None,
                    count_tokens: TokenCounter | None = None) -> list[RequestSpec]:
@@ -276,14 +305,17 @@ class _Pieces:
         return " ".join(self.rng.choice(WORDS) for _ in range(n))
 
     def spec(self, index: int, parts: list, output_tokens: int, conversation: int | None = None,
-             turn: int = 0) -> RequestSpec:
+             turn: int = 0, roles: tuple[str, ...] | None = None) -> RequestSpec:
+        """roles: the chat role of each part (text prompts then carry them as messages); None: no messages."""
         if self.token_range is not None:
             ids = tuple(t for part in parts for t in part)
             return RequestSpec(index, len(ids), output_tokens, prompt_token_ids=ids, conversation=conversation,
                                turn=turn)
+        messages = None if roles is None else tuple(ChatMessage(r, p) for r, p in zip(roles, parts, strict=True))
         text = " ".join(parts)
         count = self.count_tokens(text) if self.count_tokens is not None else len(text.split())
-        return RequestSpec(index, count, output_tokens, prompt_text=text, conversation=conversation, turn=turn)
+        return RequestSpec(index, count, output_tokens, prompt_text=text, conversation=conversation, turn=turn,
+                           messages=messages)
 
 
 def _ints(name: str, form: str, defaults: tuple[int, ...] | int) -> tuple[int, ...]:
@@ -311,7 +343,8 @@ def _multi_turn(name: str, n: int, max_context: int, pieces: _Pieces) -> list[Re
         history = [shared]
         for turn in range(min(turns, n - len(specs))):
             history.append(pieces.piece(user))
-            specs.append(pieces.spec(len(specs), history, out, conversation, turn))
+            roles = ("system",) + ("user", "assistant") * turn + ("user",)
+            specs.append(pieces.spec(len(specs), history, out, conversation, turn, roles))
             history.append(pieces.piece(out))  # the reply's stand-in
     return specs
 

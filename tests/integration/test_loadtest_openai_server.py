@@ -3,6 +3,9 @@
 The server runs in a background thread on 127.0.0.1: first token after TTFT_S, then one token every ITL_S,
 exactly max_tokens of them, then a usage event with pdserve_timings and [DONE]. It refuses (400) any body
 that is not what the harness must send. Fault variants break chosen requests in the ways real servers do.
+It serves /v1/chat/completions too, in chat's shapes (a role chunk first, content deltas, an empty delta
+with the finish reason), counting prompt tokens as a chat template would: the messages' words plus
+TEMPLATE_TOKENS per message.
 """
 from __future__ import annotations
 
@@ -18,10 +21,11 @@ from aiohttp import web
 from loadtest import cli
 from loadtest.clients import make_client
 from loadtest.metrics import summarize
-from loadtest.runner import run_closed_loop, run_open_loop
+from loadtest.runner import run_closed_loop, run_conversations, run_open_loop
 from loadtest.workload import build_workload
 
 TTFT_S, ITL_S = 0.05, 0.01
+TEMPLATE_TOKENS = 5  # the fake chat template's tokens per message
 # Upper bounds allow for a busy 2-core machine; lower bounds are exact (the server sleeps at least that long).
 SLACK_S = 1.0  # generous: the point is the arithmetic, not this machine's timing
 FAULTS = ("ok", "http_500", "bad_json", "drop", "missing_fields", "error_event", "no_finish")
@@ -55,6 +59,7 @@ class SSEServer:
         self.loop = asyncio.new_event_loop()
         app = web.Application()
         app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
         runner = web.AppRunner(app, handler_cancellation=True)
         self.loop.run_until_complete(runner.setup())
         site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -66,10 +71,16 @@ class SSEServer:
         self.loop.close()
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve_request(request, chat=False)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve_request(request, chat=True)
+
+    async def _serve_request(self, request: web.Request, chat: bool) -> web.StreamResponse:
         body = await request.json()
         n = len(self.bodies)
         self.bodies.append(body)
-        problem = _check_body(body)
+        problem = _check_chat_body(body) if chat else _check_body(body)
         if problem:
             return web.json_response({"error": {"message": problem}}, status=400)
         fault = self.fault(n)
@@ -78,18 +89,34 @@ class SSEServer:
         self.active += 1
         self.max_active = max(self.max_active, self.active)
         try:
-            return await self._stream(request, body, fault, n)
+            return await self._stream(request, body, fault, n, chat)
         finally:
             self.active -= 1
 
-    async def _stream(self, request: web.Request, body: dict, fault: str, n: int) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, body: dict, fault: str, n: int,
+                      chat: bool = False) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
 
         async def send(obj: dict | str) -> None:
             await resp.write(b"data: " + (obj if isinstance(obj, str) else json.dumps(obj)).encode() + b"\n\n")
 
-        max_tokens = body["max_tokens"]
+        def chunk(text: str, finish: str | None) -> dict:
+            if not chat:
+                return {"id": "cmpl-1", "object": "text_completion", "model": "m", "usage": None,
+                        "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}]}
+            return {"id": "chatcmpl-1", "object": "chat.completion.chunk", "model": "m", "usage": None,
+                    "choices": [{"delta": {"content": text} if text else {}, "index": 0, "logprobs": None,
+                                 "finish_reason": finish}]}
+
+        if chat:
+            max_tokens = body["max_completion_tokens"]
+            prompt_tokens = sum(len(m["content"].split()) + TEMPLATE_TOKENS for m in body["messages"])
+            await send({"id": "chatcmpl-1", "object": "chat.completion.chunk", "model": "m", "usage": None,
+                        "choices": [{"delta": {"role": "assistant", "content": ""}, "index": 0,
+                                     "logprobs": None, "finish_reason": None}]})
+        else:
+            max_tokens, prompt_tokens = body["max_tokens"], len(body["prompt"])
         await asyncio.sleep(self.ttft_s)
         for i in range(max_tokens):
             if i:
@@ -107,8 +134,12 @@ class SSEServer:
                 return resp
             last = i == max_tokens - 1
             finish = "length" if last and fault != "no_finish" else None
-            await send({"id": "cmpl-1", "object": "text_completion", "model": "m", "usage": None,
-                        "choices": [{"text": f" t{i}", "index": 0, "logprobs": None, "finish_reason": finish}]})
+            if chat:  # chat ends with an empty delta carrying the finish reason
+                await send(chunk(f" t{i}", None))
+                if finish:
+                    await send(chunk("", finish))
+            else:
+                await send(chunk(f" t{i}", finish))
         if self.usage:
             remote = n % 2 == 1
             timings = {"path": "remote" if remote else "local", "prefill_worker": "p0" if remote else None,
@@ -116,8 +147,8 @@ class SSEServer:
                        "transfer_s": 0.002 if remote else 0.0, "decode_s": self.itl_s * (max_tokens - 1),
                        "ttft_s": self.ttft_s, "e2e_s": self.ttft_s + self.itl_s * (max_tokens - 1)}
             await send({"id": "cmpl-1", "object": "text_completion", "choices": [],
-                        "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": max_tokens,
-                                  "total_tokens": len(body["prompt"]) + max_tokens, "pdserve_timings": timings}})
+                        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": max_tokens,
+                                  "total_tokens": prompt_tokens + max_tokens, "pdserve_timings": timings}})
         await send("[DONE]")
         await resp.write_eof()
         return resp
@@ -136,15 +167,36 @@ def _check_body(body: dict) -> str | None:
     return None
 
 
+def _check_chat_body(body: dict) -> str | None:
+    """What the harness must send to chat: streamed, greedy, fixed-length, text messages, no prompt."""
+    want = {"stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0}
+    for key, value in want.items():
+        if body.get(key) != value:
+            return f"{key} must be {value!r}, got {body.get(key)!r}"
+    if "prompt" in body or "max_tokens" in body:
+        return "chat takes messages and max_completion_tokens"
+    if not isinstance(body.get("max_completion_tokens"), int) or body["max_completion_tokens"] < 1:
+        return "max_completion_tokens"
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and set(m) == {"role", "content"} and m["role"] in ("system", "user", "assistant")
+            and isinstance(m["content"], str) and m["content"] for m in messages):
+        return "messages must be a non-empty list of {role, content} with text content"
+    if messages[-1]["role"] != "user":
+        return "the last message must be the user's"
+    return None
+
+
 @pytest.fixture(scope="module")
 def server() -> Iterator[SSEServer]:
     with SSEServer() as s:
         yield s
 
 
-def _run(coro_fn: Callable[..., object], url: str, *args: object, timeout_s: float = 10.0, **kw: object):
+def _run(coro_fn: Callable[..., object], url: str, *args: object, timeout_s: float = 10.0,
+         endpoint: str = "completions", **kw: object):
     async def main():
-        client = make_client("openai", url, timeout_s=timeout_s)
+        client = make_client("openai", url, timeout_s=timeout_s, endpoint=endpoint)
         try:
             return await coro_fn(client, *args, progress=False, **kw)
         finally:
@@ -262,3 +314,84 @@ def test_cli_unreachable_server_and_bad_workload(tmp_path, capsys) -> None:
     assert json.loads((tmp_path / "r.json").read_text())["runs"][0]["summary"]["errors_by_kind"] == {"connection": 3}
     assert cli.main(["--target", url, "--workload", "fixed:x", "--rate", "1", "--no-progress"]) == 2
     assert "fixed:PROMPT_TOKENS:OUTPUT_TOKENS" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- the chat endpoint
+
+
+def test_chat_endpoint_streams_messages_and_records_the_servers_prompt_count(server: SSEServer) -> None:
+    before = len(server.bodies)
+    specs = build_workload("fixed:12:10", 6, seed=4)  # text prompts: chat sends text
+    result = _run(run_closed_loop, server.url, specs, 3, endpoint="chat")
+    bodies = server.bodies[before:]
+    assert len(bodies) == 6 and all(b["max_completion_tokens"] == 10 and "prompt" not in b for b in bodies)
+    assert sorted(b["messages"][0]["content"] for b in bodies) == sorted(s.prompt_text for s in specs)
+    assert all(b["messages"] == [{"role": "user", "content": b["messages"][0]["content"]}] for b in bodies)
+
+    recs = result.records
+    assert all(r.ok for r in recs), [r.error for r in recs]
+    # the role chunk and the finishing empty delta carry no output: one chunk per token, timed as for completions
+    assert all(r.output_tokens == 10 and r.output_tokens_source == "usage" and len(r.chunk_times_s) == 10
+               and r.finish_reason == "length" for r in recs)
+    assert all(r.prompt_tokens == 12 and r.server_prompt_tokens == 12 + TEMPLATE_TOKENS for r in recs)
+    s = summarize(recs, result.wall_time_s)
+    assert TTFT_S <= s["ttft_s"]["min"] and s["ttft_s"]["p50"] < TTFT_S + SLACK_S
+    assert ITL_S * 0.8 <= s["itl_s"]["mean"] < ITL_S + SLACK_S / 5 and s["itl_s"]["count"] == 6 * 9
+    assert s["prompt_tokens"] == {"workload": 6 * 12, "server": 6 * (12 + TEMPLATE_TOKENS)}
+
+
+def test_chat_endpoint_sends_a_multi_turn_history_as_messages(server: SSEServer) -> None:
+    before = len(server.bodies)
+    specs = build_workload("multi-turn:3:8:4:2", 6, seed=2)
+    result = _run(run_conversations, server.url, specs, 50.0, 0.0, seed=1, endpoint="chat")
+    assert all(r.ok for r in result.records), [r.error for r in result.records]
+    by_prompt = {" ".join(m["content"] for m in b["messages"]): b for b in server.bodies[before:]}
+    for spec in specs:
+        msgs = by_prompt[spec.prompt_text]["messages"]
+        assert [m["role"] for m in msgs] == ["system"] + ["user", "assistant"] * spec.turn + ["user"]
+        assert [m["content"] for m in msgs] == [m.content for m in spec.messages]
+    assert len({b["messages"][0]["content"] for b in server.bodies[before:]}) == 1  # one shared system prompt
+    counted = {r.index: r.server_prompt_tokens for r in result.records}
+    assert all(counted[s.index] == s.prompt_tokens + TEMPLATE_TOKENS * (2 + 2 * s.turn) for s in specs)
+
+
+def test_cli_chat_warmup_burstiness_and_percentiles(server: SSEServer, tmp_path, capsys) -> None:
+    out = tmp_path / "chat.json"
+    before = len(server.bodies)
+    rc = cli.main(["--target", server.url, "--endpoint", "/v1/chat/completions", "--workload", "fixed:6:5",
+                   "--request-rate", "50", "--burstiness", "0.5", "--num-prompts", "8", "--num-warmups", "3",
+                   "--metric-percentiles", "99.9,50,99", "--percentile-metrics", "ttft,e2el",
+                   "--no-progress", "--out", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "warm-up: 3 requests before the measured runs, 3 ok" in printed
+    assert "burstiness 0.5 (gamma arrivals)" in printed
+    header = next(line for line in printed.splitlines() if line.strip().startswith("ms"))
+    assert header.split() == ["ms", "mean", "p50", "p99", "p99.9"]
+    assert "TTFT" in printed and "E2E" in printed and "   ITL " not in printed and "   TPOT " not in printed
+    assert "prompt tokens: 88 counted by the server, 48 by the workload" in printed
+
+    doc = json.loads(out.read_text())
+    assert doc["meta"]["endpoint"] == "chat"
+    assert doc["meta"]["warmup"] == {"requests": 3, "ok": 3, "errors_by_kind": {},
+                                     "wall_time_s": pytest.approx(doc["meta"]["warmup"]["wall_time_s"])}
+    run = doc["runs"][0]
+    assert run["config"]["burstiness"] == 0.5 and run["config"]["rate"] == 50.0
+    assert len(server.bodies) - before == 3 + 8 and len(run["records"]) == 8  # the warm-up is in no record
+    warm = {b["messages"][0]["content"] for b in server.bodies[before:before + 3]}
+    measured = {b["messages"][0]["content"] for b in server.bodies[before + 3:]}
+    assert not warm & measured  # the warm-up draws its own prompts
+    s = run["summary"]
+    assert s["requests"]["total"] == 8 and s["ttft_s"]["count"] == 8
+    assert s["percentiles"] == {"percentiles": [50.0, 99.0, 99.9], "metrics": ["ttft", "e2el"]}
+    assert {"p50", "p90", "p99", "p99.9"} <= set(s["ttft_s"]) and "p99.9" in s["e2e_s"]
+    assert "p99.9" not in s["itl_s"] and "p50" in s["itl_s"]  # every metric keeps p50 / p90 / p99
+
+
+def test_cli_chat_refuses_token_id_prompts_and_grpc(server: SSEServer, capsys) -> None:
+    base = ["--target", server.url, "--workload", "fixed:4:2", "--rate", "10", "--num-requests", "2",
+            "--no-progress"]
+    assert cli.main([*base, "--endpoint", "chat", "--vocab-size", "512"]) == 2
+    assert "--endpoint chat sends text messages" in capsys.readouterr().err
+    assert cli.main([*base, "--endpoint", "chat", "--api", "grpc"]) == 2
+    assert "use it with --api openai" in capsys.readouterr().err

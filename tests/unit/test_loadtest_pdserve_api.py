@@ -134,3 +134,26 @@ def test_conversations_send_their_turns_in_order_after_the_think_time(served: Se
     assert s["turns"]["first_ttft_s"]["count"] == 3 and s["turns"]["later_ttft_s"]["count"] == 4
     assert s["prefix_cache"] == {"cached_tokens": 0, "prompt_tokens": sum(r.server_prompt_tokens for r in recs),
                                  "fraction": 0.0}
+
+
+def test_chat_endpoint_on_pdserve_sends_the_history_as_messages_and_reads_the_servers_count(served: Served) -> None:
+    specs = build_workload("multi-turn:2:6:3:4", 4, seed=5)  # text prompts: 2 conversations of 2 turns
+
+    async def main() -> RunResult:
+        client = make_client("openai", served.target("openai"), timeout_s=10, endpoint="chat")
+        try:
+            return await run_conversations(client, specs, float("inf"), progress=False)
+        finally:
+            await client.aclose()
+
+    result = asyncio.run(main())
+    assert all(r.ok for r in result.records), [r.error for r in result.records]
+    assert all(r.output_tokens == 4 and r.output_tokens_source == "usage" and len(r.chunk_times_s) == 4
+               for r in result.records)  # pdserve's role chunk carries no output
+    sent = {q.messages[-1]["content"]: q for q in served.router.requests[-4:]}
+    for spec, r in zip(specs, result.records, strict=True):
+        q = sent[spec.messages[-1].content]
+        assert q.messages == [{"role": m.role, "content": m.content} for m in spec.messages]
+        assert q.sampling.max_tokens == 4 and q.sampling.ignore_eos
+        # the fake router renders "role: content" per message: one token more per message than the workload counts
+        assert r.server_prompt_tokens == spec.prompt_tokens + len(spec.messages)
