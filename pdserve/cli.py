@@ -1,4 +1,4 @@
-"""`pdserve` command line: serve, generate, model, bench. Thin: parses flags, calls the packages."""
+"""`pdserve` command line: serve, generate, model, plan, bench. Thin: parses flags, calls the packages."""
 from __future__ import annotations
 
 import argparse
@@ -174,6 +174,12 @@ def cmd_stop(args: argparse.Namespace) -> int:
     return 0 if n else 1
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from planner.cli import run
+
+    return run(args)
+
+
 def build_parser(serve_defaults: dict | None = None) -> argparse.ArgumentParser:
     """The `pdserve` parser; `serve_defaults` (from a YAML file) replace `serve`'s flag defaults."""
     from pdserve.serve import ServeConfig
@@ -226,6 +232,13 @@ def build_parser(serve_defaults: dict | None = None) -> argparse.ArgumentParser:
     stop.add_argument("--address", required=True, help="its Ray cluster: auto, HOST:PORT or ray://HOST:PORT")
     stop.add_argument("--deployment", required=True, help="the deployment's name")
     stop.set_defaults(func=cmd_stop)
+
+    from planner.cli import add_arguments as add_plan_arguments
+
+    plan = sub.add_parser("plan", help="how many prefill and decode workers: simulate a trace on a profile over "
+                          "P:D splits, policies and batch limits, and recommend one")
+    add_plan_arguments(plan)
+    plan.set_defaults(func=cmd_plan)
 
     from pdserve.bench.cli import add_bench_parser
 

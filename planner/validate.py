@@ -1,0 +1,187 @@
+"""`pdserve plan --validate URL`: a trace on a running pdserve, beside its simulation on that server's profile.
+
+A validated request lives twice: once simulated (`planner.sim`, on the cost model the server calibrated,
+`GET /pdserve/cost_model`, and its layout and KV pools, read off `/metrics`), once sent to the server by
+the load generator's client: a workload trace through `loadtest.runner.run_open_loop` with the same
+seed (the same prompts and arrival times the simulation replays), any other trace each request at its
+trace time. Both sides are summarised by `loadtest.metrics` against the same targets, and printed side
+by side: TTFT p50 / p99, TPOT p50, goodput. The server runs as its operator started it: start it with
+the layout to check and `--no-lend-threads` (the simulator does not lend threads between roles).
+
+Boundary rule: never imports Ray, no torch.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+from collections import Counter
+from dataclasses import dataclass
+
+from loadtest.clients import make_client
+from loadtest.records import RequestRecord
+from loadtest.workload import RequestSpec, build_workload, safe_token_range
+from planner.plan import Slo
+from planner.sim import Layout, Summary, WorkerSpec, prompt_ids, simulate
+from planner.traces import Trace
+from router.config import RouterConfig
+from router.cost_model import CostModel
+
+
+@dataclass(frozen=True)
+class ServerLayout:
+    """What a running server's /metrics tells of its pools. Args: layout; decode_blocks / prefill_blocks:
+    KV blocks per worker (the first worker's; 0 without prefill workers); policy: the placement policy that
+    placed most requests so far (None before any)."""
+
+    layout: Layout
+    decode_blocks: int
+    prefill_blocks: int
+    policy: str | None
+
+
+def fetch_text(url: str, timeout_s: float = 10.0) -> str:
+    """GET `url`. Raises: ValueError naming it when it cannot be read."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+            return r.read().decode()
+    except OSError as e:
+        raise ValueError(f"cannot read {url}: {e}") from None
+
+
+def metric_samples(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """Prometheus text → (sample name, labels, value) for every sample."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return [(s.name, s.labels, s.value) for fam in text_string_to_metric_families(text) for s in fam.samples]
+
+
+def server_layout(metrics_text: str) -> ServerLayout:
+    """Args: a pdserve /metrics page. Raises: ValueError when it shows no decode worker."""
+    blocks: dict[str, dict[str, float]] = {"prefill": {}, "decode": {}}
+    decisions: Counter[str] = Counter()
+    for name, labels, value in metric_samples(metrics_text):
+        if name == "pdserve_kv_blocks_total" and labels.get("pool") in blocks:
+            blocks[labels["pool"]][labels.get("worker", "")] = value
+        elif name == "pdserve_placement_decisions_total" and labels.get("reason") != "recovery":
+            decisions[labels.get("policy", "")] += value
+    if not blocks["decode"]:
+        raise ValueError("the server's /metrics shows no decode worker (pdserve_kv_blocks_total{pool=\"decode\"})")
+    first = {pool: int(next(iter(b.values()))) if b else 0 for pool, b in blocks.items()}
+    policy = decisions.most_common(1)[0][0] if decisions else None
+    return ServerLayout(Layout(len(blocks["prefill"]), len(blocks["decode"])), first["decode"], first["prefill"],
+                        policy or None)
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Args: simulated / measured: the two summaries; layout; policy."""
+
+    simulated: Summary
+    measured: Summary
+    layout: Layout
+    policy: str
+
+    def table(self) -> str:
+        rows = [("TTFT p50 (ms)", "ttft_p50_s", 1e3), ("TTFT p99 (ms)", "ttft_p99_s", 1e3),
+                ("TPOT p50 (ms)", "tpot_p50_s", 1e3), ("goodput (req/s)", "goodput_rps", 1.0),
+                ("within SLO", "good_fraction", 100.0)]
+        lines = [f"validation on {self.layout.label}, policy {self.policy}",
+                 f"{'':<18}{'simulated':>12}{'measured':>12}{'sim/meas':>10}"]
+        for label, field, scale in rows:
+            sim, meas = getattr(self.simulated, field), getattr(self.measured, field)
+            ratio = f"{sim / meas:.2f}" if sim is not None and meas else "-"
+            lines.append(f"{label:<18}{_fmt(sim, scale):>12}{_fmt(meas, scale):>12}{ratio:>10}")
+        return "\n".join(lines)
+
+
+def _fmt(v: float | None, scale: float) -> str:
+    return "-" if v is None else f"{v * scale:.3f}" if scale == 1.0 else f"{v * scale:.1f}"
+
+
+def trace_specs(trace: Trace, vocab_size: int) -> list[RequestSpec]:
+    """Requests to send for a trace: token-id prompts of its lengths, in the vocabulary's safe range, the
+    same ids where the simulation's prompts are the same (shared prefixes stay shared)."""
+    lo, hi = safe_token_range(vocab_size)
+    out = []
+    for i, r in enumerate(trace.requests):
+        ids = prompt_ids(r, i, trace.hash_block_tokens)
+        salt = (i + 1) * 7919 if not (r.hash_ids or r.prompt_ids) else 0  # a prompt of its own: ids of its own
+        out.append(RequestSpec(i, r.prompt_tokens, r.output_tokens,
+                               prompt_token_ids=tuple(lo + (abs(t) * 31 + salt) % (hi - lo) for t in ids)))
+    return out
+
+
+async def _replay(base: str, specs: list[RequestSpec], arrivals: list[float], timeout_s: float,
+                  ) -> tuple[list[RequestRecord], float]:
+    """Send each spec at its arrival time (open loop). Returns the records and the run's wall time."""
+    client = make_client("openai", base, timeout_s=timeout_s)
+    t0 = time.perf_counter()
+
+    async def one(spec: RequestSpec, at: float) -> RequestRecord:
+        start = time.perf_counter() - t0
+        rec = await client.send(spec)
+        rec.start_s, rec.scheduled_s = start, at
+        return rec
+    try:
+        tasks = []
+        for spec, at in zip(specs, arrivals):
+            await asyncio.sleep(max(0.0, at - (time.perf_counter() - t0)))
+            tasks.append(asyncio.create_task(one(spec, at)))
+        records = list(await asyncio.gather(*tasks))
+    finally:
+        await client.aclose()
+    return records, time.perf_counter() - t0
+
+
+async def _workload_run(base: str, name: str, n: int, rate: float, seed: int, vocab_size: int,
+                        timeout_s: float) -> tuple[list[RequestRecord], float]:
+    from loadtest.runner import run_open_loop
+
+    specs = build_workload(name, n, seed, vocab_size=vocab_size)
+    client = make_client("openai", base, timeout_s=timeout_s)
+    try:
+        run = await run_open_loop(client, specs, rate, seed, progress=False)
+    finally:
+        await client.aclose()
+    return run.records, run.wall_time_s
+
+
+@dataclass(frozen=True)
+class WorkloadRef:
+    """The load generator workload a trace was built from (`planner.traces.from_workload`'s arguments)."""
+
+    name: str
+    num_requests: int
+    rate: float
+    seed: int
+
+
+def validate(base: str, trace: Trace, slo: Slo, max_num_seqs: int, vocab_size: int = 49152,
+             workload: WorkloadRef | None = None, request_timeout_s: float = 300.0,
+             fallback_policy: str = RouterConfig().policy) -> Comparison:
+    """Run `trace` on the server at `base` (http://HOST:PORT) and simulate it on the server's own profile.
+
+    Args: slo: the targets both sides are counted against. max_num_seqs: the server's `--max-num-seqs`
+    (not in its metrics). vocab_size: the model's (token-id prompts). workload: how the trace was built,
+    to send it through the load generator's own open loop. fallback_policy: the policy simulated when the
+    server's metrics name none (the server placed nothing yet)."""
+    cost = CostModel.from_dict(json.loads(fetch_text(base.rstrip("/") + "/pdserve/cost_model")))
+    before = server_layout(fetch_text(base.rstrip("/") + "/metrics"))
+    if workload is not None:
+        records, wall = asyncio.run(_workload_run(base, workload.name, workload.num_requests, workload.rate,
+                                                  workload.seed, vocab_size, request_timeout_s))
+    else:
+        records, wall = asyncio.run(_replay(base, trace_specs(trace, vocab_size),
+                                            [r.arrival_s for r in trace.requests], request_timeout_s))
+    after = server_layout(fetch_text(base.rstrip("/") + "/metrics"))
+    policy = after.policy or before.policy or fallback_policy
+    decode = WorkerSpec(before.decode_blocks, max_num_seqs=max_num_seqs,
+                        prefill_chunk_tokens=cost.prefill_chunk_tokens or WorkerSpec.prefill_chunk_tokens)
+    prefill = WorkerSpec(before.prefill_blocks, max_num_seqs=max_num_seqs,
+                         prefill_chunk_tokens=decode.prefill_chunk_tokens) if before.prefill_blocks else None
+    router = RouterConfig(policy=policy, ttft_target_s=slo.ttft_s, tpot_target_s=slo.tpot_s)
+    sim = simulate(trace, cost, before.layout, decode, router, prefill_worker=prefill)
+    return Comparison(sim.summary(slo.ttft_s, slo.tpot_s), Summary.of(records, wall, slo.ttft_s, slo.tpot_s),
+                      before.layout, policy)
