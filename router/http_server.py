@@ -9,8 +9,10 @@ Lifecycle of one POST /v1/completions or /v1/chat/completions:
 4. `router.submit` validates, tokenizes and places it, or raises before anything runs
    (unknown model → 404, overload → 429 + Retry-After, invalid → 400).
 5. Non-streamed: collect the chunks, answer one JSON body. Streamed (`stream: true`): send
-   server-sent events `data: {...}\\n\\n`, one or two per chunk, then `data: [DONE]\\n\\n`. A failure
-   after the first event becomes `data: {"error": {...}}` followed by `data: [DONE]`.
+   server-sent events `data: {...}\\n\\n`, one or two per chunk, then `data: [DONE]\\n\\n`.
+   A failure after the first event becomes `data: {"error": {...}}` followed by `data: [DONE]`.
+   Logprobs, when asked, go with their tokens (`openai_protocol.LogprobsBuilder`; token strings from
+   the router's tokenizer).
 6. Always close the stream at the end: on a client disconnect (write fails, or the handler is
    cancelled), an error or any other early exit this aborts the request everywhere; after a normal
    end it is a no-op.
@@ -53,15 +55,18 @@ import logging
 import math
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from engine.errors import CapacityError, InvalidRequestError
+from engine.logprobs import TokenLogprob
 from router.auth import as_key_set, bearer_token, key_allowed
 from router.limits import CLIENT_REQUEST_ID, DEFAULT_LIMITS, RequestLimits
 from router.openai_protocol import (
+    LogprobsBuilder,
     ParsedRequest,
     ResponseBuilder,
     error_body,
@@ -198,13 +203,25 @@ async def _generate(request: web.Request, parsed: ParsedRequest, chat: bool) -> 
     stream = await router.submit(generate)
     try:
         request[_LOG_ID] = stream.request_id
+        logprobs = LogprobsBuilder(chat, _token_text(router)) if generate.sampling.logprobs is not None else None
         builder = ResponseBuilder(chat=chat, request_id=stream.request_id, model=generate.model or router.model_name,
-                                  created=int(time.time()), include_usage=parsed.include_usage)
+                                  created=int(time.time()), include_usage=parsed.include_usage, logprobs=logprobs)
         if parsed.stream:
             return await _stream(request, stream, builder)
         return await _collect(stream, builder)
     finally:
         await _close(stream)
+
+
+def _token_text(router: RouterAPI) -> Callable[[int], str]:
+    """The string of one token id in logprobs: the tokenizer's decode of it alone; `token_id:<id>` for
+    a model served without a tokenizer."""
+    def text(token_id: int) -> str:
+        try:
+            return router.detokenize([token_id], None)
+        except InvalidRequestError:
+            return f"token_id:{token_id}"
+    return text
 
 
 async def _close(stream: RequestStream) -> None:
@@ -217,14 +234,16 @@ async def _close(stream: RequestStream) -> None:
 
 async def _collect(stream: RequestStream, builder: ResponseBuilder) -> web.Response:
     texts: list[str] = []
+    logprobs: list[TokenLogprob] = []
     completion_tokens = 0
     async for chunk in stream:
         texts.append(chunk.text)
+        logprobs += chunk.logprobs
         completion_tokens += len(chunk.token_ids)
         if chunk.finish_reason is not None:
             finish = openai_finish_reason(chunk, stream.request_id)
             usage = final_usage(chunk, stream.prompt_tokens, completion_tokens)
-            body = builder.full("".join(texts), finish, usage, chunk.timings)
+            body = builder.full("".join(texts), finish, usage, chunk.timings, logprobs)
             return web.json_response(body, headers={"X-Request-Id": stream.request_id})
     raise RequestFailed(f"request {stream.request_id} ended without a finish reason")
 

@@ -2,9 +2,20 @@
 
 Parsing checks every field the OpenAI API defines for /v1/completions and /v1/chat/completions,
 raising `InvalidRequestError(field, message)` that names the field and what is allowed; fields we
-cannot honour (n > 1, logprobs, tools, ...) are refused rather than silently ignored, and so are the
+cannot honour (n > 1, tools, echo, ...) are refused rather than silently ignored, and so are the
 sampling extensions of other OpenAI-compatible servers that pdserve does not implement
 (`UNSUPPORTED_EXTENSIONS`). Other unknown top-level fields are ignored, as such servers commonly do.
+
+Log-probabilities: completions `logprobs` (an integer in [0, 20]), chat `logprobs: true` with
+`top_logprobs` (an integer in [0, 20]; above 0 only with `logprobs: true`) become
+`SamplingParams.logprobs`; out of range → InvalidRequestError naming the field. They are the model's
+raw log-softmax (`engine.logprobs`). `LogprobsBuilder` writes them in OpenAI's shapes: completions
+`{"tokens", "token_logprobs", "top_logprobs": [{token: logprob}] (the top k and the chosen token),
+"text_offset"}`, chat `{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}`. A token's
+string is the tokenizer's decode of its id alone (special tokens included), as vLLM gives it; a
+`text_offset` is where the token starts in the concatenation of those strings. They follow the tokens,
+not the text: a streamed chunk carries the logprobs of its tokens, also when their text is held back
+(it then has empty text), so every token's entry comes exactly once, in order.
 
 Defaults follow OpenAI: temperature 1.0, top_p 1.0, max_tokens 16 for completions; chat without
 max_tokens gets the server's default (cut to the room left in the context). presence_penalty and
@@ -17,10 +28,12 @@ ids) are checked here too, shared with the gRPC API; over a limit → InvalidReq
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import InvalidRequestError
+from engine.logprobs import MAX_LOGPROBS, TokenLogprob
 from engine.sampling_params import SamplingParams
 from router.limits import DEFAULT_LIMITS, RequestLimits, check_limits
 from router.types import Chunk, GenerateRequest, PhaseTimings, RequestFailed, Usage
@@ -37,6 +50,7 @@ UNSUPPORTED_EXTENSIONS = ("use_beam_search", "length_penalty", "early_stopping",
 MAX_TOKEN_ID = 2**31 - 1
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 FINISH_REASONS = ("stop", "length")
+LOWEST_LOGPROB = -9999.0  # what a log-probability of -inf is written as (JSON has no infinity), as OpenAI does
 _MISSING = object()
 
 
@@ -57,12 +71,12 @@ def parse_completion_request(body: Any, default_max_tokens: int = DEFAULT_MAX_TO
     """Args: the decoded JSON body of POST /v1/completions; the default max_tokens; the size limits.
     Returns: the parsed request. Raises: InvalidRequestError naming the offending field."""
     body = _object(body)
-    _only_null_or(body, "logprobs", (), "is not supported; use null or leave it out")
+    logprobs = _logprobs_count(body, "logprobs")
     _only_null_or(body, "echo", (False,), "is not supported; use false")
     _only_null_or(body, "best_of", (1,), "only 1 is supported", int)
     _only_null_or(body, "suffix", ("",), "is not supported; use null or leave it out", str)
     prompt = _prompt(body.get("prompt", _MISSING))
-    sampling = _sampling(body, _int_field(body, "max_tokens", default_max_tokens))
+    sampling = _sampling(body, _int_field(body, "max_tokens", default_max_tokens), logprobs)
     return _parsed(body, check_limits(GenerateRequest(prompt=prompt, sampling=sampling, model=_model(body),
                                                       timeout_s=_timeout(body)), limits))
 
@@ -72,8 +86,7 @@ def parse_chat_request(body: Any, default_max_tokens: int = DEFAULT_MAX_TOKENS,
     """Args: the decoded JSON body of POST /v1/chat/completions; the default max_tokens; the size limits.
     Returns: the parsed request. Raises: InvalidRequestError naming the offending field."""
     body = _object(body)
-    _only_null_or(body, "logprobs", (False,), "is not supported; use false", bool)
-    _only_null_or(body, "top_logprobs", (), "is not supported; use null or leave it out")
+    logprobs = _chat_logprobs(body)
     _only_null_or(body, "tools", ([],), "tool calling is not supported; leave tools out")
     _only_null_or(body, "tool_choice", ("none",), "tool calling is not supported; use \"none\" or leave it out")
     _only_null_or(body, "functions", ([],), "function calling is not supported; leave functions out")
@@ -84,7 +97,7 @@ def parse_chat_request(body: Any, default_max_tokens: int = DEFAULT_MAX_TOKENS,
         max_tokens = _int_field(body, "max_completion_tokens", default_max_tokens)
     else:
         max_tokens = _int_field(body, "max_tokens", default_max_tokens)
-    sampling = _sampling(body, max_tokens)
+    sampling = _sampling(body, max_tokens, logprobs)
     unset = body.get("max_completion_tokens") is None and body.get("max_tokens") is None
     request = GenerateRequest(messages=messages, sampling=sampling, model=_model(body), max_tokens_default=unset,
                               timeout_s=_timeout(body))
@@ -126,7 +139,24 @@ def _parsed(body: dict, request: GenerateRequest) -> ParsedRequest:
     return ParsedRequest(request=request, stream=stream, include_usage=include_usage)
 
 
-def _sampling(body: dict, max_tokens: int) -> SamplingParams:
+def _logprobs_count(body: dict, name: str) -> int | None:
+    """body[name]: null, or how many likeliest tokens to give beside each chosen one, in [0, 20]."""
+    value = _typed(body, name, int, f"an integer in [0, {MAX_LOGPROBS}]", None)
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise InvalidRequestError(name, f"must be an integer in [0, {MAX_LOGPROBS}], got {value}")
+    return value
+
+
+def _chat_logprobs(body: dict) -> int | None:
+    """Chat: `logprobs` (a boolean) turns them on, `top_logprobs` says how many alternatives."""
+    wanted = _typed(body, "logprobs", bool, "a boolean", False)
+    top = _logprobs_count(body, "top_logprobs")
+    if top and not wanted:
+        raise InvalidRequestError("top_logprobs", "needs logprobs set to true")
+    return (top or 0) if wanted else None
+
+
+def _sampling(body: dict, max_tokens: int, logprobs: int | None = None) -> SamplingParams:
     if _typed(body, "n", int, "an integer", 1) != 1:
         raise InvalidRequestError("n", "only 1 is supported (one choice per request)")
     for name in UNSUPPORTED_EXTENSIONS:
@@ -151,6 +181,7 @@ def _sampling(body: dict, max_tokens: int) -> SamplingParams:
         presence_penalty=_typed(body, "presence_penalty", (int, float), "a number", 0.0),
         frequency_penalty=_typed(body, "frequency_penalty", (int, float), "a number", 0.0),
         repetition_penalty=_typed(body, "repetition_penalty", (int, float), "a number", 1.0),
+        logprobs=logprobs,
     )
 
 
@@ -317,15 +348,65 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+class LogprobsBuilder:
+    """One request's logprobs objects in OpenAI's shapes, for the whole response or chunk by chunk
+    (it keeps the running `text_offset`). `token_text(id)`: the string of one token id."""
+
+    def __init__(self, chat: bool, token_text: Callable[[int], str]) -> None:
+        self.chat = chat
+        self._token_text = token_text
+        self._texts: dict[int, str] = {}
+        self._offset = 0
+
+    def build(self, entries: Iterable[TokenLogprob]) -> dict:
+        """The logprobs object of these tokens (the next ones of the request, in order)."""
+        return self._chat(entries) if self.chat else self._completion(entries)
+
+    def _text(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self._token_text(token_id)
+        return text
+
+    def _completion(self, entries: Iterable[TokenLogprob]) -> dict:
+        body: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for e in entries:
+            token = self._text(e.token_id)
+            top: dict[str, float] = {}
+            for tid, lp in (*zip(e.top_ids, e.top_logprobs), (e.token_id, e.logprob)):  # the chosen one too
+                top.setdefault(self._text(tid), _finite(lp))
+            body["tokens"].append(token)
+            body["token_logprobs"].append(_finite(e.logprob))
+            body["top_logprobs"].append(top)
+            body["text_offset"].append(self._offset)
+            self._offset += len(token)
+        return body
+
+    def _chat(self, entries: Iterable[TokenLogprob]) -> dict:
+        return {"content": [{**self._chat_token(e.token_id, e.logprob),
+                             "top_logprobs": [self._chat_token(t, lp) for t, lp in zip(e.top_ids, e.top_logprobs)]}
+                            for e in entries]}
+
+    def _chat_token(self, token_id: int, logprob: float) -> dict:
+        text = self._text(token_id)
+        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, LOWEST_LOGPROB)
+
+
 @dataclass(frozen=True)
 class ResponseBuilder:
-    """Builds one request's response bodies (whole, or stream chunks) in OpenAI's shapes."""
+    """Builds one request's response bodies (whole, or stream chunks) in OpenAI's shapes; with
+    `logprobs` (the request asked for them) each choice carries its tokens' logprobs."""
 
     chat: bool
     request_id: str
     model: str
     created: int
     include_usage: bool = False
+    logprobs: LogprobsBuilder | None = None
 
     def _head(self, chunked: bool) -> dict:
         prefix, obj = ("chatcmpl-", "chat.completion") if self.chat else ("cmpl-", "text_completion")
@@ -333,13 +414,15 @@ class ResponseBuilder:
             obj = "chat.completion.chunk"
         return {"id": prefix + self.request_id, "object": obj, "created": self.created, "model": self.model}
 
-    def full(self, text: str, finish_reason: str, usage: Usage, timings: PhaseTimings | None) -> dict:
-        """The non-streamed response."""
+    def full(self, text: str, finish_reason: str, usage: Usage, timings: PhaseTimings | None,
+             logprobs: Iterable[TokenLogprob] = ()) -> dict:
+        """The non-streamed response; `logprobs`: those of every output token, when asked."""
+        lp = self.logprobs.build(logprobs) if self.logprobs is not None else None
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "finish_reason": finish_reason, "logprobs": None}
+                      "finish_reason": finish_reason, "logprobs": lp}
         else:
-            choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"text": text, "index": 0, "logprobs": lp, "finish_reason": finish_reason}
         return {**self._head(False), "choices": [choice], "usage": usage_body(usage, timings)}
 
     def start_events(self) -> list[dict]:
@@ -348,15 +431,18 @@ class ResponseBuilder:
 
     def chunk_events(self, chunk: Chunk, finish_reason: str | None, usage: Usage | None) -> list[dict]:
         """Stream events for one router chunk; finish_reason (OpenAI's) and usage on the last one only.
-        Timings go in the usage chunk when include_usage, else top-level on the finishing chunk."""
+        Timings go in the usage chunk when include_usage, else top-level on the finishing chunk. When
+        the request asked for logprobs, a chunk with tokens is sent even while its text is held back."""
         events = []
+        lp = self.logprobs.build(chunk.logprobs) if self.logprobs is not None else None
+        tokens = lp is not None and bool(chunk.logprobs)
         if self.chat:
-            if chunk.text:
-                events.append(self._chunk({"content": chunk.text}, None))
+            if chunk.text or tokens:
+                events.append(self._chunk({"content": chunk.text}, None, lp))
             if finish_reason is not None:
                 events.append(self._chunk({}, finish_reason))
-        elif chunk.text or finish_reason is not None:
-            events.append(self._chunk(chunk.text, finish_reason))
+        elif chunk.text or tokens or finish_reason is not None:
+            events.append(self._chunk(chunk.text, finish_reason, lp))
         if finish_reason is not None:
             if self.include_usage and usage is not None:
                 events.append({**self._head(True), "choices": [], "usage": usage_body(usage, chunk.timings)})
@@ -364,11 +450,11 @@ class ResponseBuilder:
                 events[-1]["pdserve_timings"] = chunk.timings.as_dict()
         return events
 
-    def _chunk(self, delta: dict | str, finish_reason: str | None) -> dict:
+    def _chunk(self, delta: dict | str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
         if self.chat:
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
-            choice = {"text": delta, "index": 0, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"text": delta, "index": 0, "logprobs": logprobs, "finish_reason": finish_reason}
         event = {**self._head(True), "choices": [choice]}
         if self.include_usage:
             event["usage"] = None

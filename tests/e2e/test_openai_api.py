@@ -108,6 +108,53 @@ def test_penalties_and_min_tokens_through_the_sdk_equal_the_reference(client, se
         client.completions.create(model=server.model, prompt=prompt, max_tokens=4, extra_body={"use_beam_search": True})
 
 
+def reference_logprobs(oracle, prompt_ids: list[int], out_ids: list[int]) -> torch.Tensor:
+    """[len(out_ids), V]: the fp32 log-softmax of the model's logits before each output token."""
+    with torch.no_grad():
+        logits = oracle[0](torch.tensor([prompt_ids + out_ids[:-1]])).logits[0, len(prompt_ids) - 1:].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completion_logprobs_through_the_sdk(client, server, oracle, stream):
+    """logprobs=2, greedy: the tokens' texts and logprobs are the model's (the first token's included,
+    whichever path served it), the top 2 (and the chosen one) by text, offsets over the tokens' texts."""
+    tokenizer = oracle[1]
+    ids = tokenizer("The capital of France is")["input_ids"]
+    want = greedy_ids(oracle, ids, 6)
+    ref = reference_logprobs(oracle, ids, want)
+    resp = client.completions.create(model=server.model, prompt="The capital of France is", max_tokens=6,
+                                     temperature=0, logprobs=2, stream=stream)
+    parts = [c.choices[0].logprobs for c in resp if c.choices and c.choices[0].logprobs] if stream else \
+        [resp.choices[0].logprobs]
+    tokens = [t for p in parts for t in p.tokens]
+    assert tokens == [tokenizer.decode([t]) for t in want]
+    got = [lp for p in parts for lp in p.token_logprobs]
+    assert max(abs(g - float(ref[i, t])) for i, (g, t) in enumerate(zip(got, want, strict=True))) < 1e-3
+    for token, lp, top in zip(tokens, got, (t for p in parts for t in p.top_logprobs)):
+        assert len(top) == 2 and max(top.values()) == top[token] == lp  # greedy: the chosen one is the likeliest
+    offsets = [o for p in parts for o in p.text_offset]
+    assert offsets == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_logprobs_through_the_sdk(client, server, oracle, stream):
+    """logprobs=True, top_logprobs=3: each token's text, bytes, logprob and its top 3, the greedy token first."""
+    ids = chat_ids(oracle, MESSAGES)
+    want = greedy_ids(oracle, ids, 6)
+    ref = reference_logprobs(oracle, ids, want)
+    resp = client.chat.completions.create(model=server.model, messages=MESSAGES, max_tokens=6, temperature=0,
+                                          logprobs=True, top_logprobs=3, stream=stream)
+    content = [t for c in resp if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content] \
+        if stream else resp.choices[0].logprobs.content
+    assert [t.token for t in content] == [oracle[1].decode([t]) for t in want]
+    for i, (entry, token_id) in enumerate(zip(content, want, strict=True)):
+        assert abs(entry.logprob - float(ref[i, token_id])) < 1e-3 and entry.bytes == list(entry.token.encode())
+        assert len(entry.top_logprobs) == 3 and entry.top_logprobs[0].token == entry.token
+        assert [a.logprob for a in entry.top_logprobs] == sorted((a.logprob for a in entry.top_logprobs), reverse=True)
+        assert abs(entry.top_logprobs[1].logprob - float(ref[i].topk(2).values[1])) < 1e-3
+
+
 def test_long_prompt_through_the_server_matches_generate(client, server, oracle):
     prompt = " ".join(f"Item {i} is a {['red', 'green', 'blue'][i % 3]} box." for i in range(60)) + " Item 60 is"
     ids = oracle[1](prompt)["input_ids"]
@@ -173,7 +220,9 @@ def post(server, path: str, body: bytes | dict) -> tuple[int, dict]:
     ("/v1/completions", {"model": "smollm2", "prompt": "hi", "max_tokens": 10**9}, 400, "max_tokens"),
     ("/v1/completions", {"model": "smollm2", "prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
     ("/v1/completions", {"model": "smollm2", "prompt": "hi", "n": 2}, 400, "n"),
-    ("/v1/completions", {"model": "smollm2", "prompt": "hi", "logprobs": 3}, 400, "logprobs"),
+    ("/v1/completions", {"model": "smollm2", "prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ("/v1/chat/completions", {"model": "smollm2", "messages": MESSAGES, "logprobs": True, "top_logprobs": 30}, 400,
+     "top_logprobs"),
     ("/v1/completions", {"model": "smollm2", "prompt": "hi", "temperature": -1}, 400, "temperature"),
     ("/v1/completions", {"model": "nope", "prompt": "hi"}, 404, "model"),
     ("/v1/chat/completions", {"model": "smollm2", "messages": []}, 400, "messages"),

@@ -1,7 +1,8 @@
 """A deterministic stand-in for the router core, for testing the API servers' wire handling alone.
 
 It tokenizes by whitespace (one token per word, id = word length), and answers with
-`max_tokens` tokens "w0 w1 ..." (id 100 + i), finishing with "length". A prompt of "overload"
+`max_tokens` tokens "w0 w1 ..." (id 100 + i), finishing with "length"; when the request asks for
+logprobs, token i has logprob -0.5 * i and top k ids 100 + i, 1, 2, ... (-0.5 * i, then -5, -6, ...). A prompt of "overload"
 raises OverloadedError; "explode" fails mid-stream with RequestFailed. Chat messages are rendered as
 "role: content" lines. The real router is exercised by the e2e tests.
 """
@@ -11,6 +12,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from engine.errors import InvalidRequestError
+from engine.logprobs import TokenLogprob
 from router.types import (Chunk, GenerateRequest, ModelCard, ModelNotFoundError, OverloadedError, PhaseTimings,
                           RequestFailed, Usage)
 
@@ -19,8 +21,10 @@ MAX_MODEL_LEN = 64
 
 
 class FakeStream:
-    def __init__(self, request_id: str, prompt_tokens: int, max_tokens: int, explode: bool, owner: "FakeRouter"):
+    def __init__(self, request_id: str, prompt_tokens: int, max_tokens: int, explode: bool, owner: "FakeRouter",
+                 logprobs: int | None = None):
         self.request_id = request_id
+        self._logprobs = logprobs
         self.prompt_tokens = prompt_tokens
         self._max_tokens = max_tokens
         self._explode = explode
@@ -40,11 +44,18 @@ class FakeStream:
                 yield Chunk(text=f"w{i} ", token_ids=[100 + i], finish_reason="length" if last else None,
                             usage=Usage(self.prompt_tokens, self._max_tokens) if last else None,
                             timings=PhaseTimings("remote", "prefill-0", "decode-0", 0.001, 0.01, 0.002, 0.05,
-                                                 0.013, 0.06) if last else None)
+                                                 0.013, 0.06) if last else None,
+                            logprobs=self._token_logprobs(i))
             self._done = True
         finally:
             if not self._done:
                 self._owner.aborted.append(self.request_id)
+
+    def _token_logprobs(self, i: int) -> tuple[TokenLogprob, ...]:
+        if self._logprobs is None:
+            return ()
+        k = self._logprobs
+        return (TokenLogprob(100 + i, -0.5 * i, (100 + i, *range(1, k))[:k], (-0.5 * i, *range(-5, -4 - k, -1))[:k]),)
 
     async def aclose(self) -> None:
         if not self._done:
@@ -82,7 +93,8 @@ class FakeRouter:
         if text.strip() == "overload":
             raise OverloadedError("all decode workers are full; retry later", retry_after_s=2.0)
         rid = request.request_id or f"fake-{len(self.requests)}"
-        return FakeStream(rid, len(ids), request.sampling.max_tokens, text.strip() == "explode", self)
+        return FakeStream(rid, len(ids), request.sampling.max_tokens, text.strip() == "explode", self,
+                          request.sampling.logprobs)
 
     def tokenize(self, request: GenerateRequest) -> list[int]:
         """One id per whitespace-separated word: its length."""

@@ -161,6 +161,38 @@ def test_sdk_chat_stream(client: openai.OpenAI) -> None:
     assert not chunks[-1].choices and (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (2, 5, 7)
 
 
+X = "x" * 100  # the fake router's text of token 100 (its tokens are 100, 101, ...)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_sdk_completion_logprobs(client: openai.OpenAI, stream: bool) -> None:
+    """logprobs=2: per token its text, logprob, the top 2 with the chosen one, and its offset."""
+    resp = client.completions.create(model=MODEL, prompt="a b", max_tokens=3, logprobs=2, stream=stream)
+    parts = [c.choices[0].logprobs for c in resp if c.choices and c.choices[0].logprobs] if stream else \
+        [resp.choices[0].logprobs]
+    tokens = [t for p in parts for t in p.tokens]
+    assert tokens == [X, X + "x", X + "xx"]
+    assert [lp for p in parts for lp in p.token_logprobs] == [0.0, -0.5, -1.0]
+    assert [t for p in parts for t in p.top_logprobs] == [{X: 0.0, "x": -5.0}, {X + "x": -0.5, "x": -5.0},
+                                                          {X + "xx": -1.0, "x": -5.0}]
+    assert [o for p in parts for o in p.text_offset] == [0, 100, 201]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_sdk_chat_logprobs(client: openai.OpenAI, stream: bool) -> None:
+    """logprobs=True, top_logprobs=3: each token with its bytes and its top 3; streamed, one per chunk."""
+    resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                          logprobs=True, top_logprobs=3, stream=stream)
+    content = [t for c in resp if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content] \
+        if stream else resp.choices[0].logprobs.content
+    assert [(t.token, t.logprob, t.bytes) for t in content] == [(X, 0.0, [120] * 100), (X + "x", -0.5, [120] * 101)]
+    assert [[(a.token, a.logprob) for a in t.top_logprobs] for t in content] == [
+        [(X, 0.0), ("x", -5.0), ("xx", -6.0)], [(X + "x", -0.5), ("x", -5.0), ("xx", -6.0)]]
+    plain = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                           logprobs=True)
+    assert [t.top_logprobs for t in plain.choices[0].logprobs.content] == [[], []]
+
+
 def test_sdk_models(client: openai.OpenAI) -> None:
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL] and models[0].owned_by == "pdserve"
@@ -211,7 +243,8 @@ BAD_REQUESTS = [  # (path, body or raw bytes, status, param, code)
     (C, {"prompt": "   "}, 400, "prompt", None),
     (C, {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", None),
     (C, {"prompt": "hi", "n": 2}, 400, "n", None),
-    (C, {"prompt": "hi", "logprobs": 5}, 400, "logprobs", None),
+    (C, {"prompt": "hi", "logprobs": 21}, 400, "logprobs", None),
+    (C, {"prompt": "hi", "logprobs": True}, 400, "logprobs", None),
     (C, {"prompt": ["a", "b"]}, 400, "prompt", None),
     (C, {"prompt": "hi", "model": "other"}, 404, "model", "model_not_found"),
     (C, {"prompt": "hi " * 60, "max_tokens": 10}, 400, "max_tokens", None),
@@ -219,7 +252,9 @@ BAD_REQUESTS = [  # (path, body or raw bytes, status, param, code)
     (CHAT, {"messages": USER, "max_tokens": "5"}, 400, "max_tokens", None),
     (CHAT, {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role", None),
     (CHAT, {"messages": USER, "n": 3}, 400, "n", None),
-    (CHAT, {"messages": USER, "logprobs": True}, 400, "logprobs", None),
+    (CHAT, {"messages": USER, "logprobs": 3}, 400, "logprobs", None),
+    (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", None),
+    (CHAT, {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs", None),
     (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, 400, "tools", None),
     (CHAT, {"messages": USER, "model": "gpt-4"}, 404, "model", "model_not_found"),
     # size limits (router.limits defaults)

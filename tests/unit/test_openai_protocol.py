@@ -4,7 +4,14 @@ from __future__ import annotations
 import pytest
 
 from engine.errors import InvalidRequestError
-from router.openai_protocol import ResponseBuilder, openai_finish_reason, parse_chat_request, parse_completion_request
+from engine.logprobs import TokenLogprob
+from router.openai_protocol import (
+    LogprobsBuilder,
+    ResponseBuilder,
+    openai_finish_reason,
+    parse_chat_request,
+    parse_completion_request,
+)
 from router.types import Chunk, PhaseTimings, RequestFailed, Usage
 
 P = {"prompt": "hi"}
@@ -34,7 +41,8 @@ COMPLETION_REJECTS = [  # (body, field)
     ({**P, "stop": ""}, "stop"), ({**P, "stop": [""]}, "stop"),
     ({**P, "seed": "1"}, "seed"), ({**P, "seed": -1}, "seed"), ({**P, "seed": 2**63}, "seed"),
     ({**P, "seed": 1.0}, "seed"),
-    ({**P, "logprobs": 5}, "logprobs"), ({**P, "logprobs": 0}, "logprobs"), ({**P, "logprobs": True}, "logprobs"),
+    ({**P, "logprobs": 21}, "logprobs"), ({**P, "logprobs": -1}, "logprobs"), ({**P, "logprobs": True}, "logprobs"),
+    ({**P, "logprobs": 2.0}, "logprobs"), ({**P, "logprobs": "2"}, "logprobs"),
     ({**P, "echo": True}, "echo"), ({**P, "echo": "no"}, "echo"),
     ({**P, "best_of": 2}, "best_of"), ({**P, "best_of": True}, "best_of"), ({**P, "best_of": "1"}, "best_of"),
     ({**P, "presence_penalty": 2.5}, "presence_penalty"), ({**P, "presence_penalty": "0"}, "presence_penalty"),
@@ -73,8 +81,11 @@ CHAT_REJECTS = [  # (body, field)
     ({**M, "max_completion_tokens": 0}, "max_completion_tokens"),
     ({**M, "max_completion_tokens": "5", "max_tokens": 5}, "max_completion_tokens"),
     ({**M, "temperature": None, "top_p": "x"}, "top_p"), ({**M, "n": 2}, "n"),
-    ({**M, "logprobs": True}, "logprobs"), ({**M, "logprobs": 1}, "logprobs"),
-    ({**M, "top_logprobs": 2}, "top_logprobs"), ({**M, "top_logprobs": 0}, "top_logprobs"),
+    ({**M, "logprobs": 1}, "logprobs"), ({**M, "logprobs": "true"}, "logprobs"),
+    ({**M, "top_logprobs": 2}, "top_logprobs"), ({**M, "logprobs": False, "top_logprobs": 1}, "top_logprobs"),
+    ({**M, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({**M, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    ({**M, "logprobs": True, "top_logprobs": 1.5}, "top_logprobs"),
     ({**M, "presence_penalty": 3}, "presence_penalty"), ({**M, "frequency_penalty": 2.1}, "frequency_penalty"),
     ({**M, "guided_regex": "a+"}, "guided_regex"), ({**M, "prompt_logprobs": 1}, "prompt_logprobs"),
     ({**M, "response_format": {"type": "json_object"}}, "response_format"),
@@ -161,6 +172,20 @@ def test_chat_max_tokens(extra: dict, want: int) -> None:
     assert parse_chat_request({**M, **extra}).request.sampling.max_tokens == want
 
 
+@pytest.mark.parametrize(("parse", "extra", "want"), [
+    (parse_completion_request, {"logprobs": None}, None), (parse_completion_request, {"logprobs": 0}, 0),
+    (parse_completion_request, {"logprobs": 2}, 2), (parse_completion_request, {"logprobs": 20}, 20),
+    (parse_chat_request, {}, None), (parse_chat_request, {"logprobs": False}, None),
+    (parse_chat_request, {"logprobs": False, "top_logprobs": 0}, None),
+    (parse_chat_request, {"logprobs": True}, 0), (parse_chat_request, {"logprobs": True, "top_logprobs": None}, 0),
+    (parse_chat_request, {"logprobs": True, "top_logprobs": 3}, 3),
+    (parse_chat_request, {"logprobs": True, "top_logprobs": 20}, 20),
+], ids=lambda v: getattr(v, "__name__", repr(v)))
+def test_logprobs_reach_the_sampling_params(parse, extra: dict, want: int | None) -> None:
+    body = {**(P if parse is parse_completion_request else M), **extra}
+    assert parse(body).request.sampling.logprobs == want
+
+
 def test_chat_accepts_no_op_fields() -> None:
     body = {**M, "logprobs": False, "top_logprobs": None, "response_format": {"type": "text"}, "tools": None,
             "tool_choice": None, "n": 1, "presence_penalty": 0, "user": "u", "stream": False, "stream_options": None}
@@ -207,6 +232,55 @@ def test_completion_stream_events_with_usage() -> None:
     assert [e["choices"] for e in last] == [[{"text": "", "index": 0, "logprobs": None, "finish_reason": "stop"}], []]
     assert last[1]["usage"]["total_tokens"] == 2 and last[1]["usage"]["pdserve_timings"]["path"] == "local"
     assert "pdserve_timings" not in last[0] and last[1]["object"] == "text_completion"
+
+
+TEXTS = {1: " a", 2: "b", 3: "\u00e9", 4: " a"}  # 4 has the same text as 1
+LP = [TokenLogprob(1, -0.25, (1, 3), (-0.25, -2.0)), TokenLogprob(2, -1.5, (3, 4), (-0.5, -1.0)),
+      TokenLogprob(3, float("-inf"), (), ())]
+
+
+def logprobs_builder(chat: bool) -> LogprobsBuilder:
+    return LogprobsBuilder(chat, TEXTS.__getitem__)
+
+
+def test_completion_logprobs_shape() -> None:
+    """The top k and the chosen token by their text; offsets over the tokens' texts; -inf as -9999."""
+    b = ResponseBuilder(False, "r", "m", 1, logprobs=logprobs_builder(False))
+    lp = b.full(" ab\u00e9", "stop", Usage(1, 3), None, LP)["choices"][0]["logprobs"]
+    assert lp == {"tokens": [" a", "b", "\u00e9"], "token_logprobs": [-0.25, -1.5, -9999.0],
+                  "top_logprobs": [{" a": -0.25, "\u00e9": -2.0}, {"\u00e9": -0.5, " a": -1.0, "b": -1.5},
+                                   {"\u00e9": -9999.0}],
+                  "text_offset": [0, 2, 3]}
+
+
+def test_chat_logprobs_shape() -> None:
+    b = ResponseBuilder(True, "r", "m", 1, logprobs=logprobs_builder(True))
+    content = b.full(" ab\u00e9", "stop", Usage(1, 3), None, LP)["choices"][0]["logprobs"]["content"]
+    assert content[0] == {"token": " a", "logprob": -0.25, "bytes": [32, 97],
+                          "top_logprobs": [{"token": " a", "logprob": -0.25, "bytes": [32, 97]},
+                                           {"token": "\u00e9", "logprob": -2.0, "bytes": [195, 169]}]}
+    assert [c["token"] for c in content] == [" a", "b", "\u00e9"] and content[2]["top_logprobs"] == []
+    assert ResponseBuilder(True, "r", "m", 1).full("x", "stop", Usage(1, 1), None, LP)["choices"][0]["logprobs"] is None
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_streamed_logprobs_follow_the_tokens_not_the_text(chat: bool) -> None:
+    """A chunk whose text is held back still sends its tokens' logprobs; streamed, every token's entry
+    comes once, in order, and the completions offsets run on across chunks: as the whole response."""
+    b = ResponseBuilder(chat, "r", "m", 1, logprobs=logprobs_builder(chat))
+    chunks = [Chunk("", [1], logprobs=(LP[0],)), Chunk(" ab", [2], logprobs=(LP[1],)),
+              Chunk("\u00e9", [3], "stop", Usage(1, 3), TIMINGS, (LP[2],))]
+    events = [e for c in chunks for e in b.chunk_events(c, c.finish_reason, c.usage)]
+    sent = [e["choices"][0]["logprobs"] for e in events if e["choices"][0]["logprobs"] is not None]
+    whole = ResponseBuilder(chat, "r", "m", 1, logprobs=logprobs_builder(chat)).full(
+        " ab\u00e9", "stop", Usage(1, 3), None, LP)["choices"][0]["logprobs"]
+    if chat:
+        assert [e for lp in sent for e in lp["content"]] == whole["content"]
+        assert events[0]["choices"][0]["delta"] == {"content": ""}  # held-back text, its token's logprobs
+    else:
+        assert {k: [v for lp in sent for v in lp[k]] for k in whole} == whole
+        assert events[0]["choices"][0]["text"] == ""
+    assert len(sent) == 3
 
 
 @pytest.mark.parametrize(("reason", "want"), [("stop", "stop"), ("length", "length"), ("abort", None),
