@@ -13,7 +13,8 @@ from packaging.requirements import Requirement
 from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[2]
-PRODUCT_PACKAGES = ["engine", "router", "worker_core", "prefill_worker", "decode_worker", "kv_transfer", "protos"]
+PRODUCT_PACKAGES = ["engine", "router", "worker_core", "prefill_worker", "decode_worker", "kv_transfer", "protos",
+                    "planner"]
 PRODUCT_MODULES = ["pdserve.cli", "pdserve.serve", "pdserve.status", "pdserve.grpc_client"]
 # Only in the `bench` and `fetch` extras. numpy and accelerate are left out: torch and transformers
 # import them whenever they are installed.

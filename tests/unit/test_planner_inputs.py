@@ -1,0 +1,227 @@
+"""The planner's inputs and outputs: traces (load generator workloads and results, JSONL and Mooncake
+lines, malformed lines named by number), profiles (a roofline computed by hand, measured JSON), SLOs no
+layout can meet, the sweep, and `pdserve plan` on the command line. Pure: no Ray, no torch."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loadtest.records import RequestRecord
+from loadtest.report import results_document, write_results
+from loadtest.runner import RunResult, poisson_arrivals
+from planner.plan import ImpossibleSlo, PlanSpec, Slo, check_slo, layouts_within, parse_layouts, sweep
+from planner.profiles import (
+    DEFAULT_EFFICIENCY,
+    DEVICES,
+    DeviceSpec,
+    Efficiency,
+    ModelShape,
+    device,
+    kv_memory_gib,
+    load_cost_model,
+    roofline_cost_model,
+)
+from planner.sim import Layout, WorkerSpec
+from planner.traces import Trace, TraceRequest, from_jsonl, from_results, from_workload, load_trace
+from router.cost_model import CostModel, LinearFit
+
+ROOT = Path(__file__).resolve().parents[2]
+COST = CostModel(prefill=LinearFit(0.01, 0.001), local_prefill=LinearFit(0.02, 0.002),
+                 decode_step=((1, 0.01), (2, 0.012), (4, 0.016)), transfer=LinearFit(0.0, 1e-6),
+                 kv_bytes_per_token=100, num_layers=2, hop_s=0.005, prefill_chunk_tokens=256, decode_ride=0.5)
+
+
+# -- traces -----------------------------------------------------------------------------------------
+def test_a_mooncake_trace_reads_milliseconds_lengths_and_hashes(tmp_path: Path):
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"timestamp": 1000, "input_length": 700, "output_length": 5, "hash_ids": [0, 1]}\n\n'
+                    '{"timestamp": 1500, "input_length": 600, "output_length": 3, "hash_ids": [0, 2]}\n')
+    tr = from_jsonl(path)
+    assert [r.arrival_s for r in tr.requests] == [0.0, 0.5]
+    assert tr.requests[0] == TraceRequest(0.0, 700, 5, hash_ids=(0, 1))
+    assert tr.shares_prefixes and tr.hash_block_tokens == 512
+
+
+def test_a_jsonl_trace_in_seconds_with_max_tokens(tmp_path: Path):
+    path = tmp_path / "t.jsonl"
+    path.write_text('{"arrival_s": 2.5, "prompt_tokens": 10, "output_tokens": 4, "max_tokens": 8}\n'
+                    '{"arrival_s": 0.5, "prompt_tokens": 20, "output_tokens": 2}\n')
+    tr = from_jsonl(path)
+    assert [(r.arrival_s, r.prompt_tokens, r.max_tokens) for r in tr.requests] == [(0.0, 20, 2), (2.0, 10, 8)]
+    assert not tr.shares_prefixes
+
+
+@pytest.mark.parametrize("line, why", [
+    ('{"timestamp": 5, "input_length": 10}', "output_length"),
+    ('{"timestamp": 5, "input_length": 0, "output_length": 3}', "integer >= 1"),
+    ('{"timestamp": -1, "input_length": 3, "output_length": 3}', "number >= 0"),
+    ('{"timestamp": 5, "input_length": 3, "output_length": 3', "not valid JSON"),
+    ('[1, 2]', "expected an object"),
+    ('{"timestamp": 5, "arrival_s": 1, "input_length": 3, "output_length": 3}', "not timestamp and arrival_s"),
+    ('{"timestamp": 5, "input_length": 3, "output_length": 3, "hash_ids": ["a"]}', "hash_ids"),
+])
+def test_a_malformed_line_names_its_line_number(tmp_path: Path, line: str, why: str):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 3, "output_length": 3}\n\n' + line + "\n")
+    with pytest.raises(ValueError, match=rf"bad\.jsonl:3: .*{why}"):
+        from_jsonl(path)
+
+
+def test_an_empty_or_missing_trace_says_so(tmp_path: Path):
+    (tmp_path / "e.jsonl").write_text("\n")
+    with pytest.raises(ValueError, match="no requests"):
+        from_jsonl(tmp_path / "e.jsonl")
+    with pytest.raises(ValueError, match="cannot read"):
+        from_jsonl(tmp_path / "missing.jsonl")
+
+
+def test_a_workload_trace_has_the_load_generators_arrivals_and_lengths():
+    tr = from_workload("fixed:100:10", 5, 2.0, seed=3)
+    assert [r.arrival_s for r in tr.requests] == poisson_arrivals(2.0, 5, 3)
+    assert {(r.prompt_tokens, r.output_tokens) for r in tr.requests} == {(100, 10)}
+    shared = from_workload("prefix:2:64:16:4", 4, 1.0, vocab_size=512)
+    assert shared.shares_prefixes and shared.requests[0].prompt_ids[:64] == shared.requests[2].prompt_ids[:64]
+    with pytest.raises(ValueError, match="conversations"):
+        from_workload("multi-turn", 10, 1.0)
+    with pytest.raises(ValueError, match="rate"):
+        load_trace("chat")
+
+
+def test_a_results_file_replays_what_was_measured(tmp_path: Path):
+    recs = [RequestRecord(0, 100, 20, start_s=0.0, scheduled_s=0.0, ttft_s=0.2, e2e_s=1.0, output_tokens=20),
+            RequestRecord(1, 100, 20, start_s=0.6, scheduled_s=0.5, ttft_s=0.3, e2e_s=0.9, output_tokens=7,
+                          server_prompt_tokens=104),
+            RequestRecord(2, 50, 20, start_s=0.9, scheduled_s=0.9).fail("timeout", "slow")]
+    doc = results_document("x", {}, [RunResult({"mode": "open", "rate": 2.0}, recs, 2.0)], 2.0, 0.15)
+    path = write_results(tmp_path / "r.json", doc)
+    tr = from_results(path)
+    assert [(r.arrival_s, r.prompt_tokens, r.output_tokens, r.max_tokens) for r in tr.requests] == [
+        (0.0, 100, 20, 20), (0.5, 104, 7, 20), (0.9, 50, 20, 20)]
+    assert load_trace(str(path)).requests == tr.requests
+    with pytest.raises(ValueError, match="run 3"):
+        from_results(path, run=3)
+
+
+# -- profiles ---------------------------------------------------------------------------------------
+def test_the_roofline_profile_gives_the_hand_computed_numbers():
+    shape = ModelShape.from_config({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+                                    "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128,
+                                    "vocab_size": 100, "torch_dtype": "bfloat16"})
+    # per layer: attention 64 x (2 x 64 + 2 x 32) = 12288, MLP 3 x 64 x 128 = 24576; 2 layers + a 100 x 64 head
+    assert shape.matmul_params == 2 * (12288 + 24576) + 6400 == 80128
+    assert shape.kv_bytes_per_token == 2 * 2 * 2 * 16 * 2 == 256
+    dev = DeviceSpec("test", "gpu", flops=1e9, memory_bandwidth=1e8, link_bandwidth=1e7, memory_gib=1, note="")
+    eff = Efficiency(compute=0.5, memory=0.5, link=0.5, step_overhead_s=0.001, link_latency_s=0.0001, hop_s=0.002)
+    cost = roofline_cost_model(shape, dev, eff, context_tokens=10, max_batch=4, prefill_chunk_tokens=256)
+    flops, weights = 2 * 80128, 2 * 80128  # FLOPs per token; bytes of bf16 weights
+    assert cost.prefill.fixed_s == pytest.approx(0.001 + weights / 5e7)
+    assert cost.prefill.per_unit_s == pytest.approx(flops / 5e8)
+    assert [b for b, _ in cost.decode_step] == [1, 2, 4]
+    assert cost.step_s(1) == pytest.approx(0.001 + max((weights + 10 * 256) / 5e7, flops / 5e8))
+    assert cost.step_s(4) == pytest.approx(0.001 + (weights + 4 * 10 * 256) / 5e7)
+    step2 = 0.001 + (weights + 2 * 10 * 256) / 5e7
+    assert cost.decode_ride == pytest.approx(2 * (flops / 5e8 + 10 * 256 / 5e7) / step2)
+    assert cost.transfer == LinearFit(0.0001, 1 / 5e6)
+    assert (cost.hop_s, cost.num_layers, cost.kv_bytes_per_token, cost.prefill_chunk_tokens) == (0.002, 2, 256, 256)
+    assert CostModel.from_dict(json.loads(json.dumps(cost.to_dict()))) == cost
+
+
+def test_a_7b_model_on_an_h100_is_in_the_published_range():
+    shape = ModelShape.from_config({"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32,
+                                    "num_attention_heads": 32, "num_key_value_heads": 8,
+                                    "intermediate_size": 14336, "vocab_size": 128256})
+    assert 7.4e9 < shape.matmul_params < 7.6e9  # Llama 3 8B without its input embeddings
+    cost = roofline_cost_model(shape, device("H100"))
+    assert 0.005 < cost.step_s(1) < 0.01  # a decode step of one sequence reads ~15 GB
+    assert 0.05 < cost.prefill_s(2048) < 0.2
+    assert 50 < kv_memory_gib(shape, device("h100")) < 60
+
+
+def test_the_device_table_is_complete_and_lookups_name_the_known_ones():
+    assert {"a100", "h100", "h200", "l4"} <= {d.name for d in DEVICES}
+    assert {d.kind for d in DEVICES} == set(DEFAULT_EFFICIENCY)
+    with pytest.raises(ValueError, match="a100"):
+        device("tpu")
+    with pytest.raises(ValueError, match="efficiency compute"):
+        DEFAULT_EFFICIENCY["gpu"].with_overrides("compute=1.5")
+    with pytest.raises(ValueError, match="NAME=VALUE"):
+        DEFAULT_EFFICIENCY["gpu"].with_overrides("speed=2")
+    assert DEFAULT_EFFICIENCY["gpu"].with_overrides("memory=0.9").memory == 0.9
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        ModelShape.from_config({"hidden_size": 8, "num_local_experts": 8})
+
+
+def test_a_measured_cost_model_loads_from_its_json(tmp_path: Path):
+    (tmp_path / "cm.json").write_text(json.dumps(COST.to_dict()))
+    assert load_cost_model(str(tmp_path / "cm.json")) == COST
+    with pytest.raises(ValueError, match="cannot read"):
+        load_cost_model(str(tmp_path / "none.json"))
+
+
+# -- SLOs and the sweep -----------------------------------------------------------------------------
+def small_trace() -> Trace:
+    return Trace(tuple(TraceRequest(i * 0.2, 100 + 10 * i, 5) for i in range(20)), "small")
+
+
+def test_an_impossible_ttft_target_says_so():
+    # the shortest prompt (100 tokens) needs min(local 0.22 s, remote 0.11 + 0.005 + 0.005 s) at best
+    with pytest.raises(ImpossibleSlo, match=r"TTFT target 0.1 s is impossible.*shortest prompt \(100 tokens\).*0\.12"):
+        check_slo(small_trace(), COST, Slo(0.1, 1.0))
+    with pytest.raises(ImpossibleSlo, match="TPOT target 0.005 s is impossible.*0.01"):
+        check_slo(small_trace(), COST, Slo(1.0, 0.005))
+    notes = check_slo(small_trace(), COST, Slo(0.125, 1.0))
+    assert notes and "cannot meet the TTFT target even alone" in notes[0]
+
+
+def test_the_sweep_covers_every_candidate_and_recommends_the_best():
+    spec = PlanSpec(small_trace(), COST, Slo(0.5, 0.05), layouts_within(2), ("ratio", "always_remote"), (8, 16),
+                    WorkerSpec(num_blocks=500))
+    plan = sweep(spec)
+    # 1P:1D with two policies and two batch limits; 0P:2D once per batch limit (everything local)
+    assert len(plan.evaluations) == 2 * 2 + 2
+    goodputs = [e.summary.goodput_rps for e in plan.evaluations]
+    assert goodputs == sorted(goodputs, reverse=True) and plan.recommended is plan.evaluations[0]
+    doc = plan.to_json()
+    assert doc["format"] == "pdserve-plan/1" and doc["recommended"]["layout"]["label"] in ("1P:1D", "0P:2D")
+    assert "recommendation:" in plan.table()
+    assert parse_layouts("1:3, 2:2") == (Layout(1, 3), Layout(2, 2))
+    with pytest.raises(ValueError, match="PREFILL:DECODE"):
+        parse_layouts("1-3")
+
+
+# -- the command line --------------------------------------------------------------------------------
+def _pdserve(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pdserve", "plan", *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=180, check=False)
+
+
+def test_pdserve_plan_prints_a_table_and_writes_json(tmp_path: Path):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": 100 * i, "input_length": 200 + 30 * i, "output_length": 8})
+                             + "\n" for i in range(30)))
+    (tmp_path / "cm.json").write_text(json.dumps(COST.to_dict()))
+    res = _pdserve("--trace", str(trace), "--cost-model", str(tmp_path / "cm.json"), "--budget", "2",
+                   "--policies", "ratio,always_local", "--ttft-target", "1", "--tpot-target", "0.05",
+                   "--out", str(tmp_path / "plan.json"))
+    assert res.returncode == 0, res.stderr
+    assert "layout" in res.stdout and "1P:1D" in res.stdout and "recommendation:" in res.stdout
+    doc = json.loads((tmp_path / "plan.json").read_text())
+    assert doc["format"] == "pdserve-plan/1" and len(doc["evaluations"]) == 3
+    assert doc["slo"] == {"ttft_s": 1.0, "tpot_s": 0.05} and not math.isnan(doc["evaluations"][0]["sim_s"])
+
+
+def test_pdserve_plan_names_a_bad_line_and_an_impossible_slo(tmp_path: Path):
+    (tmp_path / "cm.json").write_text(json.dumps(COST.to_dict()))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": 5, "output_length": 2}\n{"timestamp": 1}\n')
+    res = _pdserve("--trace", str(bad), "--cost-model", str(tmp_path / "cm.json"))
+    assert res.returncode == 2 and "bad.jsonl:2:" in res.stderr and "Traceback" not in res.stderr
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"timestamp": 0, "input_length": 5, "output_length": 2}\n')
+    res = _pdserve("--trace", str(good), "--cost-model", str(tmp_path / "cm.json"), "--ttft-target", "0.001")
+    assert res.returncode == 2 and "impossible" in res.stderr

@@ -1,0 +1,203 @@
+"""The planner's simulator against schedules computed by hand, on a tiny made-up cost model: one request
+(each path), two overlapping, KV exhaustion (waiting at the router), a chunked prefill, preemption; and
+that it runs the router's own Policy on the router's own PoolBook state. Pure: no Ray, no torch."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from planner.sim import Layout, Simulator, WorkerSpec, prompt_ids, simulate
+from planner.traces import Trace, TraceRequest
+from router.book import PoolBook
+from router.config import RouterConfig
+from router.cost_model import CostModel, LinearFit
+from router.policy import AlwaysRemotePolicy, Placement, Policy, PoolState, RequestFeatures
+
+# prefill on P: 10 ms + 1 ms/token; on D: 20 ms + 2 ms/token; decode step 10 ms at batch 1, 12 ms at 2,
+# 16 ms at 4; the KV of a token moves in 0.1 ms (100 bytes at 1 MB/s), over 2 layers; hops 5 ms; a
+# decode batch adds half its step to a prompt chunk's step.
+COST = CostModel(prefill=LinearFit(0.01, 0.001), local_prefill=LinearFit(0.02, 0.002),
+                 decode_step=((1, 0.01), (2, 0.012), (4, 0.016)), transfer=LinearFit(0.0, 1e-6),
+                 kv_bytes_per_token=100, num_layers=2, hop_s=0.005, prefill_chunk_tokens=256, decode_ride=0.5)
+WORKER = WorkerSpec(num_blocks=1000, block_size=16, prefill_chunk_tokens=256)
+
+
+def trace(*requests: tuple[float, int, int]) -> Trace:
+    return Trace(tuple(TraceRequest(at, p, o) for at, p, o in requests), "test")
+
+
+def run(tr: Trace, layout: Layout, policy: str, worker: WorkerSpec = WORKER, **kw):
+    return simulate(tr, COST, layout, worker, RouterConfig(policy=policy), **kw)
+
+
+def test_one_remote_request_matches_the_hand_schedule():
+    out = run(trace((0.0, 100, 3)), Layout(1, 1), "always_remote").outcomes[0]
+    # P prefills 100 tokens alone: 0.01 + 0.1 = 0.11 s. The transfer (100 tokens: 0.01 s) hides behind
+    # the later of the 2 layers of that one chunk but for max(0.01 / 2, 0.01 - 0.11 / 2) = 0.005 s; then
+    # the hops (0.005 s): D starts it at 0.12 s; two decode steps at batch 1 follow.
+    assert out.path == "remote" and out.error is None and out.queue_s == 0.0
+    assert out.ttft_s == pytest.approx(0.12)
+    assert out.e2e_s == pytest.approx(0.14)
+    assert out.tpot_s == pytest.approx(0.01)
+    assert out.output_tokens == 3
+
+
+def test_one_local_request_matches_the_hand_schedule():
+    out = run(trace((0.0, 100, 3)), Layout(1, 1), "always_local").outcomes[0]
+    assert out.path == "local"
+    assert out.ttft_s == pytest.approx(0.22)  # 0.02 + 100 * 0.002, alone on D: the prompt goes whole
+    assert out.e2e_s == pytest.approx(0.24)
+
+
+def test_two_overlapping_requests_share_steps():
+    res = run(trace((0.0, 100, 3), (0.05, 50, 2)), Layout(0, 1), "always_local")
+    a, b = res.outcomes
+    # step 1 [0, 0.22]: a's prompt alone. Step 2 [0.22, 0.345]: a decodes beside b's 50-token chunk:
+    # 0.02 + 0.1 + 0.5 * 0.01. Step 3 [0.345, 0.357]: both decode (batch 2: 0.012); both end.
+    assert a.ttft_s == pytest.approx(0.22) and a.e2e_s == pytest.approx(0.357)
+    assert b.ttft_s == pytest.approx(0.345 - 0.05) and b.e2e_s == pytest.approx(0.357 - 0.05)
+    assert res.decode_steps == 3 and res.decode_rows == 0 + 1 + 2
+
+
+def test_kv_exhaustion_makes_the_next_request_wait_at_the_router():
+    tiny = WorkerSpec(num_blocks=10, block_size=16, prefill_chunk_tokens=256)  # 160 tokens
+    res = run(trace((0.0, 100, 20), (0.01, 50, 10)), Layout(0, 1), "always_local", tiny)
+    a, b = res.outcomes
+    # a books ceil(120 / 16) = 8 blocks; b needs 4 and 2 are left: NoCapacity, it waits for a's release.
+    assert a.ttft_s == pytest.approx(0.22) and a.e2e_s == pytest.approx(0.22 + 19 * 0.01)
+    assert b.queue_s == pytest.approx(0.41 - 0.01)
+    assert b.ttft_s == pytest.approx(0.41 + 0.12 - 0.01)  # then its 50 tokens alone: 0.02 + 0.1
+    assert b.e2e_s == pytest.approx(0.53 + 9 * 0.01 - 0.01)
+    assert res.preemptions == 0  # the router's booking keeps the engine from running out
+
+
+def test_waiting_past_the_queue_timeout_is_refused():
+    tiny = WorkerSpec(num_blocks=10, block_size=16)
+    res = simulate(trace((0.0, 100, 20), (0.01, 50, 10)), COST, Layout(0, 1), tiny,
+                   RouterConfig(policy="always_local", queue_timeout_s=0.1))
+    assert res.outcomes[1].error == "overloaded" and res.outcomes[0].error is None
+
+
+def test_a_request_larger_than_a_decode_worker_is_refused():
+    res = run(trace((0.0, 100, 100)), Layout(0, 1), "always_local", WorkerSpec(num_blocks=10, block_size=16))
+    assert res.outcomes[0].error == "invalid"
+
+
+def test_a_long_prompt_prefills_in_chunks_beside_the_running_batch():
+    res = run(trace((0.0, 10, 50), (0.03, 600, 2)), Layout(0, 1), "always_local")
+    a, b = res.outcomes
+    # step 1 [0, 0.04]: a alone. Steps 2-4: a decodes beside b's chunks of 256, 256, 88 tokens, each
+    # 0.02 + 0.002 * n + 0.5 * 0.01: b's first token at 0.04 + 0.537 + 0.537 + 0.201 = 1.315.
+    assert a.ttft_s == pytest.approx(0.04)
+    assert b.ttft_s == pytest.approx(1.315 - 0.03)
+    assert b.e2e_s == pytest.approx(1.315 + 0.012 - 0.03)  # one step at batch 2
+
+
+def test_a_prompt_alone_goes_whole_even_past_the_chunk_size():
+    out = run(trace((0.0, 600, 1)), Layout(0, 1), "always_local").outcomes[0]
+    assert out.ttft_s == pytest.approx(0.02 + 600 * 0.002)  # one step, one fixed cost
+
+
+class _Anywhere(Policy):
+    """Local on decode worker 0 whatever its room (a policy may ignore the book: the engine then runs out)."""
+
+    name = "anywhere"
+
+    def place(self, request: RequestFeatures, state: PoolState) -> Placement:
+        return Placement("local", None, 0, "test", 0.0, 0.0)
+
+
+def test_a_decode_worker_out_of_blocks_preempts_and_recomputes():
+    small = WorkerSpec(num_blocks=6, block_size=4, prefill_chunk_tokens=256, enable_prefix_caching=False)
+    res = simulate(trace((0.0, 8, 10), (0.0, 8, 10)), COST, Layout(0, 1), small,
+                   RouterConfig(policy="always_local"), policy=_Anywhere())
+    a, b = res.outcomes
+    # a's prompt runs alone (b arrives as its step starts), b's beside a's first decode step; each decode
+    # token needs a slot, and the 6 blocks run out: the later one is preempted, recomputed after a ends.
+    assert res.preemptions >= 1 and b.preemptions >= 1 and a.preemptions == 0
+    assert a.output_tokens == b.output_tokens == 10 and a.error is None and b.error is None
+    assert b.e2e_s > a.e2e_s
+    assert a.ttft_s == pytest.approx(0.02 + 8 * 0.002)
+
+
+class _Spy(AlwaysRemotePolicy):
+    def __init__(self, cost: CostModel) -> None:
+        super().__init__(cost)
+        self.calls: list[tuple[RequestFeatures, PoolState]] = []
+
+    def place(self, request: RequestFeatures, state: PoolState) -> Placement:
+        self.calls.append((request, state))
+        return super().place(request, state)
+
+
+def test_the_simulator_places_with_the_policy_on_the_books_own_state(monkeypatch: pytest.MonkeyPatch):
+    states: list[PoolState] = []
+    real = PoolBook.state
+
+    def recorded(self: PoolBook, unflipped: bool = False) -> PoolState:
+        states.append(real(self, unflipped))
+        return states[-1]
+    monkeypatch.setattr(PoolBook, "state", recorded)
+    spy = _Spy(COST)
+    res = simulate(trace((0.0, 100, 3), (0.05, 40, 2)), COST, Layout(1, 1), WORKER, RouterConfig(), policy=spy)
+    assert [o.path for o in res.outcomes] == ["remote", "remote"]
+    assert len(spy.calls) == 2 and [s for _, s in spy.calls] == states[:2]
+    assert all(state is book_state for (_, state), book_state in zip(spy.calls, states))
+    first, second = spy.calls[1][1].prefill[0], spy.calls[1][1].decode[0]
+    assert first.queued_tokens == 100  # the first prompt is still on P when the second arrives
+    assert second.running == 1 and second.awaiting_kv == 1
+    assert second.free_blocks == 1000 - 7  # ceil((100 + 3) / 16) booked
+    assert spy.calls[0][0] == RequestFeatures(100, 3, 3)
+
+
+def test_the_simulator_holds_no_copy_of_the_policy():
+    import inspect
+
+    import planner.sim
+
+    source = inspect.getsource(planner.sim)
+    for name in ("_remote", "_local", "_candidates", "_priced", "_crowding", "has_room"):
+        assert name + "(" not in source, name
+
+
+def test_prompts_with_the_same_hashes_share_a_prefix_and_hit_the_cache():
+    block = 512
+    ids_a = prompt_ids(TraceRequest(0.0, 1024, 1, hash_ids=(1, 2)), 0, block)
+    ids_b = prompt_ids(TraceRequest(0.0, 1024, 1, hash_ids=(1, 3)), 1, block)
+    assert ids_a[:block] == ids_b[:block] and ids_a[block:] != ids_b[block:]
+    tr = Trace((TraceRequest(0.0, 1024, 2, hash_ids=(1, 2)), TraceRequest(5.0, 1024, 2, hash_ids=(1, 3))), "t", block)
+    a, b = run(tr, Layout(0, 1), "always_local", WorkerSpec(num_blocks=1000, block_size=16)).outcomes
+    assert a.ttft_s == pytest.approx(0.02 + 1024 * 0.002)
+    assert b.ttft_s == pytest.approx(0.02 + 512 * 0.002)  # its first 512 tokens come from D's cache
+
+
+def test_the_ratio_policy_runs_a_loaded_trace_to_the_end():
+    reqs = tuple(TraceRequest(i * 0.05, 50 + (i * 37) % 400, 5 + (i * 13) % 40) for i in range(200))
+    res = simulate(Trace(reqs, "mix"), COST, Layout(1, 2), WORKER, RouterConfig())
+    assert all(o.error is None for o in res.outcomes)
+    assert 0 < res.remote < 200
+    s = res.summary(2.0, 0.15)
+    assert s.requests == s.ok == 200 and s.ttft_p50_s is not None and s.goodput_rps > 0
+
+
+def test_flip_roles_is_refused():
+    with pytest.raises(ValueError, match="flip_roles"):
+        Simulator(trace((0.0, 10, 1)), COST, Layout(1, 1), WORKER, RouterConfig(flip_roles=True))
+
+
+def test_layout_and_worker_fields_are_validated():
+    with pytest.raises(ValueError, match="decode"):
+        Layout(1, 0)
+    with pytest.raises(ValueError, match="num_blocks"):
+        WorkerSpec(num_blocks=0)
+    assert WorkerSpec.from_memory(COST, 1.0).num_blocks == (1 << 30) // (16 * 100)
+
+
+def test_the_planner_never_imports_ray_or_torch():
+    code = ("import sys, planner.sim, planner.plan, planner.profiles, planner.traces, planner.validate, "
+            "planner.watch, planner.cli; print(sorted(m for m in ('ray', 'torch') if m in sys.modules))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "[]"
