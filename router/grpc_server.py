@@ -12,7 +12,8 @@ Lifecycle of one Generate call:
    `router.limits.RequestLimits` (prompt characters, messages, stop strings and ids) are checked.
 2. `router.submit` validates, tokenizes and places it, or raises before anything runs.
 3. Relay each `Chunk` of the returned `RequestStream` as a `GenerateResponse` (request id on every
-   one; finish_reason, usage and timings on the last).
+   one; its tokens' log-probabilities when `sampling.logprobs` asked; finish_reason, usage and
+   timings on the last).
 4. Errors become status codes: invalid field → INVALID_ARGUMENT (message names the field), unknown
    model → NOT_FOUND, overload → RESOURCE_EXHAUSTED (+ trailing `retry-after-s`), a failed request →
    INTERNAL with its message (also mid-stream), anything else → INTERNAL "internal error (request id
@@ -38,6 +39,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from engine.errors import CapacityError, InvalidRequestError
+from engine.logprobs import TokenLogprob
 from engine.sampling_params import SamplingParams
 from protos.pdserve.v1 import pdserve_pb2 as pb
 from protos.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
@@ -62,7 +64,7 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
 # SamplingParams fields whose proto field is `optional`: unset takes the dataclass default.
 _OPTIONAL_SAMPLING = ("max_tokens", "temperature", "top_p", "seed", "min_p", "presence_penalty", "frequency_penalty",
-                      "repetition_penalty")
+                      "repetition_penalty", "logprobs")
 # Methods callable without an API key: health checks and reflection.
 OPEN_METHOD_PREFIXES = (f"/{health.SERVICE_NAME}/", f"/{reflection.SERVICE_NAME}/",
                         "/grpc.reflection.v1.ServerReflection/")
@@ -115,12 +117,18 @@ def to_sampling_params(msg: pb.SamplingParams) -> SamplingParams:
 def to_response(request_id: str, chunk: Chunk) -> pb.GenerateResponse:
     """Args: the request id and one chunk of its output. Returns: the proto response."""
     response = pb.GenerateResponse(request_id=request_id, text=chunk.text, token_ids=chunk.token_ids,
-                                   finish_reason=chunk.finish_reason or "")
+                                   finish_reason=chunk.finish_reason or "",
+                                   logprobs=[_token_logprob(lp) for lp in chunk.logprobs])
     if chunk.usage is not None:
         response.usage.CopyFrom(_usage(chunk.usage))
     if chunk.timings is not None:
         response.timings.CopyFrom(_timings(chunk.timings))
     return response
+
+
+def _token_logprob(lp: TokenLogprob) -> pb.TokenLogprob:
+    return pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+                           top_logprobs=[pb.TopLogprob(token_id=t, logprob=v) for t, v in zip(lp.top_ids, lp.top_logprobs)])
 
 
 def _usage(usage: Usage) -> pb.Usage:

@@ -44,6 +44,23 @@ def test_token_id_prompt(channel, oracle):
     assert [t for r in out for t in r.token_ids] == greedy_ids(oracle, ids, 8)
 
 
+def test_logprobs_are_the_models(channel, oracle):
+    """logprobs=2, greedy: one per token, the model's log-softmax, the greedy token the likeliest."""
+    import torch
+
+    ids = oracle[1]("Once upon a time")["input_ids"]
+    out = generate(channel, token_ids=pdserve_pb2.TokenIds(ids=ids),
+                   sampling=pdserve_pb2.SamplingParams(max_tokens=5, logprobs=2))
+    want = greedy_ids(oracle, ids, 5)
+    got = [lp for r in out for lp in r.logprobs]
+    assert [lp.token_id for lp in got] == [t for r in out for t in r.token_ids] == want
+    with torch.no_grad():
+        ref = torch.log_softmax(oracle[0](torch.tensor([ids + want[:-1]])).logits[0, len(ids) - 1:].float(), -1)
+    for i, lp in enumerate(got):
+        assert abs(lp.logprob - float(ref[i, lp.token_id])) < 1e-3
+        assert [t.token_id for t in lp.top_logprobs][:1] == [lp.token_id] and len(lp.top_logprobs) == 2
+
+
 def test_list_models_health_reflection(channel, server):
     stub = pdserve_pb2_grpc.GenerationServiceStub(channel)
     models = stub.ListModels(pdserve_pb2.ListModelsRequest(), timeout=10).models
@@ -64,6 +81,7 @@ def test_list_models_health_reflection(channel, server):
      "max_tokens"),
     (dict(text="hi " * 9000), grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
     (dict(text="hi", sampling=pdserve_pb2.SamplingParams(top_p=1.5)), grpc.StatusCode.INVALID_ARGUMENT, "top_p"),
+    (dict(text="hi", sampling=pdserve_pb2.SamplingParams(logprobs=21)), grpc.StatusCode.INVALID_ARGUMENT, "logprobs"),
     (dict(text="hi", model="other"), grpc.StatusCode.NOT_FOUND, "model"),
 ])
 def test_bad_input_gets_a_status(channel, kw, code, field):

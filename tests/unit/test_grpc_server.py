@@ -106,15 +106,28 @@ def test_all_sampling_fields_and_ids_reach_the_router(served: Served) -> None:
         text="a b", request_id="client-7", model=MODEL,
         sampling=pb.SamplingParams(max_tokens=3, temperature=0.7, top_p=0.9, top_k=40, seed=0, stop=["x", "yy"],
                                    stop_token_ids=[2, 5], ignore_eos=True, min_p=0.1, min_tokens=2,
-                                   presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.25))
+                                   presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.25,
+                                   logprobs=4))
     responses = served.generate(request)
     assert {r.request_id for r in responses} == {"client-7"}
     sent = served.router.requests[-1]
     assert sent.sampling == SamplingParams(max_tokens=3, temperature=0.7, top_p=0.9, top_k=40, seed=0,
                                            stop=("x", "yy"), stop_token_ids=(2, 5), ignore_eos=True, min_p=0.1,
                                            min_tokens=2, presence_penalty=0.5, frequency_penalty=-0.5,
-                                           repetition_penalty=1.25)
+                                           repetition_penalty=1.25, logprobs=4)
     assert (sent.request_id, sent.model) == ("client-7", MODEL)
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_logprobs_come_with_their_tokens(served: Served, k: int) -> None:
+    """One TokenLogprob per token id of each response, with the k likeliest; none when not asked."""
+    responses = served.generate(text_request("a b", max_tokens=3, logprobs=k))
+    assert [len(r.logprobs) for r in responses] == [len(r.token_ids) for r in responses]
+    got = [lp for r in responses for lp in r.logprobs]
+    assert [(lp.token_id, lp.logprob) for lp in got] == [(100, 0.0), (101, -0.5), (102, -1.0)]
+    assert [[(t.token_id, t.logprob) for t in lp.top_logprobs] for lp in got] == \
+        [[(100 + i, -0.5 * i), (1, -5.0)][:k] for i in range(3)]
+    assert all(not r.logprobs for r in served.generate(text_request("a b", max_tokens=2)))
 
 
 def test_chat_input(served: Served) -> None:
@@ -171,6 +184,7 @@ ERROR_CASES = [
     (text_request("hi", presence_penalty=2.5), grpc.StatusCode.INVALID_ARGUMENT, "presence_penalty:"),
     (text_request("hi", frequency_penalty=float("nan")), grpc.StatusCode.INVALID_ARGUMENT, "frequency_penalty:"),
     (text_request("hi", repetition_penalty=0.0), grpc.StatusCode.INVALID_ARGUMENT, "repetition_penalty:"),
+    (text_request("hi", logprobs=21), grpc.StatusCode.INVALID_ARGUMENT, "logprobs:"),
     (pb.GenerateRequest(text="hi", model="gpt-9"), grpc.StatusCode.NOT_FOUND, "model: the model 'gpt-9'"),
     (pb.GenerateRequest(chat=pb.ChatMessages()), grpc.StatusCode.INVALID_ARGUMENT, "messages:"),
     (pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="robot", content="x")])),
