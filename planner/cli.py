@@ -14,10 +14,10 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
 from pdserve import flags
-from planner.plan import Plan, PlanSpec, Slo, layouts_within, parse_layouts, plot, sweep
 from planner.profiles import (
     DEFAULT_EFFICIENCY,
     DEVICE_NAMES,
@@ -27,10 +27,12 @@ from planner.profiles import (
     load_cost_model,
     roofline_cost_model,
 )
-from planner.sim import WorkerSpec
 from planner.traces import MOONCAKE_BLOCK_TOKENS, Trace, load_trace
 from router.config import RouterConfig
 from router.policy import POLICIES
+
+if TYPE_CHECKING:
+    from planner.plan import Plan, Slo
 
 # flags shared with `pdserve serve` (paths into its ServeConfig)
 SHARED: tuple[flags.Path, ...] = (
@@ -144,6 +146,9 @@ def _profile(args: argparse.Namespace, trace: Trace, engine: EngineConfig):
 
 def run(args: argparse.Namespace) -> int:
     """Run the mode the flags ask for. Returns the exit status; raises ValueError for bad input."""
+    from planner.plan import PlanSpec, Slo, layouts_within, parse_layouts, sweep
+    from planner.sim import WorkerSpec
+
     router, engine = _config(args)
     slo = Slo(router.ttft_target_s, router.tpot_target_s)
     if args.watch:
@@ -175,6 +180,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _write(args: argparse.Namespace, plan: Plan) -> None:
+    from planner.plan import plot
+
     if args.out:
         path = Path(args.out)
         path.parent.mkdir(parents=True, exist_ok=True)

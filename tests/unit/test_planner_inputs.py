@@ -225,3 +225,37 @@ def test_pdserve_plan_names_a_bad_line_and_an_impossible_slo(tmp_path: Path):
     good.write_text('{"timestamp": 0, "input_length": 5, "output_length": 2}\n')
     res = _pdserve("--trace", str(good), "--cost-model", str(tmp_path / "cm.json"), "--ttft-target", "0.001")
     assert res.returncode == 2 and "impossible" in res.stderr
+
+
+# -- a live server's metrics (--validate, --watch) ---------------------------------------------------
+METRICS = """# TYPE pdserve_kv_blocks_total gauge
+pdserve_kv_blocks_total{pool="prefill",worker="p0"} 800.0
+pdserve_kv_blocks_total{pool="decode",worker="d0"} 1000.0
+pdserve_kv_blocks_total{pool="decode",worker="d1"} 1000.0
+# TYPE pdserve_placement_decisions counter
+pdserve_placement_decisions_total{path="remote",policy="ratio",reason="cheapest_remote"} 7.0
+pdserve_placement_decisions_total{path="local",policy="always_local",reason="recovery"} 9.0
+# TYPE pdserve_requests counter
+pdserve_requests_total{outcome="length",path="remote"} %d
+pdserve_requests_total{outcome="length",path="local"} 2.0
+# TYPE pdserve_prompt_tokens counter
+pdserve_prompt_tokens_total %d
+# TYPE pdserve_generation_tokens counter
+pdserve_generation_tokens_total %d
+"""
+
+
+def test_a_servers_layout_and_traffic_come_from_its_metrics():
+    from planner.validate import server_layout
+    from planner.watch import Reading, traffic
+
+    layout = server_layout(METRICS % (8, 1000, 500))
+    assert (layout.layout, layout.decode_blocks, layout.prefill_blocks, layout.policy) == (Layout(1, 2), 1000, 800,
+                                                                                           "ratio")
+    first = Reading(10.0, 10, 1000, 500, layout)
+    second = Reading(20.0, 30, 5000, 2500, layout)
+    t = traffic(first, second)
+    assert (t.rate, t.prompt_tokens, t.output_tokens) == (2.0, 200, 100)
+    assert traffic(second, second) is None
+    with pytest.raises(ValueError, match="no decode worker"):
+        server_layout("# nothing\n")
