@@ -3,8 +3,9 @@ calls and no router (no placement, retries or booking). Tests of the worker prot
 path is `router.request.RouterStream`.
 
 Remote prefill (disaggregated):
-1. decode worker D reserves blocks for the prompt and posts the receive (refusal: CapacityError);
-2. prefill worker P prefills (batched with other prompts), ships KV layer by layer to D, returns
+1. decode worker D reserves blocks for the prompt (its prefix cache may hold the first ones) and posts
+   the receive (refusal: CapacityError);
+2. prefill worker P prefills (batched with other prompts), ships the KV D lacks layer by layer, returns
    the first token;
 3. D starts the sequence once every layer landed; tokens stream back from D.
 Local prefill: D runs the whole request.
@@ -52,9 +53,10 @@ class Orchestrator:
         prefill_s = None
         if remote:
             p = self.pools.prefill[prefill]
-            ray.get(d.reserve.remote(rid, prompt, sampling, self.pools.prefill_peers[prefill]))
-            try:
-                first: PrefillResult = ray.get(p.prefill.remote(rid, prompt, sampling, self.pools.decode_peers[decode]))
+            held = ray.get(d.reserve.remote(rid, prompt, sampling, self.pools.prefill_peers[prefill]))
+            try:  # as the router does: the prefill worker ships only the blocks the decode worker lacks
+                first: PrefillResult = ray.get(p.prefill.remote(rid, prompt, sampling, self.pools.decode_peers[decode],
+                                                                skip_blocks=held))
             except Exception:
                 ray.get(d.abort.remote(rid))
                 raise
