@@ -53,6 +53,8 @@ class EngineConfig:
             `engine.packed_linear`), "plain" (`F.linear`), or auto: per group of layers, whichever
             runs decode-sized products faster here, measured at start-up. CUDA always runs plain.
         seed: seed for requests that sample without a seed of their own.
+        chat_template: the Jinja chat template chat prompts are rendered with instead of the model's
+            own: a file's path, or the template itself (`engine.chat_template`); None: the model's.
         compile: run each decode step as one `torch.compile`d graph (with the paged decode kernel:
             a CPU build or Triton on CUDA; about 15 s of compilation at start, cached on disk).
             Checked once against the eager model at start; a decoder it does not reproduce stays eager.
@@ -79,6 +81,9 @@ class EngineConfig:
         "layers, the fastest for decode-sized batches here of plain, packed and pdserve's own kernel (fp32: AVX2 "
         "+ FMA; bf16: AVX-512 BF16 or AMX), measured at start-up")})
     seed: int = field(default=0, metadata={"help": "seed of sampled requests that give none of their own"})
+    chat_template: str | None = field(default=None, metadata={
+        "help": "Jinja chat template for chat prompts instead of the model's own: a file, or the template itself "
+        "(default: the model's)"})
     compile: bool = field(default=False, metadata={
         "help": "run each decode step as one torch.compile'd graph (faster decode; ~15 s of compiling at start, "
         "cached on disk after)"})
@@ -103,6 +108,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
+        if self.chat_template is not None and (not isinstance(self.chat_template, str) or not self.chat_template.strip()):
+            raise ValueError(f"chat_template must be a file path or a template, got {self.chat_template!r}")
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from engine import packed_linear
 from engine.allocator import keep_large_allocations
 from engine.auto_dtype import load_for
 from engine.block_manager import BlockManager
+from engine.chat_template import use_chat_template
 from engine.config import EngineConfig, KVLayout
 from engine.detokenizer import StopChecker
 from engine.errors import CapacityError, InvalidRequestError
@@ -100,6 +101,8 @@ class LLMEngine:
         else:
             self.dtype_choice = DtypeChoice(dtype_name(model), "the given model's")
         self.config = config = dataclasses.replace(config, dtype=self.dtype_choice.dtype)
+        if config.chat_template is not None:  # checked and in place before the first chat prompt
+            use_chat_template(tokenizer, config.chat_template)
         self.tokenizer = tokenizer
         self.vocab_size = model.get_output_embeddings().out_features
         self.max_model_len = min(config.max_model_len or max_context(model), max_context(model))

@@ -23,7 +23,8 @@ Path = tuple[str, ...]
 # The engine flags of both `serve` and `generate`, then `serve`'s own.
 ENGINE: tuple[Path, ...] = (
     ("engine", "model"), ("engine", "dtype"), ("engine", "device"), ("engine", "cache", "memory_gib"),
-    ("engine", "cache", "block_size"), ("engine", "num_threads"), ("engine", "compile"), ("engine", "linear"))
+    ("engine", "cache", "block_size"), ("engine", "num_threads"), ("engine", "compile"), ("engine", "linear"),
+    ("engine", "chat_template"))
 SERVE: tuple[Path, ...] = (
     ("engine", "max_num_seqs"), ("engine", "max_num_batched_tokens"), ("engine", "prefill_chunk_tokens"),
     ("engine", "cache", "enable_prefix_caching"),

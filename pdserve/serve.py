@@ -181,6 +181,7 @@ async def serve(cfg: ServeConfig, ready: asyncio.Event | None = None, stop: asyn
     """Run pdserve until `stop` is set or a SIGINT / SIGTERM arrives. Sets `ready` once serving."""
     import ray
 
+    from engine.chat_template import use_chat_template
     from engine.model_loader import load_tokenizer
     from engine.model_store import resolve_model
     from router.calibrate import calibrate
@@ -194,6 +195,9 @@ async def serve(cfg: ServeConfig, ready: asyncio.Event | None = None, stop: asyn
         cfg.tls.http_context()  # a bad certificate or key is refused before anything starts
     model_dir = resolve_model(cfg.engine.model)
     tokenizer = load_tokenizer(model_dir)
+    if cfg.engine.chat_template is not None:  # a bad one fails here, before any worker starts
+        use_chat_template(tokenizer, cfg.engine.chat_template)
+        cfg = replace(cfg, engine=replace(cfg.engine, chat_template=None))  # workers take token ids: the router's
     _connect(cfg)
     if cfg.address is None and cfg.transfer.host is None:  # a local cluster: KV moves over loopback only
         cfg = replace(cfg, transfer=replace(cfg.transfer, host="127.0.0.1"))
