@@ -7,15 +7,18 @@ Lifecycle of one POST /v1/completions or /v1/chat/completions:
 3. `openai_protocol` parses it into a `GenerateRequest` (invalid field, or over a size limit of
    `router.limits.RequestLimits` → 400 naming it).
 4. `router.submit` validates, tokenizes and places it, or raises before anything runs
-   (unknown model → 404, overload → 429 + Retry-After, invalid → 400).
-5. Non-streamed: collect the chunks, answer one JSON body. Streamed (`stream: true`): send
-   server-sent events `data: {...}\\n\\n`, one or two per chunk, then `data: [DONE]\\n\\n`.
-   A failure after the first event becomes `data: {"error": {...}}` followed by `data: [DONE]`.
-   Logprobs, when asked, go with their tokens (`openai_protocol.LogprobsBuilder`; token strings from
-   the router's tokenizer).
-6. Always close the stream at the end: on a client disconnect (write fails, or the handler is
-   cancelled), an error or any other early exit this aborts the request everywhere; after a normal
-   end it is a no-op.
+   (unknown model → 404, overload → 429 + Retry-After, invalid → 400). Several choices (`n`,
+   `best_of`, a batch of prompts) are one request per sequence, submitted in turn (`router.choices`);
+   when one is refused, those already submitted are closed and the client gets that error.
+5. Non-streamed: collect the chunks of every choice, answer one JSON body. Streamed (`stream: true`):
+   send server-sent events `data: {...}\\n\\n`, one or two per chunk (the choices' chunks
+   interleaved as they come, each with its index and its own finish_reason chunk), then with
+   include_usage one usage chunk, then `data: [DONE]\\n\\n`. A failure after the first event (of any
+   choice) becomes `data: {"error": {...}}` followed by `data: [DONE]`. Logprobs, when asked, go with
+   their tokens (`openai_protocol.LogprobsBuilder`; token strings from the router's tokenizer).
+6. Always close every stream at the end: on a client disconnect (write fails, or the handler is
+   cancelled), an error (of any choice) or any other early exit this aborts the requests everywhere;
+   after a normal end it is a no-op.
 
 Errors are always `{"error": {"message", "type", "param", "code"}}`:
 
@@ -47,7 +50,7 @@ format (`ACCESS_LOG_FORMAT`) writes the request line, status, size, Referer and 
 """
 from __future__ import annotations
 
-import asyncio
+import contextlib
 import dataclasses
 import importlib.metadata
 import json
@@ -62,15 +65,15 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from engine.errors import CapacityError, InvalidRequestError
-from engine.logprobs import TokenLogprob
+from router import choices
 from router.auth import as_key_set, bearer_token, key_allowed
 from router.limits import CLIENT_REQUEST_ID, DEFAULT_LIMITS, RequestLimits
 from router.openai_protocol import (
+    ChoiceOutput,
     LogprobsBuilder,
     ParsedRequest,
     ResponseBuilder,
     error_body,
-    final_usage,
     openai_finish_reason,
     parse_chat_request,
     parse_completion_request,
@@ -199,18 +202,21 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def _generate(request: web.Request, parsed: ParsedRequest, chat: bool) -> web.StreamResponse:
     router = _router(request)
-    generate = dataclasses.replace(parsed.request, request_id=_client_request_id(request))
-    stream = await router.submit(generate)
+    candidates = choices.plan(parsed, _client_request_id(request))
+    streams = await choices.submit_all(router, candidates)
     try:
-        request[_LOG_ID] = stream.request_id
-        logprobs = LogprobsBuilder(chat, _token_text(router)) if generate.sampling.logprobs is not None else None
-        builder = ResponseBuilder(chat=chat, request_id=stream.request_id, model=generate.model or router.model_name,
+        request[_LOG_ID] = streams[0].request_id
+        echo = _echo_texts(router, parsed) if parsed.echo else None
+        first = parsed.request
+        logprobs = LogprobsBuilder(chat, _token_text(router)) if first.sampling.logprobs is not None else None
+        builder = ResponseBuilder(chat=chat, request_id=streams[0].request_id, model=first.model or router.model_name,
                                   created=int(time.time()), include_usage=parsed.include_usage, logprobs=logprobs)
+        outputs = [choices.SequenceOutput(c, s.prompt_tokens) for c, s in zip(candidates, streams, strict=True)]
         if parsed.stream:
-            return await _stream(request, stream, builder)
-        return await _collect(stream, builder)
+            return await _stream(request, streams, outputs, builder, parsed.n, echo)
+        return await _collect(streams, outputs, builder, parsed, echo)
     finally:
-        await _close(stream)
+        await choices.close_all(streams)
 
 
 def _token_text(router: RouterAPI) -> Callable[[int], str]:
@@ -224,60 +230,78 @@ def _token_text(router: RouterAPI) -> Callable[[int], str]:
     return text
 
 
-async def _close(stream: RequestStream) -> None:
-    """Close the stream (aborting the request if it has not finished), even inside a cancelled task."""
-    try:
-        await asyncio.shield(stream.aclose())
-    except Exception:
-        log.exception("request %s: closing its stream failed", stream.request_id)
+def _echo_texts(router: RouterAPI, parsed: ParsedRequest) -> list[str]:
+    """echo: each prompt's text as the client sent it (a prompt of token ids: their decoded text)."""
+    texts = []
+    for r in parsed.requests:
+        if isinstance(r.prompt, str):
+            texts.append(r.prompt)
+            continue
+        try:
+            texts.append(router.detokenize(list(r.prompt or []), r.model))
+        except InvalidRequestError as exc:
+            raise InvalidRequestError("echo", f"cannot echo a prompt of token ids here ({exc})") from None
+    return texts
 
 
-async def _collect(stream: RequestStream, builder: ResponseBuilder) -> web.Response:
-    texts: list[str] = []
-    logprobs: list[TokenLogprob] = []
-    completion_tokens = 0
-    async for chunk in stream:
-        texts.append(chunk.text)
-        logprobs += chunk.logprobs
-        completion_tokens += len(chunk.token_ids)
-        if chunk.finish_reason is not None:
-            finish = openai_finish_reason(chunk, stream.request_id)
-            usage = final_usage(chunk, stream.prompt_tokens, completion_tokens)
-            body = builder.full("".join(texts), finish, usage, chunk.timings, logprobs)
-            return web.json_response(body, headers={"X-Request-Id": stream.request_id})
-    raise RequestFailed(f"request {stream.request_id} ended without a finish reason")
+async def _collect(streams: list[RequestStream], outputs: list[choices.SequenceOutput], builder: ResponseBuilder,
+                   parsed: ParsedRequest, echo: list[str] | None) -> web.Response:
+    async with contextlib.aclosing(choices.merge(streams)) as merged:
+        async for k, chunk in merged:
+            outputs[k].add(chunk)
+            if chunk.finish_reason is not None:
+                outputs[k].finish(openai_finish_reason(chunk, streams[k].request_id), chunk)
+    chosen = choices.choose(outputs, parsed.n, parsed.ranked)
+    body = builder.full_choices(
+        [ChoiceOutput(i, (echo[o.candidate.prompt_index] if echo else "") + o.text, o.finish_reason or "",
+                      tuple(o.logprobs)) for i, o in chosen],
+        choices.total_usage(outputs), chosen[0][1].timings)
+    return web.json_response(body, headers={"X-Request-Id": streams[0].request_id})
 
 
-async def _stream(request: web.Request, stream: RequestStream, builder: ResponseBuilder) -> web.StreamResponse:
-    response = web.StreamResponse(headers={**_SSE_HEADERS, "X-Request-Id": stream.request_id})
+async def _stream(request: web.Request, streams: list[RequestStream], outputs: list[choices.SequenceOutput],
+                  builder: ResponseBuilder, n: int, echo: list[str] | None) -> web.StreamResponse:
+    rid = streams[0].request_id
+    response = web.StreamResponse(headers={**_SSE_HEADERS, "X-Request-Id": rid})
     await response.prepare(request)
     try:
         try:
-            await _relay(response, stream, builder)
+            await _relay(response, streams, outputs, builder, n, echo)
         except ConnectionResetError:
             raise
         except Exception as exc:  # noqa: BLE001 - reported in-band: the 200 status is already sent
-            await _send(response, _error(exc, stream.request_id)[1])
+            await _send(response, _error(exc, rid)[1])
         await response.write(_DONE)
         await response.write_eof()
     except ConnectionResetError:
-        log.info("request %s: client disconnected mid-stream; aborting", stream.request_id)
+        log.info("request %s: client disconnected mid-stream; aborting", rid)
     return response
 
 
-async def _relay(response: web.StreamResponse, stream: RequestStream, builder: ResponseBuilder) -> None:
-    for event in builder.start_events():
-        await _send(response, event)
-    completion_tokens = 0
-    async for chunk in stream:
-        completion_tokens += len(chunk.token_ids)
-        finish = None if chunk.finish_reason is None else openai_finish_reason(chunk, stream.request_id)
-        usage = None if finish is None else final_usage(chunk, stream.prompt_tokens, completion_tokens)
-        for event in builder.chunk_events(chunk, finish, usage):
+async def _relay(response: web.StreamResponse, streams: list[RequestStream], outputs: list[choices.SequenceOutput],
+                 builder: ResponseBuilder, n: int, echo: list[str] | None) -> None:
+    """The choices' chunks as they come, each with its index; then, with include_usage, one usage chunk
+    (every choice counted; the timings of choice 0). Streamed, best_of equals n: every sequence is a choice."""
+    builders = [builder.for_choice(o.candidate.prompt_index * n + o.candidate.number) for o in outputs]
+    for b in builders:
+        for event in b.start_events():
             await _send(response, event)
-        if finish is not None:
-            return
-    raise RequestFailed(f"request {stream.request_id} ended without a finish reason")
+    echoed = [echo is None] * len(streams)
+    async with contextlib.aclosing(choices.merge(streams)) as merged:
+        async for k, chunk in merged:
+            out = outputs[k]
+            out.add(chunk)
+            if not echoed[k]:  # the prompt goes first, in the choice's first chunk
+                chunk = dataclasses.replace(chunk, text=echo[out.candidate.prompt_index] + chunk.text)
+                echoed[k] = True
+            finish = None
+            if chunk.finish_reason is not None:
+                finish = openai_finish_reason(chunk, streams[k].request_id)
+                out.finish(finish, chunk)
+            for event in builders[k].chunk_events(chunk, finish, None):
+                await _send(response, event)
+    if builder.include_usage:
+        await _send(response, builder.usage_event(choices.total_usage(outputs), outputs[0].timings))
 
 
 async def _send(response: web.StreamResponse, event: dict) -> None:

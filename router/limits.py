@@ -1,10 +1,10 @@
 """Size limits on one generation request, shared by the HTTP and gRPC APIs.
 
 They bound what a single request can make the router do before the context-length check
-(tokenizing megabytes of text, matching hundreds of stop strings on every token). Bytes on the
-wire are bounded separately: the HTTP body limit (413) and gRPC's max receive message size
-(RESOURCE_EXHAUSTED). A request over a limit is refused with `InvalidRequestError` naming the field
-(HTTP 400, gRPC INVALID_ARGUMENT).
+(tokenizing megabytes of text, matching hundreds of stop strings on every token, fanning one HTTP
+request out into hundreds of sequences). Bytes on the wire are bounded separately: the HTTP body
+limit (413) and gRPC's max receive message size (RESOURCE_EXHAUSTED). A request over a limit is
+refused with `InvalidRequestError` naming the field (HTTP 400, gRPC INVALID_ARGUMENT).
 
 A client's request id (HTTP `X-Request-Id`, gRPC `request_id`) goes into every log line and back to
 the client, so it must match `CLIENT_REQUEST_ID`: 1-128 letters, digits and `._:-`.
@@ -21,16 +21,23 @@ from router.types import GenerateRequest
 @dataclass(frozen=True)
 class RequestLimits:
     """Args:
-        max_prompt_chars: characters of prompt text, or of all chat message contents together.
+        max_prompt_chars: characters of prompt text (all prompts of a batch together), or of all chat
+            message contents together.
         max_messages: chat messages per request.
         max_stop: stop strings per request (OpenAI allows 4).
         max_stop_token_ids: stop token ids per request.
+        max_choices: OpenAI's `n` and `best_of`: sequences generated per prompt, each its own request
+            at the router (HTTP only; gRPC requests have one).
+        max_prompts: prompts in one batched completions request (`prompt` as a list of prompts). A
+            request runs at most max_prompts * max_choices sequences.
     """
 
     max_prompt_chars: int = 1_000_000
     max_messages: int = 1024
     max_stop: int = 4
     max_stop_token_ids: int = 64
+    max_choices: int = 16
+    max_prompts: int = 16
 
     def __post_init__(self) -> None:
         for name, value in self.__dict__.items():

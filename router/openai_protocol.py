@@ -2,9 +2,19 @@
 
 Parsing checks every field the OpenAI API defines for /v1/completions and /v1/chat/completions,
 raising `InvalidRequestError(field, message)` that names the field and what is allowed; fields we
-cannot honour (n > 1, tools, echo, ...) are refused rather than silently ignored, and so are the
-sampling extensions of other OpenAI-compatible servers that pdserve does not implement
+cannot honour (tools, suffix, a non-empty logit_bias, ...) are refused rather than silently ignored,
+and so are the sampling extensions of other OpenAI-compatible servers that pdserve does not implement
 (`UNSUPPORTED_EXTENSIONS`). Other unknown top-level fields are ignored, as such servers commonly do.
+
+Several choices (`ParsedRequest`; served by `router.choices`, a fan-out of one router request per
+sequence): `n` (both endpoints) in [1, `RequestLimits.max_choices`]; on completions `prompt` may be a
+batch (a list of strings or of token-id lists, at most `RequestLimits.max_prompts`; a single list of
+integers is one prompt of token ids), each prompt with n choices at index prompt_index * n + i;
+`best_of` (>= n, same bound; not with stream: true, as OpenAI) generates that many per prompt and
+returns the n with the highest cumulative log-probability; `echo: true` starts each choice's text
+with its prompt as sent (token ids: their decoded text), streamed in the choice's first chunk; echo
+with logprobs is refused (naming echo): the prompt's tokens would need prompt log-probabilities,
+which pdserve does not compute.
 
 Log-probabilities: completions `logprobs` (an integer in [0, 20]), chat `logprobs: true` with
 `top_logprobs` (an integer in [0, 20]; above 0 only with `logprobs: true`) become
@@ -29,7 +39,7 @@ ids) are checked here too, shared with the gRPC API; over a limit → InvalidReq
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.errors import InvalidRequestError
@@ -56,11 +66,58 @@ _MISSING = object()
 
 @dataclass(frozen=True)
 class ParsedRequest:
-    """A validated OpenAI request: what to generate and how to answer."""
+    """A validated OpenAI request: what to generate and how to answer.
 
-    request: GenerateRequest
-    stream: bool
-    include_usage: bool
+    Args:
+        requests: one per prompt, in the client's order (chat and a single prompt: one), each with the
+            client's own sampling settings (`router.choices` derives each sequence's seed and logprobs).
+        stream / include_usage: stream server-sent events; end them with a usage chunk.
+        n: choices returned per prompt.
+        best_of: sequences generated per prompt (>= n); the n with the highest cumulative
+            log-probability are returned. None: n (every sequence is returned).
+        echo: each completion's text starts with its prompt (completions only).
+    Raises: InvalidRequestError naming the field for a combination OpenAI refuses or pdserve cannot serve.
+    """
+
+    requests: tuple[GenerateRequest, ...]
+    stream: bool = False
+    include_usage: bool = False
+    n: int = 1
+    best_of: int | None = None
+    echo: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.requests:
+            raise InvalidRequestError("prompt", "must not be empty")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            raise InvalidRequestError("n", f"must be an integer >= 1, got {self.n!r}")
+        if self.best_of is not None:
+            if isinstance(self.best_of, bool) or not isinstance(self.best_of, int) or self.best_of < self.n:
+                raise InvalidRequestError("best_of", f"must be an integer >= n ({self.n}), got {self.best_of!r}")
+            if self.stream and self.best_of != self.n:
+                raise InvalidRequestError("best_of", "cannot be used with stream: true (as on OpenAI): the best "
+                                                     "choices are known only once every sequence has finished")
+        if self.echo:
+            if any(r.prompt is None for r in self.requests):
+                raise InvalidRequestError("echo", "is a completions field: it needs a prompt")
+            if self.request.sampling.logprobs is not None:
+                raise InvalidRequestError("echo", "cannot be combined with logprobs: the prompt's tokens would need "
+                                                  "prompt log-probabilities, which pdserve does not compute")
+
+    @property
+    def request(self) -> GenerateRequest:
+        """The first prompt's request (the only one for chat or a single prompt)."""
+        return self.requests[0]
+
+    @property
+    def per_prompt(self) -> int:
+        """Sequences generated per prompt: best_of, else n."""
+        return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def ranked(self) -> bool:
+        """More sequences are generated than returned: they are ranked by cumulative log-probability."""
+        return self.per_prompt > self.n
 
 
 # ---------------------------------------------------------------- parsing
@@ -72,13 +129,19 @@ def parse_completion_request(body: Any, default_max_tokens: int = DEFAULT_MAX_TO
     Returns: the parsed request. Raises: InvalidRequestError naming the offending field."""
     body = _object(body)
     logprobs = _logprobs_count(body, "logprobs")
-    _only_null_or(body, "echo", (False,), "is not supported; use false")
-    _only_null_or(body, "best_of", (1,), "only 1 is supported", int)
+    echo = _typed(body, "echo", bool, "a boolean", False)
+    best_of = _choices(body, "best_of", limits, None)
     _only_null_or(body, "suffix", ("",), "is not supported; use null or leave it out", str)
-    prompt = _prompt(body.get("prompt", _MISSING))
+    prompts = _prompts(body.get("prompt", _MISSING), limits.max_prompts)
     sampling = _sampling(body, _int_field(body, "max_tokens", default_max_tokens), logprobs)
-    return _parsed(body, check_limits(GenerateRequest(prompt=prompt, sampling=sampling, model=_model(body),
-                                                      timeout_s=_timeout(body)), limits))
+    model, timeout = _model(body), _timeout(body)
+    requests = tuple(check_limits(GenerateRequest(prompt=p, sampling=sampling, model=model, timeout_s=timeout), limits)
+                     for p in prompts)
+    chars = sum(len(p) for p in prompts if isinstance(p, str))
+    if chars > limits.max_prompt_chars:
+        raise InvalidRequestError("prompt", f"has {chars} characters in its {len(prompts)} prompts together; at most "
+                                            f"{limits.max_prompt_chars} are allowed")
+    return _parsed(body, requests, limits, best_of=best_of, echo=echo)
 
 
 def parse_chat_request(body: Any, default_max_tokens: int = DEFAULT_MAX_TOKENS,
@@ -101,7 +164,7 @@ def parse_chat_request(body: Any, default_max_tokens: int = DEFAULT_MAX_TOKENS,
     unset = body.get("max_completion_tokens") is None and body.get("max_tokens") is None
     request = GenerateRequest(messages=messages, sampling=sampling, model=_model(body), max_tokens_default=unset,
                               timeout_s=_timeout(body))
-    return _parsed(body, check_limits(request, limits))
+    return _parsed(body, (check_limits(request, limits),), limits)
 
 
 def parse_tokenize_request(body: Any, limits: RequestLimits = DEFAULT_LIMITS) -> GenerateRequest:
@@ -113,9 +176,10 @@ def parse_tokenize_request(body: Any, limits: RequestLimits = DEFAULT_LIMITS) ->
     if body.get("messages") is not None:
         request = GenerateRequest(messages=_messages(body["messages"], limits.max_messages), model=_model(body))
     else:
-        prompt = _prompt(body["prompt"])
-        if not isinstance(prompt, str):
+        prompts = _prompts(body["prompt"], 1)
+        if not isinstance(prompts[0], str):
             raise InvalidRequestError("prompt", "must be a string (it is what gets tokenized)")
+        prompt = prompts[0]
         request = GenerateRequest(prompt=prompt, model=_model(body))
     return check_limits(request, limits)
 
@@ -130,13 +194,24 @@ def parse_detokenize_request(body: Any) -> tuple[list[int], str | None]:
     return list(tokens), _model(body)
 
 
-def _parsed(body: dict, request: GenerateRequest) -> ParsedRequest:
+def _parsed(body: dict, requests: tuple[GenerateRequest, ...], limits: RequestLimits, *, best_of: int | None = None,
+            echo: bool = False) -> ParsedRequest:
     stream = _typed(body, "stream", bool, "a boolean", False)
     options = _typed(body, "stream_options", dict, "an object", None)
     if options is not None and not stream:
         raise InvalidRequestError("stream_options", "is only allowed when stream is true")
     include_usage = _typed(options or {}, "include_usage", bool, "a boolean", False, "stream_options.include_usage")
-    return ParsedRequest(request=request, stream=stream, include_usage=include_usage)
+    return ParsedRequest(requests=requests, stream=stream, include_usage=include_usage,
+                         n=_choices(body, "n", limits, 1), best_of=best_of, echo=echo)
+
+
+def _choices(body: dict, name: str, limits: RequestLimits, default: int | None) -> int | None:
+    """body[name] (n, best_of): null, or a number of choices in [1, limits.max_choices]."""
+    value = _typed(body, name, int, f"an integer in [1, {limits.max_choices}]", default)
+    if value is not None and not 1 <= value <= limits.max_choices:
+        raise InvalidRequestError(name, f"must be an integer in [1, {limits.max_choices}] (choices per prompt), "
+                                        f"got {value}")
+    return value
 
 
 def _logprobs_count(body: dict, name: str) -> int | None:
@@ -157,8 +232,6 @@ def _chat_logprobs(body: dict) -> int | None:
 
 
 def _sampling(body: dict, max_tokens: int, logprobs: int | None = None) -> SamplingParams:
-    if _typed(body, "n", int, "an integer", 1) != 1:
-        raise InvalidRequestError("n", "only 1 is supported (one choice per request)")
     for name in UNSUPPORTED_EXTENSIONS:
         if body.get(name) is not None:
             raise InvalidRequestError(name, "is not supported by pdserve; leave it out")
@@ -205,23 +278,29 @@ def _model(body: dict) -> str | None:
     return _typed(body, "model", str, "a string", None)
 
 
-def _prompt(value: Any) -> str | list[int]:
+def _prompts(value: Any, max_prompts: int) -> list[str | list[int]]:
+    """`prompt` as OpenAI defines it: a string or a list of token ids (one prompt), or a list of
+    strings / token-id lists (a batch, each with its own choices)."""
     if value is _MISSING or value is None:
-        raise InvalidRequestError("prompt", "is required: a string or a list of token ids")
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
-        value = value[0]  # a batch of one prompt
-    elif isinstance(value, list) and value and all(isinstance(v, (str, list)) for v in value):
-        raise InvalidRequestError("prompt", "batches of several prompts are not supported; send one per request")
+        raise InvalidRequestError("prompt", "is required: a string, a list of token ids, or a list of either")
+    if isinstance(value, list) and value and all(isinstance(v, (str, list)) for v in value):
+        if len(value) > max_prompts:  # before parsing each one
+            raise InvalidRequestError("prompt", f"has {len(value)} prompts; at most {max_prompts} are allowed")
+        return [_prompt(v, f" (prompt {i} of the batch)" if len(value) > 1 else "") for i, v in enumerate(value)]
+    return [_prompt(value, "")]
+
+
+def _prompt(value: Any, where: str) -> str | list[int]:
     if isinstance(value, str):
         if not value:
-            raise InvalidRequestError("prompt", "must not be empty")
+            raise InvalidRequestError("prompt", f"must not be empty{where}")
         return _unicode("prompt", value)
     if not isinstance(value, list):
-        raise InvalidRequestError("prompt", f"must be a string or a list of token ids, got {_json_type(value)}")
+        raise InvalidRequestError("prompt", f"must be a string or a list of token ids, got {_json_type(value)}{where}")
     if not value:
-        raise InvalidRequestError("prompt", "must not be empty")
+        raise InvalidRequestError("prompt", f"must not be empty{where}")
     if not all(_is(t, int) and 0 <= t <= MAX_TOKEN_ID for t in value):
-        raise InvalidRequestError("prompt", f"token ids must be integers in [0, {MAX_TOKEN_ID}]")
+        raise InvalidRequestError("prompt", f"token ids must be integers in [0, {MAX_TOKEN_ID}]{where}")
     return list(value)
 
 
@@ -358,6 +437,12 @@ class LogprobsBuilder:
         self._texts: dict[int, str] = {}
         self._offset = 0
 
+    def fresh(self) -> LogprobsBuilder:
+        """A builder for another choice (its `text_offset` from 0), sharing the token texts seen."""
+        other = LogprobsBuilder(self.chat, self._token_text)
+        other._texts = self._texts
+        return other
+
     def build(self, entries: Iterable[TokenLogprob]) -> dict:
         """The logprobs object of these tokens (the next ones of the request, in order)."""
         return self._chat(entries) if self.chat else self._completion(entries)
@@ -397,9 +482,21 @@ def _finite(logprob: float) -> float:
 
 
 @dataclass(frozen=True)
+class ChoiceOutput:
+    """One finished choice of a non-streamed response: its index in `choices`, text, OpenAI finish
+    reason and the logprobs of its tokens (written only when the request asked for them)."""
+
+    index: int
+    text: str
+    finish_reason: str
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
 class ResponseBuilder:
     """Builds one request's response bodies (whole, or stream chunks) in OpenAI's shapes; with
-    `logprobs` (the request asked for them) each choice carries its tokens' logprobs."""
+    `logprobs` (the request asked for them) each choice carries its tokens' logprobs. Stream chunks
+    are those of choice `index`: `for_choice(i)` gives the builder of another choice."""
 
     chat: bool
     request_id: str
@@ -407,6 +504,11 @@ class ResponseBuilder:
     created: int
     include_usage: bool = False
     logprobs: LogprobsBuilder | None = None
+    index: int = 0
+
+    def for_choice(self, index: int) -> ResponseBuilder:
+        """The builder of choice `index`'s stream chunks (its logprobs offsets counted on their own)."""
+        return replace(self, index=index, logprobs=self.logprobs.fresh() if self.logprobs is not None else None)
 
     def _head(self, chunked: bool) -> dict:
         prefix, obj = ("chatcmpl-", "chat.completion") if self.chat else ("cmpl-", "text_completion")
@@ -416,23 +518,30 @@ class ResponseBuilder:
 
     def full(self, text: str, finish_reason: str, usage: Usage, timings: PhaseTimings | None,
              logprobs: Iterable[TokenLogprob] = ()) -> dict:
-        """The non-streamed response; `logprobs`: those of every output token, when asked."""
-        lp = self.logprobs.build(logprobs) if self.logprobs is not None else None
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "finish_reason": finish_reason, "logprobs": lp}
-        else:
-            choice = {"text": text, "index": 0, "logprobs": lp, "finish_reason": finish_reason}
-        return {**self._head(False), "choices": [choice], "usage": usage_body(usage, timings)}
+        """The non-streamed response of one choice; `logprobs`: those of every output token, when asked."""
+        return self.full_choices([ChoiceOutput(self.index, text, finish_reason, tuple(logprobs))], usage, timings)
+
+    def full_choices(self, choices: Iterable[ChoiceOutput], usage: Usage, timings: PhaseTimings | None) -> dict:
+        """The non-streamed response: these choices (in the order given), the request's usage and timings."""
+        body = []
+        for c in choices:
+            lp = self.logprobs.fresh().build(c.logprobs) if self.logprobs is not None else None
+            if self.chat:
+                body.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
+                             "finish_reason": c.finish_reason, "logprobs": lp})
+            else:
+                body.append({"text": c.text, "index": c.index, "logprobs": lp, "finish_reason": c.finish_reason})
+        return {**self._head(False), "choices": body, "usage": usage_body(usage, timings)}
 
     def start_events(self) -> list[dict]:
         """Stream events before any output: the chat role chunk."""
         return [self._chunk({"role": "assistant", "content": ""}, None)] if self.chat else []
 
     def chunk_events(self, chunk: Chunk, finish_reason: str | None, usage: Usage | None) -> list[dict]:
-        """Stream events for one router chunk; finish_reason (OpenAI's) and usage on the last one only.
-        Timings go in the usage chunk when include_usage, else top-level on the finishing chunk. When
-        the request asked for logprobs, a chunk with tokens is sent even while its text is held back."""
+        """Stream events for one router chunk; finish_reason (OpenAI's) on the last one only. With
+        include_usage, `usage` (given) adds the usage chunk with the chunk's timings after the finishing
+        one; without it, the timings go top-level on the finishing chunk. When the request asked for
+        logprobs, a chunk with tokens is sent even while its text is held back."""
         events = []
         lp = self.logprobs.build(chunk.logprobs) if self.logprobs is not None else None
         tokens = lp is not None and bool(chunk.logprobs)
@@ -444,17 +553,22 @@ class ResponseBuilder:
         elif chunk.text or tokens or finish_reason is not None:
             events.append(self._chunk(chunk.text, finish_reason, lp))
         if finish_reason is not None:
-            if self.include_usage and usage is not None:
-                events.append({**self._head(True), "choices": [], "usage": usage_body(usage, chunk.timings)})
+            if self.include_usage:
+                if usage is not None:
+                    events.append(self.usage_event(usage, chunk.timings))
             elif chunk.timings is not None:
                 events[-1]["pdserve_timings"] = chunk.timings.as_dict()
         return events
 
+    def usage_event(self, usage: Usage, timings: PhaseTimings | None) -> dict:
+        """The stream's last event with include_usage: no choices, the request's usage and timings."""
+        return {**self._head(True), "choices": [], "usage": usage_body(usage, timings)}
+
     def _chunk(self, delta: dict | str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
         if self.chat:
-            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+            choice = {"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
-            choice = {"text": delta, "index": 0, "logprobs": logprobs, "finish_reason": finish_reason}
+            choice = {"text": delta, "index": self.index, "logprobs": logprobs, "finish_reason": finish_reason}
         event = {**self._head(True), "choices": [choice]}
         if self.include_usage:
             event["usage"] = None

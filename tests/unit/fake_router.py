@@ -2,9 +2,11 @@
 
 It tokenizes by whitespace (one token per word, id = word length), and answers with
 `max_tokens` tokens "w0 w1 ..." (id 100 + i), finishing with "length"; when the request asks for
-logprobs, token i has logprob -0.5 * i and top k ids 100 + i, 1, 2, ... (-0.5 * i, then -5, -6, ...). A prompt of "overload"
-raises OverloadedError; "explode" fails mid-stream with RequestFailed. Chat messages are rendered as
-"role: content" lines. The real router is exercised by the e2e tests.
+logprobs, token i has logprob L = -0.5 * i - 0.25 * (seed % 4) (seed 0 when unseeded) and top k ids
+100 + i, 1, 2, ... (L, then -5, -6, ...). A prompt of "overload" raises OverloadedError; "explode"
+fails mid-stream with RequestFailed. `aborted` lists the ids of the streams closed (or dropped)
+before their last chunk was handed out. Chat messages are rendered as "role: content" lines. The
+real router is exercised by the e2e tests.
 """
 from __future__ import annotations
 
@@ -22,9 +24,10 @@ MAX_MODEL_LEN = 64
 
 class FakeStream:
     def __init__(self, request_id: str, prompt_tokens: int, max_tokens: int, explode: bool, owner: "FakeRouter",
-                 logprobs: int | None = None):
+                 logprobs: int | None = None, seed: int | None = None):
         self.request_id = request_id
         self._logprobs = logprobs
+        self._seed = seed or 0
         self.prompt_tokens = prompt_tokens
         self._max_tokens = max_tokens
         self._explode = explode
@@ -41,12 +44,13 @@ class FakeStream:
                 if self._explode and i == 1:
                     raise RequestFailed(f"request {self.request_id}: KV transfer failed")
                 last = i == self._max_tokens - 1
+                if last:  # the last chunk handed out: finished, closing it aborts nothing
+                    self._done = True
                 yield Chunk(text=f"w{i} ", token_ids=[100 + i], finish_reason="length" if last else None,
                             usage=Usage(self.prompt_tokens, self._max_tokens) if last else None,
                             timings=PhaseTimings("remote", "prefill-0", "decode-0", 0.001, 0.01, 0.002, 0.05,
                                                  0.013, 0.06) if last else None,
                             logprobs=self._token_logprobs(i))
-            self._done = True
         finally:
             if not self._done:
                 self._owner.aborted.append(self.request_id)
@@ -54,8 +58,8 @@ class FakeStream:
     def _token_logprobs(self, i: int) -> tuple[TokenLogprob, ...]:
         if self._logprobs is None:
             return ()
-        k = self._logprobs
-        return (TokenLogprob(100 + i, -0.5 * i, (100 + i, *range(1, k))[:k], (-0.5 * i, *range(-5, -4 - k, -1))[:k]),)
+        k, lp = self._logprobs, -0.5 * i - 0.25 * (self._seed % 4)
+        return (TokenLogprob(100 + i, lp, (100 + i, *range(1, k))[:k], (lp, *range(-5, -4 - k, -1))[:k]),)
 
     async def aclose(self) -> None:
         if not self._done:
@@ -94,7 +98,7 @@ class FakeRouter:
             raise OverloadedError("all decode workers are full; retry later", retry_after_s=2.0)
         rid = request.request_id or f"fake-{len(self.requests)}"
         return FakeStream(rid, len(ids), request.sampling.max_tokens, text.strip() == "explode", self,
-                          request.sampling.logprobs)
+                          request.sampling.logprobs, request.sampling.seed)
 
     def tokenize(self, request: GenerateRequest) -> list[int]:
         """One id per whitespace-separated word: its length."""

@@ -212,6 +212,102 @@ def test_sdk_errors(client: openai.OpenAI) -> None:
         list(client.completions.create(model=MODEL, prompt="explode", max_tokens=4, stream=True))
 
 
+# ---------------------------------------------------------------- several choices
+
+
+def test_sdk_n_choices(client: openai.OpenAI, server: ServerThread) -> None:
+    resp = client.completions.create(model=MODEL, prompt="hello world", max_tokens=3, n=3, seed=5)
+    assert [(c.index, c.text, c.finish_reason) for c in resp.choices] == [(i, words(3), "length") for i in range(3)]
+    assert (resp.usage.prompt_tokens, resp.usage.completion_tokens) == (2, 9)  # the prompt once, every choice
+    assert resp.usage.model_extra["pdserve_timings"]["path"] == "remote"
+    assert [r.sampling.seed for r in server.router.requests[-3:]] == [5, 6, 7]
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2, n=2)
+    assert [(c.index, c.message.content) for c in chat.choices] == [(0, words(2)), (1, words(2))]
+    assert {r.sampling.seed for r in server.router.requests[-2:]} == {None}
+
+
+def test_batched_prompts_times_n_in_openais_order(server: ServerThread) -> None:
+    status, _, raw = server.request("POST", C, {"prompt": ["a b", "c"], "n": 2, "max_tokens": 2, "echo": True})
+    body = json.loads(raw)
+    assert status == 200 and [(c["index"], c["text"]) for c in body["choices"]] == [
+        (0, "a b" + words(2)), (1, "a b" + words(2)), (2, "c" + words(2)), (3, "c" + words(2))]
+    assert (body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"]) == (3, 8)
+    assert [r.prompt for r in server.router.requests[-4:]] == ["a b", "a b", "c", "c"]
+    status, _, raw = server.request("POST", C, {"prompt": [[3, 1], [2]], "max_tokens": 1})
+    assert status == 200 and [r.prompt for r in server.router.requests[-2:]] == [[3, 1], [2]]
+    assert json.loads(raw)["usage"]["prompt_tokens"] == 3
+
+
+def test_echo_puts_the_prompt_first(client: openai.OpenAI) -> None:
+    resp = client.completions.create(model=MODEL, prompt="say it", max_tokens=2, echo=True)
+    assert resp.choices[0].text == "say it" + words(2) and resp.usage.completion_tokens == 2
+    ids = client.completions.create(model=MODEL, prompt=[2, 3], max_tokens=1, echo=True)
+    assert ids.choices[0].text == "xx xxx" + words(1)  # token ids: their decoded text
+    chunks = list(client.completions.create(model=MODEL, prompt="say it", max_tokens=2, echo=True, n=2, stream=True))
+    for i in range(2):
+        texts = [c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i]
+        assert texts[0] == "say it" + words(1) and "".join(texts) == "say it" + words(2)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_streamed_choices_interleave_with_one_usage_chunk(server: ServerThread, chat: bool) -> None:
+    body = {"max_tokens": 3, "n": 2, "stream": True, "stream_options": {"include_usage": True},
+            **({"messages": USER} if chat else {"prompt": "a b"})}
+    status, _, raw = server.request("POST", CHAT if chat else C, body)
+    events = sse_events(raw)
+    assert status == 200 and events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    chunks = [json.loads(e) for e in events[:-1]]
+    usage = [c for c in chunks if not c["choices"]]
+    assert len(usage) == 1 and chunks[-1] is usage[0] and usage[0]["usage"]["completion_tokens"] == 6
+    assert usage[0]["usage"]["prompt_tokens"] == 2
+    for i in range(2):
+        mine = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == i]
+        text = "".join(ch["delta"].get("content") or "" for ch in mine) if chat else "".join(ch["text"] for ch in mine)
+        assert text == words(3)
+        assert [ch["finish_reason"] for ch in mine].count("length") == 1 and mine[-1]["finish_reason"] == "length"
+        if chat:
+            assert mine[0]["delta"] == {"role": "assistant", "content": ""}
+    assert len({c["id"] for c in chunks}) == 1
+
+
+def test_best_of_returns_the_likeliest(client: openai.OpenAI, server: ServerThread) -> None:
+    """Seeds 1..4: the fake's logprobs are -0.25 * (seed % 4) lower per token, so seed 4, then seed 1, win."""
+    resp = client.completions.create(model=MODEL, prompt="a b", max_tokens=2, n=2, best_of=4, seed=1, logprobs=0)
+    assert [c.index for c in resp.choices] == [0, 1]
+    assert [c.logprobs.token_logprobs for c in resp.choices] == [[0.0, -0.5], [-0.25, -0.75]]
+    assert [r.sampling.seed for r in server.router.requests[-4:]] == [1, 2, 3, 4]
+    assert resp.usage.completion_tokens == 8  # the four sequences ran
+    plain = client.completions.create(model=MODEL, prompt="a b", max_tokens=2, best_of=3)
+    assert len(plain.choices) == 1 and plain.choices[0].logprobs is None  # asked for ranking, not returned
+    assert {r.sampling.logprobs for r in server.router.requests[-3:]} == {0}
+
+
+def test_a_failing_choice_fails_the_request_and_aborts_the_others(server: ServerThread) -> None:
+    server.router.token_delay_ms = 5
+    try:
+        status, _, raw = server.request("POST", C, {"prompt": ["hi there", "explode"], "max_tokens": 30})
+        assert_error(status, raw, 500, type_="server_error")
+        healthy = server.router.requests[-2]
+        assert wait_aborted(server.router, f"fake-{len(server.router.requests) - 1}")
+        assert healthy.prompt == "hi there"
+        status, _, raw = server.request("POST", C, {"prompt": ["hi there", "explode"], "max_tokens": 30,
+                                                    "stream": True})
+        events = sse_events(raw)
+        assert status == 200 and events[-1] == "[DONE]" and "KV transfer failed" in json.loads(events[-2])["error"][
+            "message"]
+        assert wait_aborted(server.router, f"fake-{len(server.router.requests) - 1}")
+    finally:
+        server.router.token_delay_ms = 0
+
+
+def test_a_refused_choice_closes_those_submitted(server: ServerThread) -> None:
+    status, headers, raw = server.request("POST", C, {"prompt": ["a b", "overload"], "n": 2})
+    assert_error(status, raw, 429, None, "server_overloaded", "rate_limit_exceeded")
+    assert headers["retry-after"] == "2"
+    count = len(server.router.requests)
+    assert all(wait_aborted(server.router, f"fake-{count - k}") for k in (1, 2))
+
+
 # ---------------------------------------------------------------- raw HTTP
 
 
@@ -242,16 +338,22 @@ BAD_REQUESTS = [  # (path, body or raw bytes, status, param, code)
     (C, {"prompt": ""}, 400, "prompt", None),
     (C, {"prompt": "   "}, 400, "prompt", None),
     (C, {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", None),
-    (C, {"prompt": "hi", "n": 2}, 400, "n", None),
+    (C, {"prompt": "hi", "n": 17}, 400, "n", None),
+    (C, {"prompt": "hi", "n": 0}, 400, "n", None),
+    (C, {"prompt": "hi", "best_of": 3, "stream": True}, 400, "best_of", None),
+    (C, {"prompt": "hi", "n": 3, "best_of": 2}, 400, "best_of", None),
+    (C, {"prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo", None),
+    (C, {"prompt": ["hi"] * 17}, 400, "prompt", None),
     (C, {"prompt": "hi", "logprobs": 21}, 400, "logprobs", None),
     (C, {"prompt": "hi", "logprobs": True}, 400, "logprobs", None),
-    (C, {"prompt": ["a", "b"]}, 400, "prompt", None),
+    (C, {"prompt": ["a", ""]}, 400, "prompt", None),
+    (C, {"prompt": ["a", "hi " * 60], "max_tokens": 10}, 400, "max_tokens", None),
     (C, {"prompt": "hi", "model": "other"}, 404, "model", "model_not_found"),
     (C, {"prompt": "hi " * 60, "max_tokens": 10}, 400, "max_tokens", None),
     (CHAT, {"messages": []}, 400, "messages", None),
     (CHAT, {"messages": USER, "max_tokens": "5"}, 400, "max_tokens", None),
     (CHAT, {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role", None),
-    (CHAT, {"messages": USER, "n": 3}, 400, "n", None),
+    (CHAT, {"messages": USER, "n": 17}, 400, "n", None),
     (CHAT, {"messages": USER, "logprobs": 3}, 400, "logprobs", None),
     (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs", None),
     (CHAT, {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs", None),
@@ -379,6 +481,20 @@ def test_disconnect_mid_stream_aborts(server: ServerThread, cancel_handler: bool
         server.router.token_delay_ms = 0
         if not cancel_handler:
             server.stop()
+
+
+def test_disconnect_mid_stream_aborts_every_choice(server: ServerThread) -> None:
+    server.router.token_delay_ms = 20
+    try:
+        sock = open_raw(server, {"prompt": "hi", "max_tokens": 50, "stream": True, "n": 3})
+        received = b""
+        while received.count(b"data: ") < 2:
+            received += sock.recv(4096)
+        count = len(server.router.requests)
+        sock.close()
+        assert all(wait_aborted(server.router, f"fake-{count - k}") for k in range(3))
+    finally:
+        server.router.token_delay_ms = 0
 
 
 def test_disconnect_while_waiting_aborts(server: ServerThread) -> None:

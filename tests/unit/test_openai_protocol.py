@@ -1,11 +1,15 @@
 """OpenAI request parsing and response bodies, without a server."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from engine.errors import InvalidRequestError
 from engine.logprobs import TokenLogprob
+from router.limits import RequestLimits
 from router.openai_protocol import (
+    ChoiceOutput,
     LogprobsBuilder,
     ResponseBuilder,
     openai_finish_reason,
@@ -20,8 +24,9 @@ M = {"messages": [{"role": "user", "content": "hi"}]}
 COMPLETION_REJECTS = [  # (body, field)
     (None, "body"), ([P], "body"), ("hi", "body"), (3, "body"),
     ({}, "prompt"), ({"prompt": None}, "prompt"), ({"prompt": ""}, "prompt"), ({"prompt": []}, "prompt"),
-    ({"prompt": 5}, "prompt"), ({"prompt": {"a": 1}}, "prompt"), ({"prompt": ["a", "b"]}, "prompt"),
-    ({"prompt": [[1], [2]]}, "prompt"), ({"prompt": [1, "a"]}, "prompt"), ({"prompt": [1, -1]}, "prompt"),
+    ({"prompt": 5}, "prompt"), ({"prompt": {"a": 1}}, "prompt"), ({"prompt": ["a", ""]}, "prompt"),
+    ({"prompt": [[1], []]}, "prompt"), ({"prompt": ["a", [1, "b"]]}, "prompt"), ({"prompt": ["a"] * 17}, "prompt"),
+    ({"prompt": ["x" * 600_000] * 2}, "prompt"), ({"prompt": [[1], [-1]]}, "prompt"), ({"prompt": [1, "a"]}, "prompt"), ({"prompt": [1, -1]}, "prompt"),
     ({"prompt": [True]}, "prompt"), ({"prompt": [2**40]}, "prompt"), ({"prompt": [1.5]}, "prompt"),
     ({"prompt": [""]}, "prompt"), ({"prompt": [["a"]]}, "prompt"), ({"prompt": [[]]}, "prompt"),
     ({**P, "model": 3}, "model"),
@@ -32,7 +37,8 @@ COMPLETION_REJECTS = [  # (body, field)
     ({**P, "temperature": -1}, "temperature"), ({**P, "temperature": 1e9}, "temperature"),
     ({**P, "top_p": 0}, "top_p"), ({**P, "top_p": 1.5}, "top_p"), ({**P, "top_p": [1]}, "top_p"),
     ({**P, "top_k": -2}, "top_k"), ({**P, "top_k": 2.0}, "top_k"), ({**P, "top_k": False}, "top_k"),
-    ({**P, "n": 2}, "n"), ({**P, "n": True}, "n"), ({**P, "n": "1"}, "n"),
+    ({**P, "n": 0}, "n"), ({**P, "n": 17}, "n"), ({**P, "n": True}, "n"), ({**P, "n": "1"}, "n"),
+    ({**P, "n": 2.0}, "n"),
     ({**P, "stream": "yes"}, "stream"), ({**P, "stream": 1}, "stream"),
     ({**P, "stream_options": {"include_usage": True}}, "stream_options"),
     ({**P, "stream": True, "stream_options": []}, "stream_options"),
@@ -43,8 +49,10 @@ COMPLETION_REJECTS = [  # (body, field)
     ({**P, "seed": 1.0}, "seed"),
     ({**P, "logprobs": 21}, "logprobs"), ({**P, "logprobs": -1}, "logprobs"), ({**P, "logprobs": True}, "logprobs"),
     ({**P, "logprobs": 2.0}, "logprobs"), ({**P, "logprobs": "2"}, "logprobs"),
-    ({**P, "echo": True}, "echo"), ({**P, "echo": "no"}, "echo"),
-    ({**P, "best_of": 2}, "best_of"), ({**P, "best_of": True}, "best_of"), ({**P, "best_of": "1"}, "best_of"),
+    ({**P, "echo": "no"}, "echo"), ({**P, "echo": 1}, "echo"), ({**P, "echo": True, "logprobs": 0}, "echo"),
+    ({**P, "best_of": 0}, "best_of"), ({**P, "best_of": 17}, "best_of"), ({**P, "best_of": True}, "best_of"),
+    ({**P, "best_of": "1"}, "best_of"), ({**P, "n": 3, "best_of": 2}, "best_of"),
+    ({**P, "best_of": 2, "stream": True}, "best_of"), ({**P, "n": 2, "best_of": 3, "stream": True}, "best_of"),
     ({**P, "presence_penalty": 2.5}, "presence_penalty"), ({**P, "presence_penalty": "0"}, "presence_penalty"),
     ({**P, "frequency_penalty": -3}, "frequency_penalty"), ({**P, "frequency_penalty": False}, "frequency_penalty"),
     ({**P, "repetition_penalty": 0}, "repetition_penalty"), ({**P, "repetition_penalty": "1"}, "repetition_penalty"),
@@ -80,7 +88,7 @@ CHAT_REJECTS = [  # (body, field)
     ({**M, "max_tokens": "5"}, "max_tokens"), ({**M, "max_tokens": 0}, "max_tokens"),
     ({**M, "max_completion_tokens": 0}, "max_completion_tokens"),
     ({**M, "max_completion_tokens": "5", "max_tokens": 5}, "max_completion_tokens"),
-    ({**M, "temperature": None, "top_p": "x"}, "top_p"), ({**M, "n": 2}, "n"),
+    ({**M, "temperature": None, "top_p": "x"}, "top_p"),
     ({**M, "logprobs": 1}, "logprobs"), ({**M, "logprobs": "true"}, "logprobs"),
     ({**M, "top_logprobs": 2}, "top_logprobs"), ({**M, "logprobs": False, "top_logprobs": 1}, "top_logprobs"),
     ({**M, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
@@ -95,6 +103,7 @@ CHAT_REJECTS = [  # (body, field)
     ({**M, "functions": [{"name": "f"}]}, "functions"),
     ({**M, "stop": ["a", "b", "c", "d", "e"]}, "stop"), ({**M, "seed": "x"}, "seed"),
     ({**M, "stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+    ({**M, "n": 0}, "n"), ({**M, "n": 17}, "n"), ({**M, "n": False}, "n"),
 ]
 
 
@@ -135,6 +144,56 @@ def test_completion_all_supported_fields() -> None:
     s = req.sampling
     assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed, s.stop) == (7, 0, 0.5, 0, 3, ("x",))
     assert s.ignore_eos and s.stop_token_ids == (2, 3) and s.greedy and not s.adjusts_logits
+
+
+@pytest.mark.parametrize(("body", "n", "best_of", "per_prompt", "echo"), [
+    ({**P}, 1, None, 1, False), ({**P, "n": 3}, 3, None, 3, False), ({**P, "n": 16}, 16, None, 16, False),
+    ({**P, "best_of": 4}, 1, 4, 4, False), ({**P, "n": 2, "best_of": 2, "stream": True}, 2, 2, 2, False),
+    ({**P, "n": 2, "best_of": 5}, 2, 5, 5, False), ({**P, "echo": True}, 1, None, 1, True),
+    ({**P, "echo": True, "n": 2, "stream": True}, 2, None, 2, True), ({**P, "echo": False, "logprobs": 1}, 1, None, 1, False),
+    ({**P, "n": None, "best_of": None, "echo": None}, 1, None, 1, False),
+])
+def test_choices_fields(body: dict, n: int, best_of: int | None, per_prompt: int, echo: bool) -> None:
+    parsed = parse_completion_request(body)
+    assert (parsed.n, parsed.best_of, parsed.per_prompt, parsed.echo) == (n, best_of, per_prompt, echo)
+    assert parsed.ranked == (per_prompt > n)
+
+
+def test_chat_takes_n() -> None:
+    parsed = parse_chat_request({**M, "n": 3, "stream": True})
+    assert (parsed.n, parsed.per_prompt, len(parsed.requests)) == (3, 3, 1)
+
+
+@pytest.mark.parametrize(("prompt", "want"), [
+    (["a", "b c"], ["a", "b c"]), ([[1, 2], [3]], [[1, 2], [3]]), (["a", [4, 5]], ["a", [4, 5]]),
+    ([1, 2, 3], [[1, 2, 3]]),  # one list of ids is one prompt
+    ([[7]], [[7]]), (["x"] * 16, ["x"] * 16)])
+def test_batched_prompts(prompt: object, want: list) -> None:
+    parsed = parse_completion_request({"prompt": prompt, "seed": 5, "max_tokens": 3, "stop": "z"})
+    assert [r.prompt for r in parsed.requests] == want and parsed.request.prompt == want[0]
+    assert all(r.sampling == parsed.request.sampling and r.sampling.stop == ("z",) for r in parsed.requests)
+
+
+def test_choice_limits_come_from_request_limits() -> None:
+    limits = RequestLimits(max_choices=3, max_prompts=2)
+    assert parse_completion_request({**P, "n": 3, "best_of": 3}, limits=limits).per_prompt == 3
+    for body, field, said in [({**P, "n": 4}, "n", "[1, 3]"), ({**P, "best_of": 4}, "best_of", "[1, 3]"),
+                              ({"prompt": ["a", "b", "c"]}, "prompt", "at most 2")]:
+        with pytest.raises(InvalidRequestError, match=re.escape(said)) as info:
+            parse_completion_request(body, limits=limits)
+        assert info.value.field == field
+    with pytest.raises(InvalidRequestError) as info:
+        parse_chat_request({**M, "n": 4}, limits=limits)
+    assert info.value.field == "n"
+
+
+def test_bad_combinations_say_why() -> None:
+    with pytest.raises(InvalidRequestError, match="stream"):
+        parse_completion_request({**P, "best_of": 3, "stream": True})
+    with pytest.raises(InvalidRequestError, match="prompt log-probabilities"):
+        parse_completion_request({**P, "echo": True, "logprobs": 2})
+    with pytest.raises(InvalidRequestError, match=r"prompt 1 of the batch"):
+        parse_completion_request({"prompt": ["a", ""]})
 
 
 def test_sampling_extensions_are_honoured() -> None:
@@ -232,6 +291,46 @@ def test_completion_stream_events_with_usage() -> None:
     assert [e["choices"] for e in last] == [[{"text": "", "index": 0, "logprobs": None, "finish_reason": "stop"}], []]
     assert last[1]["usage"]["total_tokens"] == 2 and last[1]["usage"]["pdserve_timings"]["path"] == "local"
     assert "pdserve_timings" not in last[0] and last[1]["object"] == "text_completion"
+
+
+def test_several_choices_in_one_body() -> None:
+    """full_choices: each choice with its index, in the order given; one usage for the request."""
+    b = ResponseBuilder(False, "r", "m", 1)
+    body = b.full_choices([ChoiceOutput(0, "a", "stop"), ChoiceOutput(1, "b", "length")], Usage(3, 5), TIMINGS)
+    assert body["choices"] == [{"text": "a", "index": 0, "logprobs": None, "finish_reason": "stop"},
+                               {"text": "b", "index": 1, "logprobs": None, "finish_reason": "length"}]
+    assert body["usage"]["total_tokens"] == 8 and body["usage"]["pdserve_timings"] == TIMINGS.as_dict()
+    chat = ResponseBuilder(True, "r", "m", 1).full_choices([ChoiceOutput(2, "x", "stop")], Usage(1, 1), None)
+    assert chat["choices"] == [{"index": 2, "message": {"role": "assistant", "content": "x"}, "finish_reason": "stop",
+                                "logprobs": None}]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_stream_events_of_another_choice(chat: bool) -> None:
+    """for_choice(i): its chunks carry index i; with include_usage a finishing chunk adds no usage chunk
+    of its own when given none (the request's comes once, after every choice: usage_event)."""
+    b = ResponseBuilder(chat, "r", "m", 1, include_usage=True).for_choice(3)
+    events = b.start_events() + b.chunk_events(Chunk("x", [1]), None, None) + \
+        b.chunk_events(Chunk("y", [2], "stop", Usage(1, 2), TIMINGS), "stop", None)
+    assert {e["choices"][0]["index"] for e in events} == {3}
+    assert all(e["choices"] and "pdserve_timings" not in e for e in events)
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
+    last = b.usage_event(Usage(2, 7, 1), TIMINGS)
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 7
+
+
+def test_each_choice_counts_its_own_logprob_offsets() -> None:
+    b = ResponseBuilder(False, "r", "m", 1, logprobs=logprobs_builder(False))
+    body = b.full_choices([ChoiceOutput(0, " ab", "stop", tuple(LP[:2])), ChoiceOutput(1, "b", "stop", (LP[1],))],
+                          Usage(1, 3), None)
+    assert [c["logprobs"]["text_offset"] for c in body["choices"]] == [[0, 2], [0]]
+    one, two = b.for_choice(0), b.for_choice(1)
+    first = one.chunk_events(Chunk(" a", [1], logprobs=(LP[0],)), None, None)
+    second = two.chunk_events(Chunk("b", [2], logprobs=(LP[1],)), None, None)
+    assert first[0]["choices"][0]["logprobs"]["text_offset"] == [0]
+    assert second[0]["choices"][0]["logprobs"]["text_offset"] == [0]
+    assert one.chunk_events(Chunk("b", [2], logprobs=(LP[1],)), None, None)[0]["choices"][0]["logprobs"][
+        "text_offset"] == [2]
 
 
 TEXTS = {1: " a", 2: "b", 3: "\u00e9", 4: " a"}  # 4 has the same text as 1
