@@ -19,9 +19,11 @@ from typing import TYPE_CHECKING
 from engine.config import EngineConfig
 from pdserve import flags
 from planner.profiles import (
+    AS_CALIBRATED,
     DEFAULT_EFFICIENCY,
     DEVICE_NAMES,
     ModelShape,
+    ServingFactors,
     device,
     kv_memory_gib,
     load_cost_model,
@@ -84,6 +86,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                       "(default: %(default)s)")
     prof.add_argument("--efficiency", default="", help="override the roofline's efficiency factors, e.g. "
                       "compute=0.5,memory=0.8 (fields: " + ", ".join(vars(DEFAULT_EFFICIENCY["gpu"])) + ")")
+    prof.add_argument("--factors", default="", help="serving factors: how much longer than the cost model's "
+                      "times served steps take, e.g. prefill=1.1,decode=1.2 (what --validate measured; default: 1)")
     sw = p.add_argument_group("sweep")
     sw.add_argument("--budget", type=int, default=None, help="workers (devices) in all: every P:D split of them "
                     "(default: 4 unless --layouts)")
@@ -151,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
 
     router, engine = _config(args)
     slo = Slo(router.ttft_target_s, router.tpot_target_s)
+    factors = AS_CALIBRATED.with_overrides(args.factors)
     if args.watch:
         from planner.watch import watch
 
@@ -160,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     trace = _trace(args)
     if args.validate:
-        return _validate(args, trace, slo)
+        return _validate(args, trace, slo, factors)
     cost, memory = _profile(args, trace, engine)
     worker = WorkerSpec.from_memory(cost, memory, block_size=engine.cache.block_size,
                                     max_num_batched_tokens=engine.max_num_batched_tokens,
@@ -169,7 +174,8 @@ def run(args: argparse.Namespace) -> int:
     layouts = parse_layouts(args.layouts) if args.layouts else layouts_within(args.budget or 4)
     if args.layouts and args.budget:
         raise ValueError("give --budget or --layouts, not both")
-    spec = PlanSpec(trace, cost, slo, layouts, args.policies, args.max_num_seqs, worker, router=router)
+    spec = PlanSpec(trace, cost, slo, layouts, args.policies, args.max_num_seqs, worker, router=router,
+                    factors=factors)
     print(f"[plan] {len(spec.candidates())} simulations of {trace.describe()}", file=sys.stderr, flush=True)
     plan = sweep(spec, args.jobs, progress=lambda e: print(
         f"[plan] {e.candidate.layout.label} {e.candidate.policy} seqs {e.candidate.max_num_seqs}: goodput "
@@ -202,7 +208,7 @@ def _finite(obj: object) -> object:
     return obj
 
 
-def _validate(args: argparse.Namespace, trace: Trace, slo: Slo) -> int:
+def _validate(args: argparse.Namespace, trace: Trace, slo: Slo, factors: ServingFactors) -> int:
     from dataclasses import asdict
 
     from planner.traces import from_workload
@@ -213,12 +219,16 @@ def _validate(args: argparse.Namespace, trace: Trace, slo: Slo) -> int:
         workload = WorkloadRef(args.trace, args.num_requests, args.rate, args.seed)
         trace = from_workload(args.trace, args.num_requests, args.rate, args.seed)
     cmp = validate(args.validate, trace, slo, args.max_num_seqs[0], args.vocab_size, workload,
-                   fallback_policy=args.policies[0])
+                   fallback_policy=args.policies[0], factors=factors)
     print(trace.describe())
     print(cmp.table())
     if args.out:
         Path(args.out).write_text(json.dumps(_finite({"trace": trace.describe(), "slo": asdict(slo),
                                                       "layout": cmp.layout.label, "policy": cmp.policy,
                                                       "simulated": asdict(cmp.simulated),
-                                                      "measured": asdict(cmp.measured)}), indent=1) + "\n")
+                                                      "measured": asdict(cmp.measured),
+                                                      "factors": asdict(cmp.factors),
+                                                      "measured_factors": asdict(fitted) if (
+                                                          fitted := cmp.measured_factors()) else None}),
+                                        indent=1) + "\n")
     return 0

@@ -21,6 +21,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from planner.profiles import AS_CALIBRATED, ServingFactors
 from planner.sim import Layout, SimResult, Summary, WorkerSpec, simulate
 from planner.traces import Trace
 from router.config import RouterConfig
@@ -129,6 +130,7 @@ class PlanSpec:
         worker: the decode workers' engine limits (its max_num_seqs is replaced by each candidate's).
         prefill_worker: the prefill workers' (None: `worker`'s).
         router: admission settings (its policy and targets are replaced by the candidate's and the SLO).
+        factors: how much longer than the cost model's times served steps take (`ServingFactors`).
     """
 
     trace: Trace
@@ -140,6 +142,7 @@ class PlanSpec:
     worker: WorkerSpec | None = None
     prefill_worker: WorkerSpec | None = None
     router: RouterConfig = _ROUTER
+    factors: ServingFactors = AS_CALIBRATED
 
     def __post_init__(self) -> None:
         for name in ("layouts", "policies", "max_num_seqs"):
@@ -189,7 +192,8 @@ def evaluate(spec: PlanSpec, candidate: Candidate) -> Evaluation:
     prefill = replace(spec.prefill_worker, max_num_seqs=candidate.max_num_seqs) if spec.prefill_worker else None
     router = replace(spec.router, policy=candidate.policy, ttft_target_s=spec.slo.ttft_s,
                      tpot_target_s=spec.slo.tpot_s, flip_roles=False)
-    result: SimResult = simulate(spec.trace, spec.cost, candidate.layout, worker, router, prefill_worker=prefill)
+    result: SimResult = simulate(spec.trace, spec.cost, candidate.layout, worker, router, prefill_worker=prefill,
+                                 factors=spec.factors)
     placed = sum(o.path is not None for o in result.outcomes)
     return Evaluation(candidate, result.summary(spec.slo.ttft_s, spec.slo.tpot_s),
                       result.remote / placed if placed else 0.0, result.mean_decode_batch, result.preemptions,

@@ -120,17 +120,57 @@ class Efficiency:
     def with_overrides(self, text: str) -> Efficiency:
         """Args: "name=value,..." over this one's fields (e.g. "compute=0.5,memory=0.8").
         Raises: ValueError naming an unknown field or a bad value."""
-        names = {f.name for f in fields(self)}
-        changes = {}
-        for part in filter(None, (p.strip() for p in text.split(","))):
-            name, sep, value = part.partition("=")
-            if not sep or name.strip() not in names:
-                raise ValueError(f"efficiency override {part!r}: use NAME=VALUE with NAME one of {sorted(names)}")
-            try:
-                changes[name.strip()] = float(value)
-            except ValueError:
-                raise ValueError(f"efficiency override {part!r}: {value!r} is not a number") from None
-        return replace(self, **changes)
+        return _overridden(self, text, "efficiency")
+
+
+def _overridden(obj: object, text: str, what: str) -> object:
+    """A copy of the dataclass `obj` with "name=value,..." (numbers) over its fields. Raises: ValueError
+    naming `what`, the part, and an unknown field or a bad value."""
+    names = {f.name for f in fields(obj)}
+    changes = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, value = part.partition("=")
+        if not sep or name.strip() not in names:
+            raise ValueError(f"{what} override {part!r}: use NAME=VALUE with NAME one of {sorted(names)}")
+        try:
+            changes[name.strip()] = float(value)
+        except ValueError:
+            raise ValueError(f"{what} override {part!r}: {value!r} is not a number") from None
+    return replace(obj, **changes)
+
+
+@dataclass(frozen=True)
+class ServingFactors:
+    """How much longer than its cost model a served step takes, per phase (1: as calibrated).
+
+    A measured cost model times each phase inside the engine at start-up; serving adds what that leaves
+    out (the worker's loop, the token feed, the router, the HTTP server): the simulated prompt tokens of
+    a step take `prefill` times their cost-model time, its decode rows `decode` times theirs (KV transfers
+    and round trips stay as calibrated). The placement policy still prices with the plain cost model, as
+    the server's does (its `Correction` learns the rest in both). `pdserve plan --validate` measures them
+    (measured / simulated TTFT p50 and TPOT p50, `Comparison.factors`); `--factors` applies them.
+
+    Args: prefill, decode: finite numbers > 0.
+    """
+
+    prefill: float = 1.0
+    decode: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("prefill", "decode"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"serving factor {name} must be a finite number > 0, got {value!r}")
+
+    def with_overrides(self, text: str) -> ServingFactors:
+        """Args: "prefill=X,decode=Y" (either or both). Raises: ValueError naming a bad part."""
+        return _overridden(self, text, "serving factor")
+
+    def describe(self) -> str:
+        return f"prefill={self.prefill:.3g},decode={self.decode:.3g}"
+
+
+AS_CALIBRATED = ServingFactors()  # served steps take the cost model's times
 
 
 DEFAULT_EFFICIENCY = {

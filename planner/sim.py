@@ -29,7 +29,9 @@ any context length, and a prompt chunk the same wherever it sits in its prompt):
 - a decode worker's step of B decoding sequences and N prompt tokens: `step_s(B)` when N = 0,
   `local_prefill_s(N)` when B = 0, else `local_prefill_s(N)` plus what B decoding rows add to one
   chunk's step (`local_prefill_wall_s(1, B) - local_prefill_s(1)` = decode_ride x `step_s(B)`).
-Every step pays the fits' fixed cost, so a prompt prefilled in k chunks pays it k times.
+Every step pays the fits' fixed cost, so a prompt prefilled in k chunks pays it k times. With
+`ServingFactors`, a step's prompt tokens take `prefill` times those times and its decode rows `decode`
+times theirs (what serving adds to the engine's calibrated times, measured by `--validate`).
 
 Not simulated: threads lent between roles (`--lend-threads`), role flips, worker failures and
 retries, request deadlines, the network between clients and the router.
@@ -50,6 +52,7 @@ from engine.scheduler import Batch, Chunk, Scheduler
 from engine.sequence import FinishReason, Sequence
 from loadtest.metrics import summarize
 from loadtest.records import RequestRecord
+from planner.profiles import AS_CALIBRATED, ServingFactors
 from planner.traces import Trace, TraceRequest
 from router.book import Booking, DecodeSlot, PoolBook, PrefillSlot
 from router.config import RouterConfig
@@ -285,15 +288,16 @@ class Simulator:
         policy: the placement policy (None: `make_policy(router.policy, ...)` with the router's correction,
             as `Placer` builds it).
         prefill_worker: each prefill worker's engine limits (None: `worker`'s).
+        factors: how much longer than the cost model's times served steps take (see `ServingFactors`).
     """
 
     def __init__(self, trace: Trace, cost: CostModel, layout: Layout, worker: WorkerSpec,
                  router: RouterConfig | None = None, policy: Policy | None = None,
-                 prefill_worker: WorkerSpec | None = None) -> None:
+                 prefill_worker: WorkerSpec | None = None, factors: ServingFactors = AS_CALIBRATED) -> None:
         router = router or RouterConfig()
         if router.flip_roles:
             raise ValueError("flip_roles is not simulated: plan with flip_roles off")
-        self.trace, self.cost, self.layout, self.router = trace, cost, layout, router
+        self.trace, self.cost, self.layout, self.router, self.factors = trace, cost, layout, router, factors
         self.worker, self.prefill_worker = worker, prefill_worker or worker
         self.book = PoolBook([PrefillSlot(f"prefill-{i}") for i in range(layout.prefill)],
                              [DecodeSlot(f"decode-{i}", worker.num_blocks, worker.block_size, worker.max_num_seqs)
@@ -440,17 +444,17 @@ class Simulator:
 
     def _duration(self, w: _Worker, batch: Batch) -> float:
         """A step's seconds (see the module docstring)."""
-        cost, n, b = self.cost, batch.num_prefill_tokens, len(batch.decode)
+        cost, f, n, b = self.cost, self.factors, batch.num_prefill_tokens, len(batch.decode)
         if w.pool == "prefill":
-            return cost.prefill_s(n)
+            return cost.prefill_s(n) * f.prefill
         if not n:
-            return cost.step_s(b)
+            return cost.step_s(b) * f.decode
         if not b:
-            return cost.local_prefill_s(n)
+            return cost.local_prefill_s(n) * f.prefill
         ride = self._ride.get(b)
         if ride is None:
             ride = self._ride[b] = cost.local_prefill_wall_s(1, b) - cost.local_prefill_s(1)
-        return cost.local_prefill_s(n) + ride
+        return cost.local_prefill_s(n) * f.prefill + ride * f.decode
 
     def _step_end(self, w: _Worker, batch: Batch) -> None:
         sampled = batch.sampled
@@ -528,6 +532,7 @@ class Simulator:
 
 
 def simulate(trace: Trace, cost: CostModel, layout: Layout, worker: WorkerSpec, router: RouterConfig | None = None,
-             policy: Policy | None = None, prefill_worker: WorkerSpec | None = None) -> SimResult:
+             policy: Policy | None = None, prefill_worker: WorkerSpec | None = None,
+             factors: ServingFactors = AS_CALIBRATED) -> SimResult:
     """Run `trace` through a fresh `Simulator` (see its arguments). Returns: its result."""
-    return Simulator(trace, cost, layout, worker, router, policy, prefill_worker).run()
+    return Simulator(trace, cost, layout, worker, router, policy, prefill_worker, factors).run()

@@ -23,6 +23,7 @@ from loadtest.clients import make_client
 from loadtest.records import RequestRecord
 from loadtest.workload import RequestSpec, build_workload, safe_token_range
 from planner.plan import Slo
+from planner.profiles import AS_CALIBRATED, ServingFactors
 from planner.sim import Layout, Summary, WorkerSpec, prompt_ids, simulate
 from planner.traces import Trace
 from router.config import RouterConfig
@@ -76,12 +77,28 @@ def server_layout(metrics_text: str) -> ServerLayout:
 
 @dataclass(frozen=True)
 class Comparison:
-    """Args: simulated / measured: the two summaries; layout; policy."""
+    """Args: simulated / measured: the two summaries; layout; policy; factors: the serving factors the
+    simulation ran with."""
 
     simulated: Summary
     measured: Summary
     layout: Layout
     policy: str
+    factors: ServingFactors = AS_CALIBRATED
+
+    def measured_factors(self) -> ServingFactors | None:
+        """The serving factors that would have matched this run: the simulation's, times measured /
+        simulated TTFT p50 (prefill) and TPOT p50 (decode); a quantity without values keeps its factor.
+        Measure them on one run (a light load, where TTFT is mostly the prompt's own prefill) and plan
+        or validate others with them. None when the run had no served request."""
+        sim, meas = self.simulated, self.measured
+        if not meas.ok or not sim.ok:
+            return None
+
+        def ratio(field: str, factor: float) -> float:
+            s, m = getattr(sim, field), getattr(meas, field)
+            return factor * m / s if s and m else factor
+        return ServingFactors(ratio("ttft_p50_s", self.factors.prefill), ratio("tpot_p50_s", self.factors.decode))
 
     def table(self) -> str:
         rows = [("TTFT p50 (ms)", "ttft_p50_s", 1e3), ("TTFT p99 (ms)", "ttft_p99_s", 1e3),
@@ -93,6 +110,9 @@ class Comparison:
             sim, meas = getattr(self.simulated, field), getattr(self.measured, field)
             ratio = f"{sim / meas:.2f}" if sim is not None and meas else "-"
             lines.append(f"{label:<18}{_fmt(sim, scale):>12}{_fmt(meas, scale):>12}{ratio:>10}")
+        fitted = self.measured_factors()
+        lines.append(f"serving factors simulated: {self.factors.describe()}; matching this run: "
+                     f"{fitted.describe() if fitted else '-'}")
         return "\n".join(lines)
 
 
@@ -160,13 +180,14 @@ class WorkloadRef:
 
 def validate(base: str, trace: Trace, slo: Slo, max_num_seqs: int, vocab_size: int = 49152,
              workload: WorkloadRef | None = None, request_timeout_s: float = 300.0,
-             fallback_policy: str = RouterConfig().policy) -> Comparison:
+             fallback_policy: str = RouterConfig().policy, factors: ServingFactors = AS_CALIBRATED) -> Comparison:
     """Run `trace` on the server at `base` (http://HOST:PORT) and simulate it on the server's own profile.
 
     Args: slo: the targets both sides are counted against. max_num_seqs: the server's `--max-num-seqs`
     (not in its metrics). vocab_size: the model's (token-id prompts). workload: how the trace was built,
     to send it through the load generator's own open loop. fallback_policy: the policy simulated when the
-    server's metrics name none (the server placed nothing yet)."""
+    server's metrics name none (the server placed nothing yet). factors: the simulation's serving factors
+    (`ServingFactors`; the comparison also gives the ones that would have matched the run)."""
     cost = CostModel.from_dict(json.loads(fetch_text(base.rstrip("/") + "/pdserve/cost_model")))
     before = server_layout(fetch_text(base.rstrip("/") + "/metrics"))
     if workload is not None:
@@ -182,6 +203,6 @@ def validate(base: str, trace: Trace, slo: Slo, max_num_seqs: int, vocab_size: i
     prefill = WorkerSpec(before.prefill_blocks, max_num_seqs=max_num_seqs,
                          prefill_chunk_tokens=decode.prefill_chunk_tokens) if before.prefill_blocks else None
     router = RouterConfig(policy=policy, ttft_target_s=slo.ttft_s, tpot_target_s=slo.tpot_s)
-    sim = simulate(trace, cost, before.layout, decode, router, prefill_worker=prefill)
+    sim = simulate(trace, cost, before.layout, decode, router, prefill_worker=prefill, factors=factors)
     return Comparison(sim.summary(slo.ttft_s, slo.tpot_s), Summary.of(records, wall, slo.ttft_s, slo.tpot_s),
-                      before.layout, policy)
+                      before.layout, policy, factors)

@@ -259,3 +259,18 @@ def test_a_servers_layout_and_traffic_come_from_its_metrics():
     assert traffic(second, second) is None
     with pytest.raises(ValueError, match="no decode worker"):
         server_layout("# nothing\n")
+
+
+def test_a_validation_gives_the_serving_factors_that_would_have_matched_it():
+    from planner.profiles import ServingFactors
+    from planner.sim import Summary
+    from planner.validate import Comparison
+
+    def summary(ttft: float | None, tpot: float | None, ok: int = 10) -> Summary:
+        return Summary(10, ok, 20.0, ttft, ttft, tpot, tpot, 0.5, 1.0, 0.5)
+    cmp = Comparison(summary(0.5, 0.02), summary(0.6, 0.03), Layout(1, 1), "ratio", ServingFactors(1.0, 2.0))
+    assert cmp.measured_factors() == pytest.approx(ServingFactors(1.2, 3.0))  # measured / simulated, times its own
+    assert "matching this run: prefill=1.2,decode=3" in cmp.table()
+    one_token = Comparison(summary(0.5, None), summary(0.6, None), Layout(1, 1), "ratio")
+    assert one_token.measured_factors() == ServingFactors(1.2, 1.0)  # no TPOT: the decode factor stays
+    assert Comparison(summary(0.5, 0.02), summary(None, None, ok=0), Layout(1, 1), "ratio").measured_factors() is None

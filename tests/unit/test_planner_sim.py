@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from planner.profiles import AS_CALIBRATED, ServingFactors
 from planner.sim import Layout, Simulator, WorkerSpec, prompt_ids, simulate
 from planner.traces import Trace, TraceRequest
 from router.book import PoolBook
@@ -49,6 +50,31 @@ def test_one_local_request_matches_the_hand_schedule():
     assert out.path == "local"
     assert out.ttft_s == pytest.approx(0.22)  # 0.02 + 100 * 0.002, alone on D: the prompt goes whole
     assert out.e2e_s == pytest.approx(0.24)
+
+
+def test_serving_factors_stretch_each_phase_of_the_hand_schedule():
+    """Prompt tokens take `prefill` times their cost-model time, decode rows `decode` times; the KV
+    transfer and the hops stay as calibrated."""
+    f = ServingFactors(prefill=1.5, decode=2.0)
+    local = run(trace((0.0, 100, 3)), Layout(1, 1), "always_local", factors=f).outcomes[0]
+    assert local.ttft_s == pytest.approx(0.22 * 1.5)
+    assert local.e2e_s == pytest.approx(0.22 * 1.5 + 2 * 0.01 * 2.0)
+    remote = run(trace((0.0, 100, 3)), Layout(1, 1), "always_remote", factors=f).outcomes[0]
+    # P: 0.11 * 1.5 = 0.165 s; the transfer's exposed part: max(0.005, 0.01 - 0.165 / 2) = 0.005; hops 0.005
+    assert remote.ttft_s == pytest.approx(0.165 + 0.005 + 0.005)
+    assert remote.tpot_s == pytest.approx(0.02)
+    # a mixed step: the chunk at the prefill factor, the decode rows' ride at the decode factor
+    a, b = run(trace((0.0, 100, 3), (0.05, 50, 2)), Layout(0, 1), "always_local", factors=f).outcomes
+    assert b.ttft_s == pytest.approx(0.33 + (0.02 + 0.1) * 1.5 + 0.5 * 0.01 * 2.0 - 0.05)
+
+
+def test_serving_factors_are_checked_and_read_from_overrides():
+    assert AS_CALIBRATED.with_overrides("decode=1.25") == ServingFactors(1.0, 1.25)
+    assert AS_CALIBRATED.with_overrides("") == AS_CALIBRATED
+    for bad, why in (("decode=0", "decode must be a finite number > 0"), ("speed=2", "NAME one of"),
+                     ("prefill=x", "is not a number"), ("prefill", "use NAME=VALUE")):
+        with pytest.raises(ValueError, match=why):
+            AS_CALIBRATED.with_overrides(bad)
 
 
 def test_two_overlapping_requests_share_steps():
