@@ -122,7 +122,7 @@ class RouterStream:
 
     # -- the run ----------------------------------------------------------------------------------
     async def _run(self) -> None:
-        outcome = "error"
+        outcome, kind = "error", ErrorKind.INTERNAL.value  # kind: the error's, counted when outcome is "error"
         try:
             if self._deadline is None:
                 outcome = await self._drive()
@@ -140,6 +140,7 @@ class RouterStream:
             outcome = "cancelled"
             await asyncio.shield(self._abort(self._booking))
         except (RequestFailed, CapacityError) as e:
+            kind = e.kind.value if isinstance(e, RequestFailed) else "overloaded"
             await asyncio.shield(self._abort(self._booking))
             self._queue.put_nowait(e)
         except Exception as e:  # unexpected: the client gets a clear message, the log the rest
@@ -148,9 +149,12 @@ class RouterStream:
             self._queue.put_nowait(RequestFailed(f"request {self.request_id} failed: {type(e).__name__}"))
         finally:
             self._planner.release(self._booking, len(self._sent), outcome)
-            self._metrics.requests.labels(self._booking.placement.path, outcome).inc()
+            m = self._metrics
+            m.requests.labels(self._booking.placement.path, outcome).inc()
             if outcome == "error":
-                self._metrics.errors.labels("worker_failure").inc()
+                m.errors.labels(kind).inc()
+            m.prompt_length.observe(self.prompt_tokens)
+            m.generation_length.observe(len(self._sent))
             self._queue.put_nowait(_END)
 
     async def _drive(self) -> str:
@@ -181,6 +185,7 @@ class RouterStream:
     async def _recover(self, e: _WorkerFailure, b: Booking, cfg: RouterConfig, attempts: int) -> Booking:
         """Place the request again after `e`, or raise RequestFailed when the bounds are spent."""
         log.warning("request %s: %s; %d tokens sent so far", self.request_id, e, len(self._sent))
+        self._metrics.attempt_failures.labels(e.kind.value, e.pool).inc()
         migrating = e.pool == "decode" and self._sent
         if migrating:
             self.migrations += 1
@@ -192,11 +197,13 @@ class RouterStream:
             policy = cfg.on_prefill_failure if e.pool == "prefill" else "retry"
             if policy == "fail" or attempts >= cfg.max_attempts:
                 raise RequestFailed(f"request {self.request_id}: could not start it ({e})", e.kind) from None
-            self._metrics.recoveries.labels(policy).inc()
         avoid = {b.decode.worker_id} if e.pool == "decode" else ({b.prefill.worker_id} if b.prefill else set())
         prompt, sampling = self._resume_point()
         booking = await self._planner.replan(prompt, sampling.max_tokens, avoid,
                                              local=bool(migrating) or cfg.on_prefill_failure == "local")
+        if not migrating:  # a prefill worker's failure placed local (configured, or no prefill worker left)
+            fell_back = e.pool == "prefill" and booking.placement.path == "local"
+            self._metrics.recoveries.labels("local" if fell_back else "retry").inc()
         self._worker_rid = f"{self.request_id}.{attempts + self.migrations}"  # no leftovers of the last attempt
         t = self.timings
         self.timings = replace(self._new_timings(booking), queue_s=t.queue_s, ttft_s=t.ttft_s, prefill_s=t.prefill_s,

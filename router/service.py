@@ -35,7 +35,7 @@ from router.request import RouterStream
 from router.types import DeadlineExceeded, GenerateRequest, ModelCard, ModelNotFoundError, OverloadedError, Runtime
 from worker_core.protocol import WorkerInfo
 
-# Counted in pdserve_errors_total by the label on the right when `submit` refuses a request.
+# Counted in pdserve_request_errors_total by the label on the right when `submit` refuses a request.
 _REFUSALS: tuple[tuple[type[Exception], str], ...] = (
     (ModelNotFoundError, "model_not_found"), (InvalidRequestError, "invalid_request"),
     (OverloadedError, "overloaded"), (DeadlineExceeded, "deadline"))
@@ -60,8 +60,8 @@ class Router:
                  respawn: Callable[[str, int], WorkerInfo] | None = None, lender: Elastic | None = None) -> None:
         limits = ModelLimits.from_infos(prefill_infos, decode_infos)
         self.pools, self.config, self.cost = pools, config, cost
-        self.metrics = metrics or Metrics()
         self.model_name = config.served_model_name or Path(model_dir).name
+        self.metrics = metrics or Metrics(model_name=self.model_name)
         self.max_model_len = limits.max_model_len
         chooser = [*prefill_infos, *decode_infos][0]  # the first worker started chose the dtype
         self.runtime = Runtime.from_info(decode_infos[0], chooser.dtype_reason)

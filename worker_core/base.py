@@ -74,7 +74,8 @@ class WorkerBase:
     def _publish_load(self) -> None:
         """Engine thread: the report `load()` hands out."""
         # one reference swap: never half-built
-        self._load: LoadReport | None = dataclasses.replace(self._load_now(), threads=torch.get_num_threads())
+        self._load: LoadReport | None = dataclasses.replace(self._load_now(), threads=torch.get_num_threads(),
+                                                            preemptions=self.engine.scheduler.num_preemptions)
 
     def _after(self) -> None:
         """Engine thread, after every command and every round: publish the load and what else the role

@@ -70,9 +70,10 @@ class WorkerInfo:
 
 @dataclass(frozen=True)
 class LoadReport:
-    """A worker's load right now. Both roles: free and total KV blocks, and the threads its engine
-    computes with. Decode: sequences running (or waiting to run) and receiving KV. Prefill: prompt
-    tokens queued and transfers still sending."""
+    """A worker's load right now. Both roles: free and total KV blocks, the threads its engine
+    computes with, and the sequences its engine preempted since it started (for lack of KV blocks;
+    they are recomputed). Decode: sequences running (or waiting to run) and receiving KV. Prefill:
+    prompt tokens queued and transfers still sending."""
 
     free_blocks: int
     num_blocks: int
@@ -81,6 +82,7 @@ class LoadReport:
     queued_tokens: int = 0
     sending: int = 0
     threads: int = 0
+    preemptions: int = 0
 
 
 @dataclass(frozen=True)

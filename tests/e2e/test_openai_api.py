@@ -70,6 +70,70 @@ def test_completion_matches_generate(client, server, oracle):
     assert "".join(c.choices[0].text for c in stream if c.choices) == text_of(oracle, want_ids)
 
 
+def test_n_greedy_choices_all_equal_the_reference(client, server, oracle):
+    """n=3, greedy: three requests at the router, three equal choices, each the greedy reference."""
+    prompt = "The three primary colours are"
+    ids = oracle[1](prompt)["input_ids"]
+    want_ids = greedy_ids(oracle, ids, 20)
+    resp = client.completions.create(model=server.model, prompt=prompt, max_tokens=20, temperature=0, n=3)
+    assert [(c.index, c.text) for c in resp.choices] == [(i, text_of(oracle, want_ids)) for i in range(3)]
+    assert resp.usage.prompt_tokens == len(ids)  # the prompt counted once
+    assert resp.usage.completion_tokens == 3 * len(want_ids)
+
+
+def test_n_seeded_sampling_is_reproducible_and_its_choices_differ(client, server):
+    """Choice i samples with seed + i: the same request gives the same three choices, not all equal."""
+    kw = {"model": server.model, "prompt": "Once upon a time, in a small village,", "max_tokens": 16,
+          "temperature": 1.0, "seed": 1234, "n": 3}
+    first = [c.text for c in client.completions.create(**kw).choices]
+    again = [c.text for c in client.completions.create(**kw).choices]
+    assert first == again
+    assert len(set(first)) >= 2, first
+
+
+def test_batched_prompts_times_n_come_in_openais_order(client, server, oracle):
+    prompts = ["The capital of France is", "The three primary colours are"]
+    ids = [oracle[1](p)["input_ids"] for p in prompts]
+    want = [text_of(oracle, greedy_ids(oracle, i, 8)) for i in ids]
+    resp = client.completions.create(model=server.model, prompt=prompts, max_tokens=8, temperature=0, n=2)
+    assert [(c.index, c.text) for c in resp.choices] == [(0, want[0]), (1, want[0]), (2, want[1]), (3, want[1])]
+    assert resp.usage.prompt_tokens == len(ids[0]) + len(ids[1])
+
+
+def test_echo_returns_the_prompt_then_the_completion(client, server, oracle):
+    prompt = "The capital of France is"
+    ids = oracle[1](prompt)["input_ids"]
+    want = text_of(oracle, greedy_ids(oracle, ids, 6))
+    resp = client.completions.create(model=server.model, prompt=prompt, max_tokens=6, temperature=0, echo=True)
+    assert resp.choices[0].text == prompt + want
+    by_ids = client.completions.create(model=server.model, prompt=ids, max_tokens=6, temperature=0, echo=True)
+    assert by_ids.choices[0].text == oracle[1].decode(ids) + want
+    stream = client.completions.create(model=server.model, prompt=prompt, max_tokens=6, temperature=0, echo=True,
+                                       stream=True)
+    texts = [c.choices[0].text for c in stream if c.choices]
+    assert texts[0].startswith(prompt) and "".join(texts) == prompt + want
+
+
+def test_streamed_n_gives_both_choices_and_one_usage_chunk(client, server, oracle):
+    want = text_of(oracle, greedy_ids(oracle, chat_ids(oracle, MESSAGES), 8))
+    stream = client.chat.completions.create(model=server.model, messages=MESSAGES, max_tokens=8, temperature=0, n=2,
+                                            stream=True, stream_options={"include_usage": True})
+    parts: dict[int, list[str]] = {0: [], 1: []}
+    finishes: dict[int, list[str]] = {0: [], 1: []}
+    usages = []
+    for chunk in stream:
+        if chunk.usage is not None:
+            usages.append(chunk.usage)
+        for choice in chunk.choices:
+            parts[choice.index].append(choice.delta.content or "")
+            if choice.finish_reason is not None:
+                finishes[choice.index].append(choice.finish_reason)
+    assert {i: "".join(p) for i, p in parts.items()} == {0: want, 1: want}
+    assert all(len(f) == 1 for f in finishes.values())
+    assert len(usages) == 1 and usages[0].prompt_tokens == len(chat_ids(oracle, MESSAGES))
+    assert usages[0].completion_tokens == 2 * len(greedy_ids(oracle, chat_ids(oracle, MESSAGES), 8))
+
+
 def penalised_greedy_ids(oracle, prompt_ids: list[int], max_new_tokens: int, repetition: float, presence: float,
                          frequency: float, min_tokens: int) -> list[int]:
     """Greedy with the penalties and min_tokens, one full forward per token (fp32), stopping at EOS."""
@@ -199,6 +263,20 @@ def test_metrics_scrape_has_ttft_samples(client, server):
     assert feed and feed[0] >= 4  # the 4 tokens came through the decode worker's feed
     cpu = families["pdserve_router_process_cpu_seconds"].samples
     assert cpu and cpu[0].value > 0  # the router's own CPU time
+    # every request-level series carries the served model's name; per-worker ones do not
+    for name in ("pdserve_time_to_first_token_seconds", "pdserve_requests", "pdserve_placement_decisions",
+                 "pdserve_prompt_tokens", "pdserve_generation_tokens", "pdserve_request_prompt_tokens",
+                 "pdserve_request_generation_tokens"):
+        assert families[name].samples and all(s.labels["model_name"] == server.model
+                                               for s in families[name].samples), name
+    prompt_lengths = [s.value for s in families["pdserve_request_prompt_tokens"].samples if s.name.endswith("_sum")]
+    output_lengths = [s.value for s in families["pdserve_request_generation_tokens"].samples
+                      if s.name.endswith("_count")]
+    assert prompt_lengths[0] >= 1 and output_lengths[0] >= 1
+    usage = families["pdserve_kv_cache_usage_ratio"].samples
+    assert usage and all(0 <= s.value <= 1 and {"pool", "worker"} <= set(s.labels) for s in usage)
+    preemptions = [s for s in families["pdserve_preemptions"].samples if s.name.endswith("_total")]
+    assert {s.labels["worker"] for s in preemptions} == {s.labels["worker"] for s in usage}
 
 
 def post(server, path: str, body: bytes | dict) -> tuple[int, dict]:
@@ -219,7 +297,9 @@ def post(server, path: str, body: bytes | dict) -> tuple[int, dict]:
     ("/v1/completions", {"model": "smollm2", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"model": "smollm2", "prompt": "hi", "max_tokens": 10**9}, 400, "max_tokens"),
     ("/v1/completions", {"model": "smollm2", "prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
-    ("/v1/completions", {"model": "smollm2", "prompt": "hi", "n": 2}, 400, "n"),
+    ("/v1/completions", {"model": "smollm2", "prompt": "hi", "n": 17}, 400, "n"),
+    ("/v1/completions", {"model": "smollm2", "prompt": "hi", "best_of": 2, "stream": True}, 400, "best_of"),
+    ("/v1/completions", {"model": "smollm2", "prompt": "hi", "echo": True, "logprobs": 0}, 400, "echo"),
     ("/v1/completions", {"model": "smollm2", "prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     ("/v1/chat/completions", {"model": "smollm2", "messages": MESSAGES, "logprobs": True, "top_logprobs": 30}, 400,
      "top_logprobs"),

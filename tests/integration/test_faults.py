@@ -182,7 +182,7 @@ def test_a_decode_worker_lost_mid_stream_hands_its_streams_on_without_losing_a_t
     # the router's copy of the replaced slot's prefix cache is the new worker's, nothing of the lost one's
     assert router.placer.prefix.keys("decode", index) == set(ray.get(pools.decode[index].cache_events.remote(0)).stored)
     text = router.metrics_text()[0].decode()
-    assert 'pdserve_request_recoveries_total{action="migrate"}' in text
+    assert 'pdserve_request_recoveries_total{action="migrate",model_name=' in text
     assert ('pdserve_worker_hangs_total{pool="decode"} 1.0' in text) == (how == "hung")
     assert_all_free(pools)
 
@@ -226,7 +226,7 @@ def test_a_flipped_prefill_worker_killed_mid_stream_hands_its_streams_on(cluster
 
     router, results = asyncio.run(main())
     assert_all_match(ref, prompts, results, n)
-    assert 'pdserve_request_recoveries_total{action="migrate"}' in router.metrics_text()[0].decode()
+    assert 'pdserve_request_recoveries_total{action="migrate",model_name=' in router.metrics_text()[0].decode()
     assert_all_free(pools)
 
 
@@ -283,12 +283,17 @@ def test_transfer_faults_abort_free_and_recover_as_configured(cluster, fault, on
         return out, router
 
     out, router = asyncio.run(asyncio.wait_for(main(), 240))  # a hang fails here, not at the suite timeout
+    text, model = router.metrics_text()[0].decode(), router.model_name
     if on_failure == "fail":
         assert isinstance(out, RequestFailed) and "could not start" in str(out)
+        assert f'pdserve_request_errors_total{{kind="{out.kind.value}",model_name="{model}"}} 1.0' in text
     else:
         assert out == greedy_reference(ref, prompt, 10)
         action = on_failure if on_failure == "local" else "retry"
-        assert f'pdserve_request_recoveries_total{{action="{action}"}}' in router.metrics_text()[0].decode()
+        assert f'pdserve_request_recoveries_total{{action="{action}",model_name="{model}"}}' in text
+    # a lost transfer is counted apart from a prefill worker that died, by the error's kind
+    kind = "prefill_failed" if fault == "die" else "transfer_failed"
+    assert f'pdserve_request_attempt_failures_total{{kind="{kind}",model_name="{model}",pool="prefill"}}' in text, text
     assert_all_free_eventually(pools)
 
 

@@ -82,9 +82,11 @@ def test_every_policy_matches_generate(cluster, policy):
     if policy in expected:
         assert paths == expected[policy]
     text = router.metrics_text()[0].decode()
-    assert 'pdserve_placement_decisions_total{path="' in text and f'policy="{policy}"' in text
+    assert f'pdserve_placement_decisions_total{{model_name="{router.model_name}",path="' in text
+    assert f'policy="{policy}"' in text
     for path in paths:  # every served request taught the online correction what the cost model missed
-        assert f'pdserve_cost_model_error_ratio_count{{path="{path}",quantity="ttft"}} ' in text
+        assert f'pdserve_cost_model_error_ratio_count{{model_name="{router.model_name}",path="{path}",quantity="ttft"}} ' \
+            in text
         assert router.placer.correction.factor("ttft", path) != 1.0
     assert all(d.running == 0 and d.reserved_blocks == 0 for d in router.book.decode)
     assert all(p.queued_tokens == 0 for p in router.book.prefill)
@@ -333,9 +335,11 @@ def test_the_next_turn_of_a_conversation_reuses_what_the_workers_hold(cluster, p
     text = router.metrics_text()[0].decode()
     path = policy.removeprefix("always_")
     worker = router.book.decode[0].worker_id
-    assert f'pdserve_prefix_cache_hit_tokens_total{{path="{path}",worker="{worker}"}} {float(held * bs)}' in text
+    labels = f'model_name="{router.model_name}",path="{path}",worker="{worker}"'
+    assert f'pdserve_prefix_cache_hit_tokens_total{{{labels}}} {float(held * bs)}' in text
     if path == "remote":  # turn 1's 5 blocks, then turn 2's 7 but the 4 the decode worker held
-        assert f"pdserve_kv_transfer_bytes_sum {float((5 + 7 - held) * bs * kv_bytes)}" in text
+        sent = float((5 + 7 - held) * bs * kv_bytes)
+        assert f'pdserve_kv_transfer_bytes_sum{{model_name="{router.model_name}"}} {sent}' in text
     assert_all_free(pools)
 
 

@@ -376,7 +376,7 @@ def exported_metrics() -> tuple[set[str], dict[str, set[str]]]:
     from router.metrics import Metrics
     from worker_core.protocol import LoadReport
 
-    m = Metrics()
+    m = Metrics(model_name="SmolLM2-135M-Instruct")
     for h in (m.ttft, m.itl, m.tpot, m.e2e, m.queue, m.prefill, m.decode):
         h.labels("remote").observe(0.1)
     m.transfer.observe(0.1)

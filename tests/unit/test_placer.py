@@ -54,7 +54,7 @@ def test_the_mechanism_hears_of_every_prompt_booked_and_every_request_gone() -> 
         prefill, decode = [info("p0")], [info("d0")]
         elastic = Recorder()
         placer = Placer(prefill, decode, ModelLimits.from_infos(prefill, decode), RouterConfig(policy="always_remote"),
-                        COST, Metrics(), OutputLengthEstimator(), lender=elastic)
+                        COST, Metrics(model_name="m"), OutputLengthEstimator(), lender=elastic)
         bookings = [await placer.place(RequestFeatures(100 + i, 8, 8), None, [i] * (100 + i)) for i in range(3)]
         assert elastic.calls == [("reclaim", 0), ("nudge", [100], [0]), ("reclaim", 0), ("nudge", [201], [0]),
                                  ("reclaim", 0), ("nudge", [303], [0])]

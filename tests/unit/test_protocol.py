@@ -28,6 +28,7 @@ INFO = WorkerInfo(worker_id="decode-0-abc123", num_blocks=64, block_size=16, kv_
     INFO,
     LoadReport(free_blocks=3, num_blocks=64, running=2, receiving=1),
     LoadReport(free_blocks=64, num_blocks=64, queued_tokens=900, sending=2),
+    LoadReport(free_blocks=0, num_blocks=64, running=9, threads=2, preemptions=3),
     PrefillResult(first_token=17, prefill_s=0.25, handoff={"refs": [1, 2]}),
     PrefillResult(first_token=17, prefill_s=0.25, first_logprob=TokenLogprob(17, -0.5, (17, 4), (-0.5, -1.25))),
     StreamItem((1, 2, 3), "abc", cached_tokens=16),
