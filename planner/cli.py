@@ -228,6 +228,7 @@ def _validate(args: argparse.Namespace, trace: Trace, slo: Slo, factors: Serving
                                                       "simulated": asdict(cmp.simulated),
                                                       "measured": asdict(cmp.measured),
                                                       "factors": asdict(cmp.factors),
+                                                      "simulated_factors_1": asdict(cmp.plain) if cmp.plain else None,
                                                       "measured_factors": asdict(fitted) if (
                                                           fitted := cmp.measured_factors()) else None}),
                                         indent=1) + "\n")

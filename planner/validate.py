@@ -78,13 +78,14 @@ def server_layout(metrics_text: str) -> ServerLayout:
 @dataclass(frozen=True)
 class Comparison:
     """Args: simulated / measured: the two summaries; layout; policy; factors: the serving factors the
-    simulation ran with."""
+    simulation ran with; plain: the same simulation with none (when `factors` are not 1)."""
 
     simulated: Summary
     measured: Summary
     layout: Layout
     policy: str
     factors: ServingFactors = AS_CALIBRATED
+    plain: Summary | None = None
 
     def measured_factors(self) -> ServingFactors | None:
         """The serving factors that would have matched this run: the simulation's, times measured /
@@ -105,15 +106,23 @@ class Comparison:
                 ("TPOT p50 (ms)", "tpot_p50_s", 1e3), ("goodput (req/s)", "goodput_rps", 1.0),
                 ("within SLO", "good_fraction", 100.0)]
         lines = [f"validation on {self.layout.label}, policy {self.policy}",
-                 f"{'':<18}{'simulated':>12}{'measured':>12}{'sim/meas':>10}"]
+                 f"{'':<18}{'simulated':>12}{'measured':>12}{'sim/meas':>10}"
+                 + (f"{'factors 1':>12}{'sim/meas':>10}" if self.plain else "")]
         for label, field, scale in rows:
             sim, meas = getattr(self.simulated, field), getattr(self.measured, field)
-            ratio = f"{sim / meas:.2f}" if sim is not None and meas else "-"
-            lines.append(f"{label:<18}{_fmt(sim, scale):>12}{_fmt(meas, scale):>12}{ratio:>10}")
+            line = f"{label:<18}{_fmt(sim, scale):>12}{_fmt(meas, scale):>12}{_ratio(sim, meas):>10}"
+            if self.plain:
+                plain = getattr(self.plain, field)
+                line += f"{_fmt(plain, scale):>12}{_ratio(plain, meas):>10}"
+            lines.append(line)
         fitted = self.measured_factors()
         lines.append(f"serving factors simulated: {self.factors.describe()}; matching this run: "
                      f"{fitted.describe() if fitted else '-'}")
         return "\n".join(lines)
+
+
+def _ratio(sim: float | None, meas: float | None) -> str:
+    return f"{sim / meas:.2f}" if sim is not None and meas else "-"
 
 
 def _fmt(v: float | None, scale: float) -> str:
@@ -204,5 +213,9 @@ def validate(base: str, trace: Trace, slo: Slo, max_num_seqs: int, vocab_size: i
                          prefill_chunk_tokens=decode.prefill_chunk_tokens) if before.prefill_blocks else None
     router = RouterConfig(policy=policy, ttft_target_s=slo.ttft_s, tpot_target_s=slo.tpot_s)
     sim = simulate(trace, cost, before.layout, decode, router, prefill_worker=prefill, factors=factors)
+    plain = None
+    if factors != AS_CALIBRATED:
+        plain = simulate(trace, cost, before.layout, decode, router, prefill_worker=prefill).summary(slo.ttft_s,
+                                                                                                     slo.tpot_s)
     return Comparison(sim.summary(slo.ttft_s, slo.tpot_s), Summary.of(records, wall, slo.ttft_s, slo.tpot_s),
-                      before.layout, policy, factors)
+                      before.layout, policy, factors, plain)
