@@ -141,33 +141,38 @@ def _overridden(obj: object, text: str, what: str) -> object:
 
 @dataclass(frozen=True)
 class ServingFactors:
-    """How much longer than its cost model a served step takes, per phase (1: as calibrated).
+    """What serving adds to a measured cost model's times (all 1 / 0: as calibrated).
 
     A measured cost model times each phase inside the engine at start-up; serving adds what that leaves
-    out (the worker's loop, the token feed, the router, the HTTP server): the simulated prompt tokens of
-    a step take `prefill` times their cost-model time, its decode rows `decode` times theirs (KV transfers
-    and round trips stay as calibrated). The placement policy still prices with the plain cost model, as
-    the server's does (its `Correction` learns the rest in both). `pdserve plan --validate` measures them
-    (measured / simulated TTFT p50 and TPOT p50, `Comparison.factors`); `--factors` applies them.
+    out: the worker's loop and the token feed make each decode step longer (`decode`, a factor on a
+    step's decode rows; `prefill` likewise on its prompt tokens), and the router, its hops to the workers
+    and the HTTP server put a latency between the engine and the client (`latency_s`, added to when each
+    request's first and last token arrive; it holds no worker up). KV transfers stay as calibrated. The
+    placement policy still prices with the plain cost model, as the server's does (its `Correction`
+    learns the rest in both). `pdserve plan --validate` measures them (`Comparison.measured_factors`:
+    measured minus simulated TTFT p50, measured over simulated TPOT p50); `--factors` applies them.
 
-    Args: prefill, decode: finite numbers > 0.
+    Args: prefill, decode: finite numbers > 0. latency_s: seconds, finite, >= 0.
     """
 
     prefill: float = 1.0
     decode: float = 1.0
+    latency_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("prefill", "decode"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"serving factor {name} must be a finite number > 0, got {value!r}")
+        if not (isinstance(self.latency_s, (int, float)) and math.isfinite(self.latency_s) and self.latency_s >= 0):
+            raise ValueError(f"serving factor latency_s must be a finite number >= 0 seconds, got {self.latency_s!r}")
 
     def with_overrides(self, text: str) -> ServingFactors:
-        """Args: "prefill=X,decode=Y" (either or both). Raises: ValueError naming a bad part."""
+        """Args: "prefill=X,decode=Y,latency_s=Z" (any of them). Raises: ValueError naming a bad part."""
         return _overridden(self, text, "serving factor")
 
     def describe(self) -> str:
-        return f"prefill={self.prefill:.3g},decode={self.decode:.3g}"
+        return f"prefill={self.prefill:.3g},decode={self.decode:.3g},latency_s={self.latency_s:.3g}"
 
 
 AS_CALIBRATED = ServingFactors()  # served steps take the cost model's times

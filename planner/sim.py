@@ -30,8 +30,9 @@ any context length, and a prompt chunk the same wherever it sits in its prompt):
   `local_prefill_s(N)` when B = 0, else `local_prefill_s(N)` plus what B decoding rows add to one
   chunk's step (`local_prefill_wall_s(1, B) - local_prefill_s(1)` = decode_ride x `step_s(B)`).
 Every step pays the fits' fixed cost, so a prompt prefilled in k chunks pays it k times. With
-`ServingFactors`, a step's prompt tokens take `prefill` times those times and its decode rows `decode`
-times theirs (what serving adds to the engine's calibrated times, measured by `--validate`).
+`ServingFactors` (what serving adds to the engine's calibrated times, measured by `--validate`), a
+step's prompt tokens take `prefill` times those times and its decode rows `decode` times theirs, and
+each request's tokens reach the client `latency_s` later.
 
 Not simulated: threads lent between roles (`--lend-threads`), role flips, worker failures and
 retries, request deadlines, the network between clients and the router.
@@ -516,13 +517,14 @@ class Simulator:
         for i, spec in enumerate(self.trace.requests):
             req = self.reqs[i]
             error = req.error if req.error else (None if req.end_at is not None else "unfinished")
-            at = spec.arrival_s
+            at, late = spec.arrival_s, self.factors.latency_s  # the client sees each token that much later
             served = error is None
             outcomes.append(RequestOutcome(
                 i, at, spec.prompt_tokens, spec.max_tokens, req.output,
                 req.booking.placement.path if req.booking else None,
                 req.placed_at - at if req.placed_at is not None else None,
-                req.first_at - at if served else None, req.end_at - at if served else None, req.preemptions, error))
+                req.first_at + late - at if served else None, req.end_at + late - at if served else None,
+                req.preemptions, error))
         start = self.trace.requests[0].arrival_s
         end = max(o.arrival_s + (o.e2e_s or 0.0) for o in outcomes)
         return SimResult(tuple(outcomes), end - start, sum(w.steps for w in self.prefill),

@@ -17,7 +17,7 @@ import json
 import time
 import urllib.request
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from loadtest.clients import make_client
 from loadtest.records import RequestRecord
@@ -88,18 +88,19 @@ class Comparison:
     plain: Summary | None = None
 
     def measured_factors(self) -> ServingFactors | None:
-        """The serving factors that would have matched this run: the simulation's, times measured /
-        simulated TTFT p50 (prefill) and TPOT p50 (decode); a quantity without values keeps its factor.
-        Measure them on one run (a light load, where TTFT is mostly the prompt's own prefill) and plan
-        or validate others with them. None when the run had no served request."""
-        sim, meas = self.simulated, self.measured
+        """The serving factors that would have matched this run: the simulation's, with `latency_s` grown
+        by measured minus simulated TTFT p50 (at least 0) and `decode` times measured / simulated TPOT p50
+        (a quantity without values keeps its factor). Measure them on one run (a light load, where TTFT is
+        mostly the prompt's own prefill) and plan or validate others with them. None when the run had no
+        served request."""
+        sim, meas, f = self.simulated, self.measured, self.factors
         if not meas.ok or not sim.ok:
             return None
-
-        def ratio(field: str, factor: float) -> float:
-            s, m = getattr(sim, field), getattr(meas, field)
-            return factor * m / s if s and m else factor
-        return ServingFactors(ratio("ttft_p50_s", self.factors.prefill), ratio("tpot_p50_s", self.factors.decode))
+        latency = f.latency_s
+        if sim.ttft_p50_s is not None and meas.ttft_p50_s is not None:
+            latency = max(0.0, latency + meas.ttft_p50_s - sim.ttft_p50_s)
+        decode = f.decode * meas.tpot_p50_s / sim.tpot_p50_s if sim.tpot_p50_s and meas.tpot_p50_s else f.decode
+        return replace(f, decode=decode, latency_s=latency)
 
     def table(self) -> str:
         rows = [("TTFT p50 (ms)", "ttft_p50_s", 1e3), ("TTFT p99 (ms)", "ttft_p99_s", 1e3),

@@ -269,11 +269,15 @@ def test_a_validation_gives_the_serving_factors_that_would_have_matched_it():
     def summary(ttft: float | None, tpot: float | None, ok: int = 10) -> Summary:
         return Summary(10, ok, 20.0, ttft, ttft, tpot, tpot, 0.5, 1.0, 0.5)
     cmp = Comparison(summary(0.5, 0.02), summary(0.6, 0.03), Layout(1, 1), "ratio", ServingFactors(1.0, 2.0))
-    assert cmp.measured_factors() == pytest.approx(ServingFactors(1.2, 3.0))  # measured / simulated, times its own
-    assert "matching this run: prefill=1.2,decode=3" in cmp.table()
+    fitted = cmp.measured_factors()  # latency: measured - simulated TTFT; decode: measured / simulated TPOT
+    assert (fitted.prefill, fitted.decode, fitted.latency_s) == pytest.approx((1.0, 3.0, 0.1))
+    assert "matching this run: prefill=1,decode=3,latency_s=0.1" in cmp.table()
     both = Comparison(summary(0.5, 0.02), summary(0.6, 0.03), Layout(1, 1), "ratio", ServingFactors(1.0, 2.0),
                       plain=summary(0.25, 0.01))
     assert "factors 1" in both.table() and "0.42" in both.table()  # the plain simulation's TTFT: 0.25 / 0.6
     one_token = Comparison(summary(0.5, None), summary(0.6, None), Layout(1, 1), "ratio")
-    assert one_token.measured_factors() == ServingFactors(1.2, 1.0)  # no TPOT: the decode factor stays
+    f = one_token.measured_factors()
+    assert (f.prefill, f.decode, f.latency_s) == pytest.approx((1.0, 1.0, 0.1))  # no TPOT: decode stays
+    faster = Comparison(summary(0.5, 0.02), summary(0.4, 0.02), Layout(1, 1), "ratio", ServingFactors(latency_s=0.05))
+    assert faster.measured_factors().latency_s == 0.0  # never below 0
     assert Comparison(summary(0.5, 0.02), summary(None, None, ok=0), Layout(1, 1), "ratio").measured_factors() is None

@@ -64,14 +64,18 @@ def test_serving_factors_stretch_each_phase_of_the_hand_schedule():
     assert remote.ttft_s == pytest.approx(0.165 + 0.005 + 0.005)
     assert remote.tpot_s == pytest.approx(0.02)
     # a mixed step: the chunk at the prefill factor, the decode rows' ride at the decode factor
-    a, b = run(trace((0.0, 100, 3), (0.05, 50, 2)), Layout(0, 1), "always_local", factors=f).outcomes
+    b = run(trace((0.0, 100, 3), (0.05, 50, 2)), Layout(0, 1), "always_local", factors=f).outcomes[1]
     assert b.ttft_s == pytest.approx(0.33 + (0.02 + 0.1) * 1.5 + 0.5 * 0.01 * 2.0 - 0.05)
+    late = run(trace((0.0, 100, 3)), Layout(1, 1), "always_local", factors=ServingFactors(latency_s=0.07)).outcomes[0]
+    assert (late.ttft_s, late.e2e_s) == pytest.approx((0.22 + 0.07, 0.24 + 0.07))  # every token 70 ms later
+    assert late.tpot_s == pytest.approx(0.01)
 
 
 def test_serving_factors_are_checked_and_read_from_overrides():
     assert AS_CALIBRATED.with_overrides("decode=1.25") == ServingFactors(1.0, 1.25)
     assert AS_CALIBRATED.with_overrides("") == AS_CALIBRATED
     for bad, why in (("decode=0", "decode must be a finite number > 0"), ("speed=2", "NAME one of"),
+                     ("latency_s=-1", "latency_s must be a finite number >= 0"),
                      ("prefill=x", "is not a number"), ("prefill", "use NAME=VALUE")):
         with pytest.raises(ValueError, match=why):
             AS_CALIBRATED.with_overrides(bad)
