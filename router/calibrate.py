@@ -7,7 +7,8 @@
 3. KV transfer time by size between a prefill and a decode worker, over the configured backend.
 4. The extra round trips of the remote path (actor call latency).
 Each probe runs on an idle worker and leaves every block free. The first call of each kind is
-a warm-up and is not counted.
+a warm-up and is not counted. Each measurement reports its start (`engine.progress.Steps`: i of n,
+seconds so far, an estimate of the time left).
 """
 from __future__ import annotations
 
@@ -16,10 +17,12 @@ import logging
 import statistics
 import time
 import uuid
+from collections.abc import Callable
 
 import ray
 
 from engine import SamplingParams
+from engine.progress import Steps
 from kv_transfer import TransferState
 from router.cost_model import CostModel, LinearFit
 from router.pools import Pools
@@ -78,12 +81,13 @@ async def _round_trip_s(worker: ray.actor.ActorHandle) -> float:
     return statistics.median(rtts[1:])
 
 
-async def calibrate(pools: Pools, info: WorkerInfo) -> CostModel:
+async def calibrate(pools: Pools, info: WorkerInfo, report: Callable[[str], None] | None = None) -> CostModel:
     """Measure the cost model on pools' first prefill and first decode worker.
 
     Args:
         pools: live workers (at least one decode worker).
         info: a decode worker's `info()` (KV geometry and limits).
+        report: receives a line as each measurement starts (default: this module's log, at INFO).
     Returns:
         The fitted cost model. Without prefill workers, remote costs are copied from local ones.
     """
@@ -92,17 +96,27 @@ async def calibrate(pools: Pools, info: WorkerInfo) -> CostModel:
     lengths = _lengths(info.max_model_len, info.num_blocks, info.block_size)
     batches = sorted({b for b in (1, 4, 16, 32) if b <= info.max_num_seqs} | {1})
     context = min(64, lengths[-1])
+    progress = Steps("calibrating", 6 if pools.prefill else 4, report or log.info)
+    sizes = f"{len(lengths)} prompt lengths ({', '.join(map(str, lengths))} tokens)"
 
     async def decode_side() -> tuple[LinearFit, tuple[tuple[int, float], ...], float, float]:
+        progress.step(f"prefill on the decode worker: {sizes}")
         local = await _prefill_fit(decode, lengths)
+        progress.step(f"decode steps at {len(batches)} batch sizes ({', '.join(map(str, batches))})")
         steps = tuple(zip(batches, await decode.profile_decode.remote(batches, context)))
+        progress.step("a prefill chunk beside a decode batch")
         ride = await _decode_ride(decode, local, dict(steps), context, min(info.prefill_chunk_tokens, lengths[-1]),
                                   info.max_num_seqs)
+        progress.step("the round trip of an actor call (6 calls)")
         return local, steps, ride, await _round_trip_s(decode)
 
+    async def prefill_side() -> LinearFit:
+        progress.step(f"prefill on the prefill worker: {sizes}")
+        return await _prefill_fit(pools.prefill[0], lengths)
+
     if pools.prefill:  # the two workers' own probes at once, then the transfer between them
-        (local, steps, ride, rtt), prefill = await asyncio.gather(decode_side(),
-                                                                  _prefill_fit(pools.prefill[0], lengths))
+        (local, steps, ride, rtt), prefill = await asyncio.gather(decode_side(), prefill_side())
+        progress.step(f"KV transfer at {len(lengths)} sizes")
         transfer = await _transfer_fit(pools.prefill[0], decode, pools, info, lengths)
     else:
         local, steps, ride, rtt = await decode_side()

@@ -13,7 +13,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
+import sys
 
 import torch
 
@@ -23,6 +25,27 @@ from engine.command_loop import OwnerThread, Round, Stopped
 from engine.profiling import time_prefill, time_threads_speedup
 from kv_transfer import PeerInfo, TransferConfig, make_connector
 from worker_core.protocol import LoadReport, WorkerInfo
+
+LOG_LEVEL_ENV = "PDSERVE_WORKER_LOG_LEVEL"  # set by `pdserve serve` (its --log-level) for its workers' processes
+_LOGGERS = ("engine", "worker_core", "prefill_worker", "decode_worker", "kv_transfer")
+
+
+def _log_to_stderr() -> None:
+    """In a worker process started by `pdserve serve`: pdserve's log lines (kernel builds, the decode
+    step's compilation, ...) at the router's level to stderr, which Ray forwards to the router's,
+    prefixed with the worker. Ray configures its own logger only: without this, INFO lines are lost.
+    Elsewhere (the variable unset: tests, embedding) logging stays as it is."""
+    level = os.environ.get(LOG_LEVEL_ENV)
+    if not level or not isinstance(logging.getLevelName(level.upper()), int):  # unset, or no level's name
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    for name in _LOGGERS:
+        logger = logging.getLogger(name)
+        if not logger.handlers:  # once per process, whatever number of workers it hosts
+            logger.addHandler(handler)
+            logger.setLevel(level.upper())
+            logger.propagate = False
 
 
 def _node_address() -> str | None:
@@ -44,6 +67,7 @@ class WorkerBase:
     """Args: engine_config, transfer_config, worker_id (unique; names the worker in transfers)."""
 
     def __init__(self, engine_config: EngineConfig, transfer_config: TransferConfig, worker_id: str) -> None:
+        _log_to_stderr()
         self.worker_id = worker_id
         self._configs = (engine_config, transfer_config)  # as given: a replacement elsewhere resolves its own host
         self._kept: object | None = None

@@ -18,6 +18,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,6 +116,8 @@ def _compile(compiler: list[str], src: Path, flags: list[str], libs: list[str], 
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
+    log.info("building kernel %s with %s (once; cached in %s) ...", name, Path(compiler[0]).name, out.parent)
+    t0 = time.monotonic()
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_out = Path(tmp) / out.name
         try:
@@ -125,6 +128,7 @@ def _compile(compiler: list[str], src: Path, flags: list[str], libs: list[str], 
         except (OSError, subprocess.SubprocessError) as e:
             raise KernelError(f"{compiler[0]} failed: {e}") from e
         os.replace(tmp_out, out)  # atomic: a half-written library is never loaded
+    log.info("built kernel %s in %.1f s", name, time.monotonic() - t0)
     return out
 
 

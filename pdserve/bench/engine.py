@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from engine.progress import Steps
 from pdserve.bench.cpu_watch import CpuMonitor
 from pdserve.bench.report import class_slug, render, write_report
 
@@ -315,8 +316,11 @@ def measure(args: argparse.Namespace, plan: Plan, res: dict[str, Any]) -> None:
     from engine.auto_dtype import load_for
 
     mon = CpuMonitor(patience_s=5 if args.quick else 300, log=log)
+    steps = Steps("engine benchmark", 3 + len(plan.batches) + len(plan.prefill_lens) + 1, log)
+    steps.step("the machine's limits (memory bandwidth, matmul)")
     res["limits"] = lim = mon.run(lambda: measure_limits(plan.reps))
     log("limits: " + ", ".join(f"{k} {v:.2f}" for k, v in lim.items()))
+    steps.step("loading the model for transformers")
     hf, tok, choice = load_for(args.dtype, args.model, "cpu")  # transformers' own copy, default (sdpa) attention
     res["dtype"] = choice.dtype  # both engines run it (`auto` resolved once, here)
     res["dtype_reason"] = choice.reason
@@ -326,6 +330,7 @@ def measure(args: argparse.Namespace, plan: Plan, res: dict[str, Any]) -> None:
     res.update(attn_implementation_transformers=hf.config._attn_implementation,
                bandwidth_limit_tok_s=bw * 1e9 / geo["weight_bytes"],
                compute_limit_tok_s=peak * 1e9 / (2 * geo["linear_params"]))
+    steps.step("starting pdserve's engine" + ("" if args.no_compile else " (its decode step compiles)"))
     eng = build_engine(args, plan, geo, choice.dtype)
     res.update(attention_kernel=eng.runner.attention_kernel, compiled=eng.runner.compiled,
                linear=eng.linear_choice.summary(), linear_reason=eng.linear_choice.reason)
@@ -333,9 +338,16 @@ def measure(args: argparse.Namespace, plan: Plan, res: dict[str, Any]) -> None:
         f"decode step {'compiled' if eng.runner.compiled else 'eager'}")
     bn = Bench(plan, mon, eng, hf, Prompts(min(len(tok), geo["vocab"]), tok.all_special_ids),
                geo, bw, bound_linears(hf, eng.linear_choice))
-    res["decode"] = {b: decode_workload(bn, b) for b in plan.batches}
+    res["decode"] = {}
+    for b in plan.batches:
+        steps.step(f"decode at batch {b} ({plan.decode_reps} runs of each engine and the bound)")
+        res["decode"][b] = decode_workload(bn, b)
     res["bound"] = {b: res["decode"][b].pop("bound") for b in plan.batches}
-    res["prefill"] = {n: prefill_workload(bn, n) for n in plan.prefill_lens}
+    res["prefill"] = {}
+    for n in plan.prefill_lens:
+        steps.step(f"prefill of {n} tokens")
+        res["prefill"][n] = prefill_workload(bn, n)
+    steps.step(f"a long request ({plan.long_in} prompt tokens, {plan.long_out} output tokens)")
     res["long"] = long_workload(bn)
     res.update(waited_for_quiet_s=mon.waited_s, contended_retries=mon.retries)
 

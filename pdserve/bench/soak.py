@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import json
 import os
 import signal
@@ -29,7 +30,7 @@ from pathlib import Path
 
 from loadtest.clients import make_client
 from loadtest.metrics import summarize
-from loadtest.runner import run_open_loop
+from loadtest.runner import gamma_arrivals, run_open_loop
 from loadtest.workload import build_workload
 
 MARK_START, MARK_END = "<!-- soak-bench:start -->", "<!-- soak-bench:end -->"
@@ -51,7 +52,8 @@ def _rss_mib(pattern: str) -> float:
 
 
 def _metric_total(base: str, name: str) -> dict[str, float]:
-    """Sum of a counter's samples by label set, from the server's /metrics."""
+    """Sum of a counter's samples by label set (but `model_name`: the soak serves one), from the server's
+    /metrics."""
     from prometheus_client.parser import text_string_to_metric_families
 
     with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
@@ -61,7 +63,7 @@ def _metric_total(base: str, name: str) -> dict[str, float]:
         if fam.name == name:
             for s in fam.samples:
                 if s.name.endswith("_total"):
-                    key = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) or "all"
+                    key = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name") or "all"
                     out[key] = out.get(key, 0.0) + s.value
     return out
 
@@ -162,6 +164,24 @@ def _faulter(address: str, router: _Router, faults: tuple[str, ...], every_s: fl
         print(f"[soak] {fault}: {event['out']}", file=sys.stderr, flush=True)
 
 
+def status_line(elapsed_s: float, minutes: float, sent: int, ok: int, failed: int, events: list[dict]) -> str:
+    """The soak's periodic status: minutes run of the total, requests sent and ended (ok, failed), faults done."""
+    done = sum(1 for e in events if e["ok"])
+    return (f"[soak] {elapsed_s / 60:.1f}/{minutes:g} min | {sent} requests sent, {ok + failed} ended: {ok} ok, "
+            f"{failed} failed | {len(events)} faults done ({done} took effect"
+            f"{', last: ' + events[-1]['fault'] if events else ''})")
+
+
+def _reporter(stop: threading.Event, every_s: float, minutes: float, arrivals: list[float], ended: dict[str, int],
+              events: list[dict]) -> None:
+    """A status line every `every_s` until `stop` (requests sent: the load's arrivals due so far)."""
+    t0 = time.monotonic()
+    while not stop.wait(every_s):
+        elapsed = time.monotonic() - t0
+        print(status_line(elapsed, minutes, bisect.bisect_right(arrivals, elapsed), ended["ok"], ended["failed"],
+                          list(events)), file=sys.stderr, flush=True)
+
+
 def machine() -> str:
     """This machine, for the report: CPU, cores, class and flags, torch."""
     from pdserve.bench.engine import machine_info
@@ -201,13 +221,22 @@ def run_soak(args: argparse.Namespace) -> int:
         faulter.start()
         n = int(args.rate * args.minutes * 60)
         specs = build_workload(f"fixed:{args.prompt}:{args.output}", n, seed=1, vocab_size=49152)
+        ended = {"ok": 0, "failed": 0}
+
+        def count(rec) -> None:
+            ended["ok" if rec.ok else "failed"] += 1
 
         async def drive():
             client = make_client("openai", base, model="model", timeout_s=300)
-            try:
-                return await run_open_loop(client, specs, args.rate, 1, args.minutes * 60 + 60)
+            try:  # a bar only on a terminal: a log gets the status lines
+                return await run_open_loop(client, specs, args.rate, 1, args.minutes * 60 + 60,
+                                           progress=sys.stderr.isatty(), on_record=count)
             finally:
                 await client.aclose()
+        reporter = threading.Thread(target=_reporter, args=(stop, args.status_every, args.minutes,
+                                                            gamma_arrivals(args.rate, n, 1), ended, events),
+                                    daemon=True)
+        reporter.start()
         t_run = time.time()
         result = asyncio.run(drive())
         stop.set()
@@ -304,6 +333,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", type=int, default=128)
     p.add_argument("--output", type=int, default=64)
     p.add_argument("--fault-every", type=float, default=120.0, help="seconds between faults")
+    p.add_argument("--status-every", type=float, default=60.0, help="seconds between status lines on stderr "
+                   "(minutes run, requests sent, ended ok and failed, faults done)")
     p.add_argument("--faults", type=_faults, default=list(FAULTS), help="the cycle of faults, comma-separated "
                    f"(default: {','.join(FAULTS)})")
     p.add_argument("--hang-timeout", type=float, default=20.0, help="the router's --hang-timeout: how long a "

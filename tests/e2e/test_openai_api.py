@@ -3,6 +3,7 @@ HTTP: completions and chat, streamed and not, equal to transformers greedy `gene
 from __future__ import annotations
 
 import json
+import re
 import urllib.error
 import urllib.request
 
@@ -277,6 +278,15 @@ def test_metrics_scrape_has_ttft_samples(client, server):
     assert usage and all(0 <= s.value <= 1 and {"pool", "worker"} <= set(s.labels) for s in usage)
     preemptions = [s for s in families["pdserve_preemptions"].samples if s.name.endswith("_total")]
     assert {s.labels["worker"] for s in preemptions} == {s.labels["worker"] for s in usage}
+
+
+def test_start_up_shows_its_progress(server):
+    """Calibration's steps, and the workers' own lines (their decode step compiled graph by graph) in
+    the server's log, at its default level."""
+    log = "".join(server.log)
+    assert re.search(r"calibrating \[1/6\] .*\(0 s so far\)", log), log[-3000:]
+    assert "calibrating [6/6] KV transfer" in log
+    assert re.search(r"decode step graph 2 of 2 \(batch > 1, \d+ threads\) compiled and checked in", log), log[-3000:]
 
 
 def post(server, path: str, body: bytes | dict) -> tuple[int, dict]:

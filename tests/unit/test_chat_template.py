@@ -113,10 +113,11 @@ def test_the_flag_sets_the_engine_configs_field():
 
 
 @pytest.mark.model
-def test_serve_refuses_a_bad_template_before_any_worker_starts(tmp_path, capsys):
-    import ray
+def test_serve_refuses_a_bad_template_before_any_worker_starts(tmp_path, capsys, monkeypatch):
+    from pdserve import cli, serve
 
-    from pdserve import cli
+    connected: list[object] = []
+    monkeypatch.setattr(serve, "_connect", connected.append)  # Ray, then the workers: never reached
 
     bad = tmp_path / "bad.jinja"
     bad.write_text("{% for m in messages %}{{ m.content }")
@@ -125,4 +126,4 @@ def test_serve_refuses_a_bad_template_before_any_worker_starts(tmp_path, capsys)
     assert "--chat-template: the template could not render a one-message conversation" in err
     assert cli.main(["serve", "--chat-template", str(tmp_path / "missing.jinja")]) == 2
     assert "--chat-template" in capsys.readouterr().err
-    assert not ray.is_initialized()
+    assert connected == []

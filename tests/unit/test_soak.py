@@ -6,7 +6,16 @@ import argparse
 import pytest
 
 from loadtest.records import RequestRecord
-from pdserve.bench.soak import FAULTS, MARK_END, MARK_START, _faults, _write_report, failures_by_cause, machine
+from pdserve.bench.soak import (
+    FAULTS,
+    MARK_END,
+    MARK_START,
+    _faults,
+    _write_report,
+    failures_by_cause,
+    machine,
+    status_line,
+)
 
 
 def test_the_fault_cycle_is_checked_by_name() -> None:
@@ -56,3 +65,11 @@ def test_failures_are_told_apart_by_the_router_restarts_around_them() -> None:
                rec(48, 3.0), rec(40, None),  # in flight when it was killed (the second's end unknown)
                rec(20, 1.0), rec(80, 1.0)]  # failed for other reasons: ended well before the kill, or after
     assert failures_by_cause(records, events, t_run) == {"router_down": 2, "router_killed": 2, "other": 2}
+
+
+def test_the_status_line_says_how_far_the_soak_is() -> None:
+    events = [{"fault": "kill-prefill", "ok": True}, {"fault": "kill-decode", "ok": False}]
+    assert status_line(754.0, 30, 230, 220, 4, events) == (
+        "[soak] 12.6/30 min | 230 requests sent, 224 ended: 220 ok, 4 failed | 2 faults done (1 took effect, "
+        "last: kill-decode)")
+    assert status_line(60.0, 0.5, 0, 0, 0, []).endswith("| 0 faults done (0 took effect)")
