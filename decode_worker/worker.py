@@ -160,9 +160,12 @@ class DecodeWorker(WorkerBase):
 
     # -- engine loop thread ------------------------------------------------------------------------
     def _work(self) -> Round:
-        """One round: start requests whose KV landed, then one engine step. Returns BUSY while requests
-        run, WAITING while only transfers are under way (they are polled), else IDLE."""
-        self._land()
+        """One round: start requests whose KV landed (their first tokens go to the feed at once, not
+        after this round's step: a decode step would hold each remote request's first token back), then
+        one engine step. Returns BUSY while requests run, WAITING while only transfers are under way
+        (they are polled), else IDLE."""
+        if self._land():
+            self._publish()
         if not self.engine.has_unfinished():
             return Round.WAITING if self._landing else Round.IDLE
         try:
@@ -212,7 +215,10 @@ class DecodeWorker(WorkerBase):
             self._fail(rid, ErrorKind.WORKER_STOPPING, why)
         self._fail_unfinished(ErrorKind.WORKER_STOPPING, why)
 
-    def _land(self) -> None:
+    def _land(self) -> bool:
+        """Start the reserved requests whose KV landed; end those whose transfer failed. Returns whether
+        any item was emitted."""
+        emitted = False
         for rid, first in list(self._landing.items()):
             state = self.connector.poll(rid)
             if state == TransferState.DONE and first is not None:
@@ -223,12 +229,15 @@ class DecodeWorker(WorkerBase):
                 self.connector.forget(rid)
                 self._emit(rid, StreamItem(tuple(out.new_token_ids), out.new_text, out.finish_reason,
                                            transfer_s=transfer_s, logprobs=tuple(out.logprobs)))
+                emitted = True
             elif state == TransferState.FAILED:
                 del self._landing[rid]
                 self._started.pop(rid, None)
                 self.engine.abort(rid)
                 self.connector.forget(rid)
                 self._fail(rid, ErrorKind.TRANSFER_FAILED, f"KV transfer for {rid} failed")
+                emitted = True
+        return emitted
 
     def _release_stream(self, request_id: str) -> None:
         """A reader got a stream's last item (any thread): the stream is forgotten."""
@@ -245,6 +254,10 @@ class DecodeWorker(WorkerBase):
         """After every command and round: the load, then the feed's waiting `drain` wakes with the whole
         round's items (one message per engine step, not one per item)."""
         super()._after()
+        self._publish()
+
+    def _publish(self) -> None:
+        """Wake the feed's waiting `drain` with the items not handed over yet (engine thread)."""
         with self._feed_ready:
             if self._feed:
                 self._feed_ready.notify_all()
@@ -267,7 +280,7 @@ class DecodeWorker(WorkerBase):
         if not fed:
             q.put(item)
             return
-        with self._feed_ready:  # `drain` is woken once the round's items are all in (`_after`)
+        with self._feed_ready:  # `drain` is woken after the round (`_after`); first tokens at once (`_work`)
             self._feed_seq += 1
             self._feed.append(FeedEntry(self._feed_seq, request_id, item))
 
