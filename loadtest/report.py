@@ -51,18 +51,19 @@ def format_warmup(warmup: WarmupResult) -> str:
 def write_results(path: str | Path, doc: dict[str, Any]) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_strict(doc), indent=1, allow_nan=False) + "\n")
+    path.write_text(json.dumps(strict_json(doc), indent=1, allow_nan=False) + "\n")
     return path
 
 
-def _strict(obj: Any) -> Any:
-    """Non-finite floats (an unlimited max duration, rate inf) become the strings "inf" / "nan"."""
+def strict_json(obj: Any) -> Any:
+    """`obj` with non-finite floats (an unlimited max duration, rate inf) as the strings "inf" / "nan",
+    for strict JSON."""
     if isinstance(obj, float) and not math.isfinite(obj):
         return str(obj)
     if isinstance(obj, dict):
-        return {k: _strict(v) for k, v in obj.items()}
+        return {k: strict_json(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_strict(v) for v in obj]
+        return [strict_json(v) for v in obj]
     return obj
 
 

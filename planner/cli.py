@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engine.config import EngineConfig
+from loadtest.report import strict_json
 from pdserve import flags
 from planner.profiles import (
     AS_CALIBRATED,
@@ -191,21 +191,11 @@ def _write(args: argparse.Namespace, plan: Plan) -> None:
     if args.out:
         path = Path(args.out)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(_finite(plan.to_json()), indent=1) + "\n")
+        path.write_text(json.dumps(strict_json(plan.to_json()), indent=1) + "\n")
         print(f"plan: {path}")
     if args.plot:
         png = plot(plan, args.plot)
         print(f"plot: {png}" if png else "plot: none (matplotlib is not installed: pip install 'pdserve[bench]')")
-
-
-def _finite(obj: object) -> object:
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return str(obj)
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
 
 
 def _validate(args: argparse.Namespace, trace: Trace, slo: Slo, factors: ServingFactors) -> int:
@@ -223,7 +213,7 @@ def _validate(args: argparse.Namespace, trace: Trace, slo: Slo, factors: Serving
     print(trace.describe())
     print(cmp.table())
     if args.out:
-        Path(args.out).write_text(json.dumps(_finite({"trace": trace.describe(), "slo": asdict(slo),
+        Path(args.out).write_text(json.dumps(strict_json({"trace": trace.describe(), "slo": asdict(slo),
                                                       "layout": cmp.layout.label, "policy": cmp.policy,
                                                       "simulated": asdict(cmp.simulated),
                                                       "measured": asdict(cmp.measured),
