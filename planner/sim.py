@@ -8,7 +8,8 @@ Life of a simulated request (the order of calls of `router.placer.Placer` and of
    On NoCapacity it waits at the router and tries again whenever a booking is released; it is refused
    ("overloaded") when `RouterConfig.max_queued` already wait, or once it waited `queue_timeout_s`.
 2. Remote path: decode worker D reserves the prompt's blocks (`Scheduler.reserve`, its cached prefix
-   reused), prefill worker P queues it prefill-only; P's steps (the real `Scheduler`) prefill it in
+   reused; a command its engine thread runs between steps: after the step under way), then prefill
+   worker P queues it prefill-only; P's steps (the real `Scheduler`) prefill it in
    chunks beside other prompts, and the step computing its last chunk samples the first token:
    `PoolBook.prefilled`. The KV not hidden behind that chunk's later layers
    (`CostModel.exposed_transfer_s`) then travels; P frees the prompt's blocks once it is sent, and D
@@ -254,6 +255,8 @@ class _Worker:
                                    spec.prefill_chunk_tokens)
         self.busy = False
         self.landing: list[str] = []  # decode side: remote prefills whose KV landed, started at the next step
+        # decode side: remote prompts placed here, reserved between steps: (request id, prompt, params, P)
+        self.reserving: list[tuple[str, list[int], SamplingParams, int]] = []
         self.prefilling: dict[str, Sequence] = {}  # decode side: local prefills without their first token yet
         self.steps = self.rows = 0
 
@@ -396,12 +399,22 @@ class Simulator:
             d.scheduler.add(seq)
             self._kick(d)
             return True
-        if not d.scheduler.reserve(Sequence(rid, req.prompt, sampling), reuse=self.router.prefix_aware):
-            raise SimulationError(f"decode worker {d.index} refused a reservation the router booked (request {rid})")
-        p = self.prefill[placement.prefill]
-        p.scheduler.add(Sequence(rid, req.prompt, sampling, prefill_only=True))
-        self._kick(p)
+        d.reserving.append((rid, req.prompt, sampling, placement.prefill))
+        if not d.busy:
+            self._reserve(d)
         return True
+
+    def _reserve(self, d: _Worker) -> None:
+        """D reserves blocks for the remote prompts placed on it (a command its engine thread runs between
+        its steps), and each prompt then goes to its prefill worker."""
+        for rid, prompt, sampling, p_index in d.reserving:
+            if not d.scheduler.reserve(Sequence(rid, prompt, sampling), reuse=self.router.prefix_aware):
+                raise SimulationError(f"decode worker {d.index} refused a reservation the router booked "
+                                      f"(request {rid})")
+            p = self.prefill[p_index]
+            p.scheduler.add(Sequence(rid, prompt, sampling, prefill_only=True))
+            self._kick(p)
+        d.reserving.clear()
 
     def _release(self, req: _Req, seq: Sequence) -> None:
         """`req` left its decode worker: the book, the estimator and the correction learn; waiters retry."""
@@ -431,7 +444,10 @@ class Simulator:
             self._step(w)
 
     def _step(self, w: _Worker) -> None:
-        """Start `w`'s next step (decode workers first start the sequences whose KV landed)."""
+        """Start `w`'s next step (decode workers first reserve for the remote prompts placed on them and
+        start the sequences whose KV landed)."""
+        if w.reserving:
+            self._reserve(w)
         if w.landing:
             self._land(w)
         batch = w.scheduler.schedule()

@@ -45,6 +45,17 @@ def test_one_remote_request_matches_the_hand_schedule():
     assert out.output_tokens == 3
 
 
+def test_a_remote_prompt_is_reserved_between_its_decode_workers_steps():
+    """D reserves a remote prompt's blocks on its engine thread, between steps: the prompt placed while
+    D decodes reaches P when D's step under way ends."""
+    a, b = run(trace((0.0, 100, 20), (0.2001, 50, 3)), Layout(1, 1), "always_remote").outcomes
+    # a decodes from 0.12 s in 10 ms steps: b, placed at 0.2001, is reserved at 0.21; P prefills it
+    # alone in 0.06 s; its KV lands 0.0025 + 0.005 s later (0.2775), during D's step [0.27, 0.28]:
+    # D starts it at 0.28. (Reserved at once, it would land at 0.2676 and start at 0.27.)
+    assert a.ttft_s == pytest.approx(0.12)
+    assert b.ttft_s == pytest.approx(0.28 - 0.2001)
+
+
 def test_one_local_request_matches_the_hand_schedule():
     out = run(trace((0.0, 100, 3)), Layout(1, 1), "always_local").outcomes[0]
     assert out.path == "local"
