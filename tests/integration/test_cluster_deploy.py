@@ -212,7 +212,7 @@ def test_format_status_flags_silent_and_dead_workers():
     assert "pdserve: UNHEALTHY: prefill 0/1 and decode 1/1" in text
     as_json = json.loads(status_json(status))  # `pdserve status --json`: load reports as plain objects
     assert as_json["workers"][1]["load"] == {"free_blocks": 60, "num_blocks": 100, "running": 3, "receiving": 1,
-                                             "queued_tokens": 0, "sending": 0, "threads": 0}
+                                             "queued_tokens": 0, "sending": 0, "threads": 0, "preemptions": 0}
 
 
 @pytest.mark.parametrize("address,says", [("127.0.0.1:{port}", "no Ray cluster at"), ("ray://127.0.0.1:{port}",
