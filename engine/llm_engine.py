@@ -196,6 +196,9 @@ class LLMEngine:
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise InvalidRequestError("prompt", f"token id {bad} is outside [0, {self.vocab_size})")
+        bad = next((t for t, _ in sampling.logit_bias if t >= self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError("logit_bias", f"token id {bad} is outside [0, {self.vocab_size})")
         if sampling.stop and self.tokenizer is None:
             raise InvalidRequestError("stop", "stop strings need a tokenizer; use stop_token_ids")
         worst = min(len(ids) + sampling.max_tokens, self.max_model_len)

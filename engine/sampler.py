@@ -66,8 +66,8 @@ class Sampler:
         return out
 
     def _adjust(self, logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
-        """Penalties and `min_tokens` on one row of fp32 logits. The output is what the request
-        generated, earlier workers' part included (`prior_output_tokens`)."""
+        """Penalties, `logit_bias` and `min_tokens` on one row of fp32 logits. The output is what the
+        request generated, earlier workers' part included (`prior_output_tokens`)."""
         sp = seq.sampling
         generated = seq.num_output_tokens + sp.prior_output_tokens
         output = torch.tensor(seq.token_ids[len(seq.token_ids) - generated:], dtype=torch.long)
@@ -79,6 +79,9 @@ class Sampler:
         if (sp.presence_penalty or sp.frequency_penalty) and len(output):
             counts = torch.bincount(output, minlength=logits.shape[-1])[:logits.shape[-1]].to(logits.dtype)
             logits -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).to(logits.dtype)
+        if sp.logit_bias:
+            ids, biases = zip(*sp.logit_bias)
+            logits[torch.tensor(ids, dtype=torch.long)] += torch.tensor(biases, dtype=logits.dtype)
         if generated < sp.min_tokens:
             ends = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(self._eos_ids))
             ends = [t for t in ends if t < logits.shape[-1]]

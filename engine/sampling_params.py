@@ -10,6 +10,7 @@ from engine.logprobs import MAX_LOGPROBS
 # Below this temperature sampling is greedy: logits / temperature would overflow float32 (a temperature
 # of 1e-300 even rounds to 0.0 there), and the softmax of inf is NaN.
 GREEDY_BELOW_TEMPERATURE = 1e-5
+MAX_LOGIT_BIAS = 300  # tokens one request may bias (OpenAI's limit)
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,10 @@ class SamplingParams:
         logprobs: None: no log-probabilities; k in [0, 20]: each output token comes with its
             log-probability and the k likeliest tokens' (`engine.logprobs`: the model's raw
             log-softmax, before penalties and temperature).
+        logit_bias: (token id, bias) pairs, added to those tokens' logits before the token is picked
+            (after the penalties, before temperature), greedy requests too; bias in [-100, 100] (-100
+            all but bans a token, 100 all but forces it), at most `MAX_LOGIT_BIAS` pairs, one per token
+            id (stored sorted; ids beyond the model's vocabulary are refused by the engine).
     """
 
     max_tokens: int = 16
@@ -58,6 +63,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -89,6 +95,7 @@ class SamplingParams:
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise InvalidRequestError("logprobs", f"must be null or an integer in [0, {MAX_LOGPROBS}], "
                                                   f"got {self.logprobs!r}")
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         object.__setattr__(self, "stop", _as_tuple(self.stop, str, "stop"))
         object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids, int, "stop_token_ids"))
         if any(s == "" for s in self.stop):
@@ -102,7 +109,26 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         """Whether the logits change before the token is picked (penalties, min_tokens)."""
         return bool(self.min_tokens or self.presence_penalty or self.frequency_penalty
-                    or self.repetition_penalty != 1.0)
+                    or self.repetition_penalty != 1.0 or self.logit_bias)
+
+
+def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
+    """`logit_bias` checked and sorted by token id: pairs of (id >= 0, bias in [-100, 100])."""
+    try:
+        pairs = [tuple(p) for p in value]  # type: ignore[union-attr]
+    except TypeError:
+        raise InvalidRequestError("logit_bias", f"must be a list of (token id, bias) pairs, got {value!r}") from None
+    if len(pairs) > MAX_LOGIT_BIAS:
+        raise InvalidRequestError("logit_bias", f"holds {len(pairs)} tokens; at most {MAX_LOGIT_BIAS}")
+    for pair in pairs:
+        if len(pair) != 2 or isinstance(pair[0], bool) or not isinstance(pair[0], int) or pair[0] < 0:
+            raise InvalidRequestError("logit_bias", f"must map token ids (integers >= 0) to biases, got {pair!r}")
+        if not _number(pair[1]) or not -100 <= pair[1] <= 100:
+            raise InvalidRequestError("logit_bias", f"bias of token {pair[0]} must be in [-100, 100], got {pair[1]!r}")
+    ids = [t for t, _ in pairs]
+    if len(set(ids)) != len(ids):
+        raise InvalidRequestError("logit_bias", "names a token id twice")
+    return tuple(sorted((t, float(b)) for t, b in pairs))
 
 
 def _number(value: object) -> bool:

@@ -2,7 +2,7 @@
 
 Parsing checks every field the OpenAI API defines for /v1/completions and /v1/chat/completions,
 raising `InvalidRequestError(field, message)` that names the field and what is allowed; fields we
-cannot honour (tools, suffix, a non-empty logit_bias, ...) are refused rather than silently ignored,
+cannot honour (tools, suffix, ...) are refused rather than silently ignored,
 and so are the sampling extensions of other OpenAI-compatible servers that pdserve does not implement
 (`UNSUPPORTED_EXTENSIONS`). Other unknown top-level fields are ignored, as such servers commonly do.
 
@@ -28,8 +28,9 @@ not the text: a streamed chunk carries the logprobs of its tokens, also when the
 (it then has empty text), so every token's entry comes exactly once, in order.
 
 Defaults follow OpenAI: temperature 1.0, top_p 1.0, max_tokens 16 for completions; chat without
-max_tokens gets the server's default (cut to the room left in the context). presence_penalty and
-frequency_penalty as OpenAI defines them. Extensions (names common among OpenAI-compatible servers):
+max_tokens gets the server's default (cut to the room left in the context). presence_penalty,
+frequency_penalty and logit_bias (token ids as strings → bias in [-100, 100], at most 300 tokens;
+applied to greedy requests too) as OpenAI defines them. Extensions (names common among OpenAI-compatible servers):
 top_k (-1 or 0 disables), min_p, min_tokens, repetition_penalty, ignore_eos, stop_token_ids,
 skip_special_tokens (true only: text never holds special tokens).
 
@@ -237,8 +238,7 @@ def _sampling(body: dict, max_tokens: int, logprobs: int | None = None) -> Sampl
             raise InvalidRequestError(name, "is not supported by pdserve; leave it out")
     _only_null_or(body, "skip_special_tokens", (True,), "only true is supported (text never holds special tokens)",
                   bool)
-    if _typed(body, "logit_bias", dict, "an object", None):
-        raise InvalidRequestError("logit_bias", "is not supported; leave it out or use {}")
+    logit_bias = _typed(body, "logit_bias", dict, "an object", None) or {}
     top_k = _typed(body, "top_k", int, "an integer", 0)
     return SamplingParams(
         max_tokens=max_tokens,
@@ -255,7 +255,15 @@ def _sampling(body: dict, max_tokens: int, logprobs: int | None = None) -> Sampl
         frequency_penalty=_typed(body, "frequency_penalty", (int, float), "a number", 0.0),
         repetition_penalty=_typed(body, "repetition_penalty", (int, float), "a number", 1.0),
         logprobs=logprobs,
+        logit_bias=tuple((_token_id_key(k), v) for k, v in logit_bias.items()),
     )
+
+
+def _token_id_key(key: str) -> int:
+    """A `logit_bias` key: a token id written as a string (JSON object keys are strings)."""
+    if not key.isdecimal():
+        raise InvalidRequestError("logit_bias", f"keys must be token ids (decimal integers), got {key!r}")
+    return int(key)
 
 
 def _object(body: Any) -> dict:

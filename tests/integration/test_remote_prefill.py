@@ -85,7 +85,7 @@ def test_seeded_sampling_remote_equals_local(pair, tiny_pair):
 
 def test_penalties_min_tokens_and_min_p_remote_equal_local(pair, tiny_pair):
     """The first token sampled on the prefill engine with the same processors as the rest on the decode
-    engine: the same tokens as one engine, greedy with penalties and min_tokens, seeded with min_p."""
+    engine: the same tokens as one engine, greedy with penalties, a logit bias and min_tokens, seeded with min_p."""
     _, prefill, decode, tx, rx, _, skip = pair
     prompt = random_prompt(40, seed=89)
     local = LLMEngine(EngineConfig(dtype="float32", cache=CacheConfig(memory_gib=0.02)),
@@ -93,7 +93,8 @@ def test_penalties_min_tokens_and_min_p_remote_equal_local(pair, tiny_pair):
     first = local.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True))[0].output_token_ids[0]
     got: dict[str, list[int]] = {}
     for rid, sp in (("penalised", SamplingParams(max_tokens=12, repetition_penalty=1.3, presence_penalty=0.5,
-                                                  frequency_penalty=0.7, min_tokens=3, stop_token_ids=(first,))),
+                                                  frequency_penalty=0.7, min_tokens=3, stop_token_ids=(first,),
+                                                  logit_bias=((first + 1, 2.0),))),
                     ("min_p", SamplingParams(max_tokens=12, temperature=1.2, min_p=0.05, seed=11, ignore_eos=True))):
         expected = local.generate([prompt], sp)[0].output_token_ids
         got[rid] = run_remote(prefill, decode, tx, rx, [prompt], sp, skip, ids=[rid])[rid]

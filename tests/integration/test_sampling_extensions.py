@@ -1,5 +1,5 @@
-"""Penalties, min_tokens and min_p in the engine (fp32): greedy output with a repetition penalty or
-min_tokens equals transformers `generate` with its own processors for them; OpenAI's presence and
+"""Penalties, min_tokens, logit_bias and min_p in the engine (fp32): greedy output with a repetition
+penalty, min_tokens or a logit bias equals transformers `generate` with its own processors for them; OpenAI's presence and
 frequency penalties equal a step-by-step reference on the model's own logits; min_p keeps only the
 likely tokens; a request moved to another worker (its earlier output in the prompt) is penalised
 for that output too."""
@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 
-from engine import SamplingParams
+from engine import InvalidRequestError, SamplingParams
 from tests.conftest import random_prompt
 from tests.integration.test_engine_correctness import assert_all_free, make_engine
 
@@ -96,3 +96,19 @@ def test_min_p_keeps_only_likely_tokens(tiny_pair):
     sampled = engine.generate([prompt], SamplingParams(max_tokens=10, temperature=1.5, min_p=1.0, seed=7,
                                                        ignore_eos=True))[0].output_token_ids
     assert sampled == greedy
+
+
+def test_logit_bias_equals_generate_with_its_sequence_bias(tiny_pair):
+    """A bias on single tokens is transformers' `sequence_bias` on one-token sequences: a ban of the plain
+    greedy token (-100), a push of another (+3), greedy; an id beyond the vocabulary is refused."""
+    ref, model = tiny_pair
+    engine = make_engine(model)
+    prompt = random_prompt(30, seed=321)
+    plain = engine.generate([prompt], SamplingParams(max_tokens=10, ignore_eos=True))[0].output_token_ids
+    bias = ((plain[0], -100.0), (plain[1], 3.0))
+    out = engine.generate([prompt], SamplingParams(max_tokens=10, ignore_eos=True, logit_bias=bias))[0]
+    assert out.output_token_ids == hf_generate(ref, prompt, 10, sequence_bias={(t,): b for t, b in bias})
+    assert plain[0] not in out.output_token_ids
+    with pytest.raises(InvalidRequestError, match="logit_bias: token id 512 is outside"):
+        engine.add_request(prompt, SamplingParams(logit_bias=((512, 1.0),)))
+    assert_all_free(engine)

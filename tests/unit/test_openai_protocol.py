@@ -63,7 +63,9 @@ COMPLETION_REJECTS = [  # (body, field)
     ({**P, "skip_special_tokens": 1}, "skip_special_tokens"),
     ({**P, "use_beam_search": True}, "use_beam_search"), ({**P, "guided_json": {"type": "object"}}, "guided_json"),
     ({**P, "include_stop_str_in_output": False}, "include_stop_str_in_output"),
-    ({**P, "logit_bias": {"50256": -100}}, "logit_bias"), ({**P, "logit_bias": [1]}, "logit_bias"),
+    ({**P, "logit_bias": {"a": -100}}, "logit_bias"), ({**P, "logit_bias": [1]}, "logit_bias"),
+    ({**P, "logit_bias": {"-3": 1}}, "logit_bias"), ({**P, "logit_bias": {"5": 101}}, "logit_bias"),
+    ({**P, "logit_bias": {"5": "1"}}, "logit_bias"),
     ({**P, "suffix": "end"}, "suffix"), ({**P, "suffix": 1}, "suffix"),
     ({**P, "ignore_eos": "true"}, "ignore_eos"),
     ({**P, "stop_token_ids": 5}, "stop_token_ids"), ({**P, "stop_token_ids": [1, "2"]}, "stop_token_ids"),
@@ -243,6 +245,13 @@ def test_chat_max_tokens(extra: dict, want: int) -> None:
 def test_logprobs_reach_the_sampling_params(parse, extra: dict, want: int | None) -> None:
     body = {**(P if parse is parse_completion_request else M), **extra}
     assert parse(body).request.sampling.logprobs == want
+
+
+@pytest.mark.parametrize("parse", [parse_completion_request, parse_chat_request], ids=lambda f: f.__name__)
+def test_logit_bias_reaches_the_sampling_params_by_token_id(parse) -> None:
+    body = {**(P if parse is parse_completion_request else M), "logit_bias": {"50256": -100, "7": 2.5}}
+    assert parse(body).request.sampling.logit_bias == ((7, 2.5), (50256, -100.0))
+    assert parse({**body, "logit_bias": None}).request.sampling.logit_bias == ()
 
 
 def test_chat_accepts_no_op_fields() -> None:

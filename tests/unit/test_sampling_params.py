@@ -50,6 +50,13 @@ BAD = [
     ("logprobs", 21, "[0, 20]"),
     ("logprobs", True, "[0, 20]"),
     ("logprobs", 2.0, "[0, 20]"),
+    ("logit_bias", 5, "(token id, bias) pairs"),
+    ("logit_bias", [(-1, 1.0)], "integers >= 0"),
+    ("logit_bias", [(True, 1.0)], "integers >= 0"),
+    ("logit_bias", [(3, 100.5)], "[-100, 100]"),
+    ("logit_bias", [(3, float("nan"))], "[-100, 100]"),
+    ("logit_bias", [(3, 1.0), (3, 2.0)], "twice"),
+    ("logit_bias", [(i, 1.0) for i in range(301)], "at most 300"),
 ]
 
 
@@ -93,6 +100,12 @@ def test_good_values_pass(kwargs: dict) -> None:
         if k not in ("stop", "stop_token_ids"):
             assert getattr(sp, k) == v
     assert isinstance(sp.stop, tuple) and isinstance(sp.stop_token_ids, tuple)
+
+
+def test_logit_bias_is_sorted_by_token_and_counts_as_adjusting_the_logits() -> None:
+    sp = SamplingParams(logit_bias=[(9, -100), (2, 5.5)])
+    assert sp.logit_bias == ((2, 5.5), (9, -100.0)) and sp.adjusts_logits
+    assert not SamplingParams().adjusts_logits and hash(sp) == hash(SamplingParams(logit_bias=((2, 5.5), (9, -100))))
 
 
 def test_single_values_become_tuples() -> None:
