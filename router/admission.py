@@ -84,6 +84,9 @@ class Admission:
             room = min(self.limits.max_model_len, self.limits.decode_blocks * self.limits.block_size) - len(prompt)
             sp = replace(sp, max_tokens=max(1, min(self._default_max_tokens, room)))
         self.validate(prompt, sp.max_tokens, "messages" if request.messages is not None else "prompt")
+        bad = next((t for t, _ in sp.logit_bias if t >= self.limits.vocab_size), None)
+        if bad is not None:  # refused here, not by a worker in the middle of the request's placement
+            raise InvalidRequestError("logit_bias", f"token id {bad} is outside [0, {self.limits.vocab_size})")
         features = RequestFeatures(len(prompt), self._estimator.expected(sp.max_tokens, sp.ignore_eos), sp.max_tokens)
         return Admitted(prompt, sp, features, deadline)
 

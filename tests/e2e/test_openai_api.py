@@ -175,7 +175,8 @@ def test_penalties_and_min_tokens_through_the_sdk_equal_the_reference(client, se
 
 def test_logit_bias_through_the_sdk_bans_and_forces_tokens(client, server, oracle):
     """OpenAI's logit_bias (token ids as strings), greedy, on chat and completions: -100 bans the plain
-    greedy first token, +100 forces a token every step; a key that is no token id is a 400 naming it."""
+    greedy first token, +100 forces a token every step; a key that is no token id, or an id beyond the
+    vocabulary, is a 400 naming it."""
     prompt = "The capital of France is"
     plain = client.completions.create(model=server.model, prompt=prompt, max_tokens=4, temperature=0)
     first = oracle[1](plain.choices[0].text)["input_ids"][0]
@@ -186,8 +187,9 @@ def test_logit_bias_through_the_sdk_bans_and_forces_tokens(client, server, oracl
     chat = client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "hi"}],
                                           max_tokens=3, temperature=0, logit_bias={str(forced): 100})
     assert oracle[1](chat.choices[0].message.content)["input_ids"] == [forced] * 3
-    with pytest.raises(openai.BadRequestError, match="logit_bias"):
-        client.completions.create(model=server.model, prompt=prompt, max_tokens=2, logit_bias={"x": 1})
+    for bad in ({"x": 1}, {str(oracle[0].config.vocab_size): 1}):  # no token id; beyond the vocabulary
+        with pytest.raises(openai.BadRequestError, match="logit_bias"):
+            client.completions.create(model=server.model, prompt=prompt, max_tokens=2, logit_bias=bad)
 
 
 def reference_logprobs(oracle, prompt_ids: list[int], out_ids: list[int]) -> torch.Tensor:
