@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -312,11 +312,3 @@ def plot(plan: Plan, path: str | Path) -> Path | None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
-
-
-def best_per_layout(plan: Plan) -> Sequence[Evaluation]:
-    """The best evaluation of each layout, best first."""
-    seen: dict[Layout, Evaluation] = {}
-    for e in plan.evaluations:
-        seen.setdefault(e.candidate.layout, e)
-    return list(seen.values())
