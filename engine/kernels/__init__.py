@@ -82,7 +82,10 @@ class Kernel:
 
     def linear_max_rows(self, dtype: torch.dtype) -> int:
         """Most rows this build's linear kernel computes in `dtype` (more: torch's linear); the build says,
-        by what it was measured to win (`pdserve_linear_*_max_rows` in the C source)."""
+        by what it was measured to win (`pdserve_linear_*_max_rows` in the C source). 0 where the build
+        holds no linear kernel for `dtype` (the AVX2 build has no bf16 one, the portable build none)."""
+        if not self.has_linear(dtype):
+            return 0
         return getattr(self.lib, _LINEAR_ENTRY[dtype] + "_max_rows")()
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -151,3 +151,20 @@ def test_without_the_torch_operator_the_ctypes_path_serves(monkeypatch):
     monkeypatch.setattr(kernels, "_build_op", broken)
     op, calls = kernels._torch_op(sel.kernel)
     assert op is None and "ctypes" in calls and "no headers" in calls
+
+
+@pytest.mark.parametrize("build", BUILDS, ids=[b.name for b in BUILDS])
+def test_every_build_binds_its_torch_operator(build):
+    """The operator library binds any build this CPU runs, whichever linear kernels it holds (the AVX2
+    build has no bf16 one, the portable build none: their row limits read 0, torch's linear serves)."""
+    kernel = _loaded(build)
+    sel = kernels.active()
+    if sel.op is None:
+        pytest.skip(f"no torch operator here: {sel.calls}")
+    try:
+        op, calls = kernels._torch_op(kernel)
+        assert op is not None, calls
+        for dtype in (torch.float32, torch.bfloat16):
+            assert (kernel.linear_max_rows(dtype) > 0) == kernel.has_linear(dtype)
+    finally:
+        kernels._torch_op(sel.kernel)  # the process's operator serves its active build again
