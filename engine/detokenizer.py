@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from transformers import PreTrainedTokenizerBase
 
+from engine.grammar import is_terminated
 from engine.sequence import FinishReason, Sequence
 
 _CONTEXT = 5  # prompt tokens decoded ahead of the output so the first word keeps its leading space
@@ -81,6 +82,8 @@ class StopChecker:
         if seq.detok is not None and seq.detok.append(token):
             return FinishReason.STOP
         if (token in self.eos_ids and not sp.ignore_eos) or token in sp.stop_token_ids:
+            return FinishReason.STOP
+        if is_terminated(seq):  # the structured output is complete (its grammar took an end token)
             return FinishReason.STOP
         if seq.num_output_tokens >= sp.max_tokens or seq.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH

@@ -30,6 +30,7 @@ from engine.chat_template import use_chat_template
 from engine.config import EngineConfig, KVLayout
 from engine.detokenizer import StopChecker
 from engine.errors import CapacityError, InvalidRequestError
+from engine.grammar import Grammars
 from engine.hardware import DtypeChoice
 from engine.logprobs import TokenLogprob
 from engine.model_loader import dtype_name, encode_prompt, eos_token_ids, max_context
@@ -117,7 +118,8 @@ class LLMEngine:
                                    self.stop_checker, config.prefill_chunk_tokens)
         self.linear_choice = packed_linear.apply(model, config.linear, config.device)
         self.runner = ModelRunner(model, self.layout, compile=config.compile)
-        self.sampler = Sampler(config.seed, eos_ids)
+        self.grammars = Grammars(tokenizer, self.vocab_size, eos_ids) if tokenizer is not None else None
+        self.sampler = Sampler(config.seed, eos_ids, self.grammars)
         self.stats = EngineStats()
         self._ids = itertools.count()
         self._batch_seqs: list[Sequence] = []  # the step's prompts that finish, for the prefill layer hook
@@ -201,6 +203,10 @@ class LLMEngine:
             raise InvalidRequestError("logit_bias", f"token id {bad} is outside [0, {self.vocab_size})")
         if sampling.stop and self.tokenizer is None:
             raise InvalidRequestError("stop", "stop strings need a tokenizer; use stop_token_ids")
+        if sampling.json_schema is not None:
+            if self.grammars is None:
+                raise InvalidRequestError("response_format", "structured output needs a tokenizer")
+            self.grammars.compile(sampling.json_schema)  # refused here, not in a step; compiled once per schema
         worst = min(len(ids) + sampling.max_tokens, self.max_model_len)
         need, have = self.block_manager.blocks_needed(worst), self.block_manager.num_blocks
         if need > have:

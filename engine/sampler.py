@@ -10,6 +10,10 @@ after its stream moved to another worker mid-way (`SamplingParams.prior_output_t
 and the top k: the float32 log-softmax of the raw logits (before penalties and temperature; see
 `engine.logprobs`), top-k taken on the tensor, so only k + 1 numbers per row reach Python. A batch
 where no request asked costs nothing more.
+
+Structured output (`SamplingParams.json_schema`): the grammar's mask is applied last in `_adjust`
+(after penalties and `logit_bias`, before temperature / top-k / top-p), and the picked token goes to the
+request's matcher at once, so the stop check sees a completed JSON in the same step (`engine.grammar`).
 """
 from __future__ import annotations
 
@@ -18,17 +22,21 @@ import random
 
 import torch
 
+from engine.grammar import Grammars
 from engine.logprobs import TokenLogprob
 from engine.sequence import Sequence
 
 
 class Sampler:
     """Args: seed: engine seed; requests without their own seed draw one from it. eos_ids: the
-    model's end tokens, masked out with the stop token ids until a request's `min_tokens`."""
+    model's end tokens, masked out with the stop token ids until a request's `min_tokens`. grammars:
+    the engine's grammar compiler, for requests with a `json_schema` (None: the engine has no tokenizer
+    and refuses them)."""
 
-    def __init__(self, seed: int = 0, eos_ids: frozenset[int] = frozenset()) -> None:
+    def __init__(self, seed: int = 0, eos_ids: frozenset[int] = frozenset(), grammars: Grammars | None = None) -> None:
         self._seeds = random.Random(seed)
         self._eos_ids = eos_ids
+        self._grammars = grammars
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """One token per row of `logits` [B, V]."""
@@ -41,6 +49,8 @@ class Sampler:
             if sp.adjusts_logits:
                 row = self._adjust(row, seq)
             tokens[i] = int(row.argmax()) if sp.greedy else self._sample_one(row, seq)
+            if sp.json_schema is not None and self._grammars is not None:
+                self._grammars.accept(seq, tokens[i])
         return tokens
 
     @staticmethod
@@ -66,8 +76,8 @@ class Sampler:
         return out
 
     def _adjust(self, logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
-        """Penalties, `logit_bias` and `min_tokens` on one row of fp32 logits. The output is what the
-        request generated, earlier workers' part included (`prior_output_tokens`)."""
+        """Penalties, `logit_bias`, `min_tokens` and the grammar's mask on one row of fp32 logits. The
+        output is what the request generated, earlier workers' part included (`prior_output_tokens`)."""
         sp = seq.sampling
         generated = seq.num_output_tokens + sp.prior_output_tokens
         output = torch.tensor(seq.token_ids[len(seq.token_ids) - generated:], dtype=torch.long)
@@ -87,6 +97,8 @@ class Sampler:
             ends = [t for t in ends if t < logits.shape[-1]]
             if ends:
                 logits[torch.tensor(ends, dtype=torch.long)] = float("-inf")
+        if sp.json_schema is not None and self._grammars is not None:
+            self._grammars.mask(logits, seq, output.tolist())
         return logits
 
     def _sample_one(self, logits: torch.Tensor, seq: Sequence) -> int:

@@ -1,6 +1,7 @@
 """Per-request sampling and stop settings, validated on construction."""
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
@@ -45,6 +46,10 @@ class SamplingParams:
             (after the penalties, before temperature), greedy requests too; bias in [-100, 100] (-100
             all but bans a token, 100 all but forces it), at most `MAX_LOGIT_BIAS` pairs, one per token
             id (stored sorted; ids beyond the model's vocabulary are refused by the engine).
+        json_schema: structured output (`response_format`): JSON text of a JSON Schema the output must
+            match (json_object is {"type": "object"}), stored compact with its keys in their order; the
+            sampler masks every token that would break it and the request stops when the JSON is complete
+            (`engine.grammar`, which also refuses a schema it cannot compile). Not with `min_tokens`.
     """
 
     max_tokens: int = 16
@@ -64,6 +69,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
+    json_schema: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -96,6 +102,11 @@ class SamplingParams:
             raise InvalidRequestError("logprobs", f"must be null or an integer in [0, {MAX_LOGPROBS}], "
                                                   f"got {self.logprobs!r}")
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        if self.json_schema is not None:
+            object.__setattr__(self, "json_schema", _json_schema(self.json_schema))
+            if self.min_tokens:
+                raise InvalidRequestError("min_tokens", "cannot be combined with response_format (the JSON decides "
+                                                        "where the output ends)")
         object.__setattr__(self, "stop", _as_tuple(self.stop, str, "stop"))
         object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids, int, "stop_token_ids"))
         if any(s == "" for s in self.stop):
@@ -107,9 +118,22 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether the logits change before the token is picked (penalties, min_tokens)."""
+        """Whether the logits change before the token is picked (penalties, min_tokens, a grammar)."""
         return bool(self.min_tokens or self.presence_penalty or self.frequency_penalty
-                    or self.repetition_penalty != 1.0 or self.logit_bias)
+                    or self.repetition_penalty != 1.0 or self.logit_bias or self.json_schema is not None)
+
+
+def _json_schema(value: object) -> str:
+    """`json_schema` as compact JSON text (keys keep their order: it is the order the output writes them)."""
+    if not isinstance(value, str):
+        raise InvalidRequestError("response_format", f"the JSON schema must be JSON text, got {type(value).__name__}")
+    try:
+        schema = json.loads(value)
+    except ValueError as e:
+        raise InvalidRequestError("response_format", f"the JSON schema is not valid JSON: {e}") from None
+    if not isinstance(schema, dict):
+        raise InvalidRequestError("response_format", "the JSON schema must be an object")
+    return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
 
 
 def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:

@@ -256,6 +256,7 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        seq.grammar = None  # a finished or aborted request frees its matcher
         self.block_manager.free_seq(seq)
         if seq in self.running:
             self.running.remove(seq)

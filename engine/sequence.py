@@ -50,6 +50,7 @@ class Sequence:
     prefill_only: bool = False  # remote prefill: hold the blocks after the first token
     sample_seed: int | None = None  # the sampler's per-request seed; opaque to the scheduler
     detok: Any = None  # incremental detokenizer state; opaque to the scheduler
+    grammar: Any = None  # structured output's matcher on this worker (engine.grammar); dropped when it ends
 
     def __post_init__(self) -> None:
         if not self.token_ids:

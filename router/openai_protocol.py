@@ -34,16 +34,24 @@ applied to greedy requests too) as OpenAI defines them. Extensions (names common
 top_k (-1 or 0 disables), min_p, min_tokens, repetition_penalty, ignore_eos, stop_token_ids,
 skip_special_tokens (true only: text never holds special tokens).
 
+Structured output: `response_format` {"type": "text"} (or null) is plain text; {"type": "json_object"} any
+JSON object; {"type": "json_schema", "json_schema": {"name", "schema", "strict"}} output matching the
+schema (strict or not: the schema is always enforced). Both become `SamplingParams.json_schema` (the
+schema's JSON text), checked here by compiling it (`engine.grammar.check_json_schema`): a malformed
+response_format or a schema the grammar library cannot compile → InvalidRequestError naming response_format.
+
 Size limits (`router.limits.RequestLimits`: prompt characters, messages, stop strings, stop token
 ids) are checked here too, shared with the gRPC API; over a limit → InvalidRequestError naming the field.
 """
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.errors import InvalidRequestError
+from engine.grammar import JSON_OBJECT_SCHEMA, check_json_schema
 from engine.logprobs import MAX_LOGPROBS, TokenLogprob
 from engine.sampling_params import SamplingParams
 from router.limits import DEFAULT_LIMITS, RequestLimits, check_limits
@@ -155,7 +163,6 @@ def parse_chat_request(body: Any, default_max_tokens: int = DEFAULT_MAX_TOKENS,
     _only_null_or(body, "tool_choice", ("none",), "tool calling is not supported; use \"none\" or leave it out")
     _only_null_or(body, "functions", ([],), "function calling is not supported; leave functions out")
     _only_null_or(body, "function_call", ("none",), "function calling is not supported; use \"none\"")
-    _response_format(body.get("response_format"))
     messages = _messages(body.get("messages", _MISSING), limits.max_messages)
     if body.get("max_completion_tokens") is not None:
         max_tokens = _int_field(body, "max_completion_tokens", default_max_tokens)
@@ -256,6 +263,7 @@ def _sampling(body: dict, max_tokens: int, logprobs: int | None = None) -> Sampl
         repetition_penalty=_typed(body, "repetition_penalty", (int, float), "a number", 1.0),
         logprobs=logprobs,
         logit_bias=tuple((_token_id_key(k), v) for k, v in logit_bias.items()),
+        json_schema=_response_format(body.get("response_format")),
     )
 
 
@@ -347,10 +355,35 @@ def _content(where: str, content: Any) -> str:
     return "\n".join(texts)
 
 
-def _response_format(value: Any) -> None:
-    if value is None or (isinstance(value, dict) and value.get("type") == "text"):
-        return
-    raise InvalidRequestError("response_format", "only {\"type\": \"text\"} is supported")
+def _response_format(value: Any) -> str | None:
+    """`response_format` → `SamplingParams.json_schema`: None for text, the schema's JSON text for json_schema,
+    {"type": "object"} for json_object; a schema the grammar library cannot compile is refused here."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise InvalidRequestError("response_format", f"must be an object, got {_json_type(value)}")
+    kind = value.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return JSON_OBJECT_SCHEMA
+    if kind != "json_schema":
+        raise InvalidRequestError("response_format", f"type must be \"text\", \"json_object\" or \"json_schema\", "
+                                                     f"got {kind!r}")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise InvalidRequestError("response_format", "json_schema must be an object with the schema under \"schema\"")
+    if spec.get("name") is not None and not isinstance(spec["name"], str):
+        raise InvalidRequestError("response_format", "json_schema.name must be a string")
+    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+        raise InvalidRequestError("response_format", "json_schema.strict must be a boolean")
+    schema = spec.get("schema")
+    if not isinstance(schema, dict):
+        raise InvalidRequestError("response_format", f"json_schema.schema must be a JSON Schema object, "
+                                                     f"got {_json_type(schema)}")
+    text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+    check_json_schema(text)
+    return text
 
 
 def _stop(value: Any) -> tuple[str, ...]:

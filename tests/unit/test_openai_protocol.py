@@ -1,6 +1,7 @@
 """OpenAI request parsing and response bodies, without a server."""
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -98,7 +99,6 @@ CHAT_REJECTS = [  # (body, field)
     ({**M, "logprobs": True, "top_logprobs": 1.5}, "top_logprobs"),
     ({**M, "presence_penalty": 3}, "presence_penalty"), ({**M, "frequency_penalty": 2.1}, "frequency_penalty"),
     ({**M, "guided_regex": "a+"}, "guided_regex"), ({**M, "prompt_logprobs": 1}, "prompt_logprobs"),
-    ({**M, "response_format": {"type": "json_object"}}, "response_format"),
     ({**M, "response_format": "text"}, "response_format"),
     ({**M, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({**M, "tool_choice": "auto"}, "tool_choice"), ({**M, "tool_choice": {"type": "function"}}, "tool_choice"),
@@ -252,6 +252,48 @@ def test_logit_bias_reaches_the_sampling_params_by_token_id(parse) -> None:
     body = {**(P if parse is parse_completion_request else M), "logit_bias": {"50256": -100, "7": 2.5}}
     assert parse(body).request.sampling.logit_bias == ((7, 2.5), (50256, -100.0))
     assert parse({**body, "logit_bias": None}).request.sampling.logit_bias == ()
+
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0}},
+          "required": ["ok"], "additionalProperties": False}
+RESPONSE_FORMAT_REJECTS = [  # response_format values refused (400 naming response_format), never passed on
+    "json_object", ["json_object"], {}, {"type": "xml"}, {"type": "json_schema"},
+    {"type": "json_schema", "json_schema": "{}"}, {"type": "json_schema", "json_schema": {"name": "x"}},
+    {"type": "json_schema", "json_schema": {"name": 3, "schema": SCHEMA}},
+    {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": "yes"}},
+    {"type": "json_schema", "json_schema": {"name": "x", "schema": [SCHEMA]}},
+    {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}},
+    {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {
+        "a": {"$ref": "#/$defs/missing"}}}}},
+    {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "[a-"}}},
+]
+
+
+@pytest.mark.parametrize("parse", [parse_completion_request, parse_chat_request], ids=lambda f: f.__name__)
+@pytest.mark.parametrize("value", RESPONSE_FORMAT_REJECTS)
+def test_response_format_refusals_name_it(parse, value) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        parse({**(P if parse is parse_completion_request else M), "response_format": value})
+    assert info.value.field == "response_format"
+    assert str(info.value).startswith("response_format: ")
+    assert "Traceback" not in str(info.value) and ".cc:" not in str(info.value)  # the library's location left out
+
+
+@pytest.mark.parametrize("parse", [parse_completion_request, parse_chat_request], ids=lambda f: f.__name__)
+def test_response_format_reaches_the_sampling_params_as_schema_text(parse) -> None:
+    """text (or null) is no grammar; json_object any object; json_schema the schema's compact JSON text with
+    its keys in the order sent (the order the output writes them), strict or not."""
+    base = P if parse is parse_completion_request else M
+    for plain in (None, {"type": "text"}):
+        assert parse({**base, "response_format": plain}).request.sampling.json_schema is None
+    assert parse({**base, "response_format": {"type": "json_object"}}).request.sampling.json_schema == '{"type":"object"}'
+    for strict in (None, True, False):
+        spec = {"name": "answer", "schema": SCHEMA, **({} if strict is None else {"strict": strict})}
+        sp = parse({**base, "response_format": {"type": "json_schema", "json_schema": spec}}).request.sampling
+        assert sp.json_schema == json.dumps(SCHEMA, separators=(",", ":"))
+        assert list(json.loads(sp.json_schema)["properties"]) == ["ok", "n"]
+    with pytest.raises(InvalidRequestError, match="^min_tokens: "):
+        parse({**base, "response_format": {"type": "json_object"}, "min_tokens": 2})
 
 
 def test_chat_accepts_no_op_fields() -> None:

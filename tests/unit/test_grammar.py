@@ -1,0 +1,141 @@
+"""Structured output's mask in the sampler (engine.grammar) on a byte-level BPE tokenizer built in memory:
+random logits under a schema still give JSON that matches it; EOS only where the JSON may end; a worker
+that takes a request over rebuilds the same matcher from the output so far; bad schemas name
+response_format."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, pre_tokenizers, trainers
+from tokenizers import models as tok_models
+from transformers import PreTrainedTokenizerFast
+
+from engine.detokenizer import StopChecker
+from engine.errors import InvalidRequestError
+from engine.grammar import Grammars, check_json_schema, is_terminated
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from engine.sequence import FinishReason, Sequence
+
+EOS = 0
+CORPUS = ['{"ok": true, "colour": "red", "n": 12}', '{"ok": false, "colour": "blue", "n": 7}',
+          "the quick brown fox jumps over the lazy dog"] * 3
+SCHEMA = json.dumps({"type": "object", "properties": {
+    "ok": {"type": "boolean"}, "colour": {"enum": ["red", "green", "blue"]},
+    "n": {"type": "integer", "minimum": 0, "maximum": 99}, "note": {"type": "string", "maxLength": 5}},
+    "required": ["ok", "colour", "n"], "additionalProperties": False})
+
+
+@pytest.fixture(scope="module")
+def tok() -> PreTrainedTokenizerFast:
+    t = Tokenizer(tok_models.BPE())
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    t.decoder = decoders.ByteLevel()
+    t.train_from_iterator(CORPUS, trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    return PreTrainedTokenizerFast(tokenizer_object=t, eos_token="<eos>")
+
+
+@pytest.fixture(scope="module")
+def grammars(tok) -> Grammars:
+    return Grammars(tok, len(tok), frozenset({EOS}))
+
+
+# strict=False: xgrammar's JSON strings admit raw control characters (U+0000-U+001F, which JSON wants
+# escaped); random logits pick them, a model rarely does (README, response_format).
+
+
+def check(obj: dict) -> None:
+    """The schema above, by hand."""
+    assert set(obj) - {"note"} == {"ok", "colour", "n"} and set(obj) <= {"ok", "colour", "n", "note"}
+    assert isinstance(obj["ok"], bool) and obj["colour"] in ("red", "green", "blue")
+    assert isinstance(obj["n"], int) and not isinstance(obj["n"], bool) and 0 <= obj["n"] <= 99
+    assert "note" not in obj or (isinstance(obj["note"], str) and len(obj["note"]) <= 5)
+
+
+def allowed(grammars: Grammars, seq: Sequence, output: list[int]) -> torch.Tensor:
+    """[V] bool: the tokens the sequence's grammar allows after `output` (its matcher moves up to it)."""
+    row = torch.zeros(grammars.vocab_size)
+    grammars.mask(row, seq, output)
+    return ~torch.isinf(row)
+
+
+def run(tok, grammars, sp: SamplingParams, seed: int, prompt: list[int] | None = None,
+        boost_eos: bool = False, masks: list | None = None) -> Sequence:
+    """The engine's loop on one sequence with random logits: sample, append, stop check; `masks` gets the
+    allowed tokens before each step."""
+    sampler, stops = Sampler(0, frozenset({EOS}), grammars), StopChecker(frozenset({EOS}), 10_000, tok)
+    seq = Sequence("r", prompt or [5, 6, 7], sp)
+    stops.start(seq)
+    gen = torch.Generator().manual_seed(seed)
+    while not seq.is_finished:
+        logits = torch.randn(1, len(tok), generator=gen) * 5
+        if boost_eos:
+            logits[0, EOS] = 1e4  # the model wants to stop at once, every step
+        if masks is not None:
+            masks.append(allowed(grammars, seq, seq.output_token_ids))
+        seq.token_ids.append(sampler.sample(logits, [seq])[0])
+        reason = stops(seq)
+        if reason is not None:
+            seq.finish_reason = reason
+            break
+    return seq
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_random_logits_under_a_schema_give_json_that_matches_it(tok, grammars, seed, temperature) -> None:
+    """Greedy and sampled, even a model that always wants EOS most: it ends only once the JSON is whole."""
+    sp = SamplingParams(max_tokens=200, temperature=temperature, seed=seed, json_schema=SCHEMA)
+    seq = run(tok, grammars, sp, seed, boost_eos=seed % 2 == 0)
+    assert seq.finish_reason is FinishReason.STOP and seq.output_token_ids[-1] == EOS
+    assert EOS not in seq.output_token_ids[:-1]
+    check(json.loads(tok.decode(seq.output_token_ids[:-1]), strict=False))  # see loads()
+    assert is_terminated(seq)
+
+
+def test_a_complete_json_ends_the_request_with_ignore_eos_too(tok, grammars) -> None:
+    seq = run(tok, grammars, SamplingParams(max_tokens=200, ignore_eos=True, json_schema=SCHEMA), 3)
+    assert seq.finish_reason is FinishReason.STOP and seq.output_token_ids[-1] == EOS
+    check(json.loads(tok.decode(seq.output_token_ids[:-1]), strict=False))
+
+
+def test_json_object_gives_an_object(tok, grammars) -> None:
+    sp = SamplingParams(max_tokens=400, json_schema='{"type": "object"}', logit_bias=((EOS, 50.0),))
+    seq = run(tok, grammars, sp, 11)
+    assert seq.finish_reason is FinishReason.STOP
+    assert isinstance(json.loads(tok.decode(seq.output_token_ids[:-1]), strict=False), dict)
+
+
+def test_a_worker_taking_over_rebuilds_the_same_mask_from_the_output(tok, grammars) -> None:
+    """A request moved after k tokens (its output at the end of its prompt, prior_output_tokens = k) gets, on
+    another worker's compiler, the same allowed tokens as the matcher that produced those k tokens step by step."""
+    masks: list[torch.Tensor] = []
+    whole = run(tok, grammars, SamplingParams(max_tokens=200, json_schema=SCHEMA), 5, masks=masks)
+    out = whole.output_token_ids
+    other = Grammars(tok, len(tok), frozenset({EOS}))
+    for k in (0, 1, 4, len(out) // 2, len(out) - 1):
+        moved = Sequence("b", [5, 6, 7] + out[:k], SamplingParams(max_tokens=200, json_schema=SCHEMA,
+                                                                   prior_output_tokens=k))
+        got = allowed(other, moved, out[:k])
+        assert torch.equal(got, masks[k])
+        assert got[out[k]] and not got.all()  # the token the request took next is allowed, not every token
+
+
+def test_bad_schemas_name_response_format(tok, grammars) -> None:
+    for schema in ('{"type": "foo"}', '{"type": "string", "pattern": "[a-"}'):
+        with pytest.raises(InvalidRequestError, match="^response_format: the JSON schema is not supported: "):
+            check_json_schema(schema)
+        with pytest.raises(InvalidRequestError, match="^response_format: "):
+            grammars.compile(schema)
+    check_json_schema(SCHEMA)
+    with pytest.raises(InvalidRequestError, match="^response_format: the JSON schema is not valid JSON"):
+        SamplingParams(json_schema="{")
+    with pytest.raises(InvalidRequestError, match="^response_format: the JSON schema must be an object"):
+        SamplingParams(json_schema="[1]")
+    with pytest.raises(InvalidRequestError, match="^min_tokens: "):
+        SamplingParams(json_schema=SCHEMA, min_tokens=1)
+    assert SamplingParams(json_schema='{ "type" : "object",\n "a": 1 }').json_schema == '{"type":"object","a":1}'
