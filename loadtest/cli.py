@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from loadtest.clients import APIS, ENDPOINTS, make_client
@@ -198,6 +199,8 @@ async def _run_all(args: argparse.Namespace, specs: list[RequestSpec]) -> tuple[
 
 def _flag_errors(args: argparse.Namespace, specs: list[RequestSpec]) -> str | None:
     """What is wrong with a combination of flags (each alone already parsed), or None."""
+    if args.out and Path(args.out).is_dir():  # found now, not after the run has been measured
+        return f"--out {args.out} is a directory; give the results file's path, e.g. {Path(args.out) / 'results.json'}"
     if args.concurrency is not None and args.burstiness != 1.0:
         return ("--burstiness shapes open-loop arrivals (--rate or --rates); a closed loop (--concurrency) has "
                 "none")

@@ -291,6 +291,13 @@ def test_bad_flag_combinations_are_refused_before_sending(monkeypatch, capsys, f
     assert msg in capsys.readouterr().err
 
 
+def test_a_directory_as_out_is_refused_before_sending(monkeypatch, capsys, tmp_path) -> None:
+    """The results file's path is checked before the run, not when the measured results are written."""
+    monkeypatch.setattr(cli, "make_client", lambda *a, **k: pytest.fail("nothing may be sent"))
+    assert cli.main(BASE + ["--rate", "1", "--out", str(tmp_path)]) == 2
+    assert f"--out {tmp_path} is a directory" in capsys.readouterr().err
+
+
 def test_vllm_spellings_parse_to_the_same_flags() -> None:
     import argparse
 
