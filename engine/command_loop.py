@@ -98,7 +98,9 @@ class OwnerThread:
             every round: it publishes what other threads read without waiting (a worker's load).
     """
 
-    def __init__(self, work: Callable[[], Round], name: str, poll_s: float = 0.002,
+    POLL_S = 0.002  # the default `poll_s`: what is under way is looked at 500 times a second
+
+    def __init__(self, work: Callable[[], Round], name: str, poll_s: float = POLL_S,
                  after: Callable[[], None] | None = None) -> None:
         self.commands = CommandQueue()
         self._work = work

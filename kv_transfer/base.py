@@ -9,6 +9,7 @@ Both sides use the same transfer id (the request id).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -54,6 +55,20 @@ class KVConnector(ABC):
 
     worker_id: str
     pool: torch.Tensor | None = None
+    wakes_owner = False  # whether this backend calls `set_waker`'s callback (if not, its owner polls)
+    _waker: Callable[[], None] | None = None
+
+    def set_waker(self, waker: Callable[[], None] | None) -> None:
+        """Have `waker()` called whenever a transfer settles (DONE or FAILED) on either side, from the
+        connector's own threads, so that the worker waiting for it sleeps until then instead of polling
+        `poll`. It must be cheap, thread-safe and never block. Only backends whose `wakes_owner` is
+        True call it; a sender may also be woken between layers (DONE until the next `send`)."""
+        self._waker = waker
+
+    def _settled(self) -> None:
+        """A transfer reached DONE or FAILED: wake the owner (`set_waker`)."""
+        if self._waker is not None:
+            self._waker()
 
     def register(self, kv_pool: torch.Tensor, model: str = "") -> None:
         """Give the connector the worker's KV pool (read by sends, written by receives).

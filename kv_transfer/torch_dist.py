@@ -66,7 +66,10 @@ def _default_host() -> str:
 
 
 class TorchDistConnector(KVConnector):
-    """Both roles; a worker may send to many receivers and receive from many senders."""
+    """Both roles; a worker may send to many receivers and receive from many senders. Wakes its owner
+    (`set_waker`) as each transfer settles."""
+
+    wakes_owner = True
 
     def __init__(self, config: TransferConfig, worker_id: str) -> None:
         self.config = config
@@ -214,6 +217,9 @@ class TorchDistConnector(KVConnector):
                     pair = self._send_layer(None, peer, tid, layer, blocks)
                 with self._lock:
                     tx.sent += 1
+                    settled = tx.state() == TransferState.DONE
+                if settled:
+                    self._settled()
             except Exception as e:
                 log.warning("transfer %s layer %d to %s failed, pair torn down: %s", tid, layer, peer.worker_id, e)
                 with self._lock:
@@ -221,6 +227,7 @@ class TorchDistConnector(KVConnector):
                     for other in self._sends.values():  # mid-stream transfers on this pair cannot complete
                         if other.peer_id == peer.worker_id and 0 < other.sent < other.queued:
                             other.failed = True
+                self._settled()
                 if pair is not None:
                     pair.close()
                     pair = None  # a fresh store connection too, in case the receiver restarted
@@ -276,6 +283,7 @@ class TorchDistConnector(KVConnector):
         if rx.state != TransferState.DONE:
             log.warning("transfer %s from %s failed: %s", rx.tid, rx.peer_id, why)
             rx.state = TransferState.FAILED
+            self._settled()
         h = transfer_hash(rx.tid)
         self._live.pop(h, None)
         self._dead[h] = None
@@ -342,3 +350,4 @@ class TorchDistConnector(KVConnector):
             if len(rx.landed) == rx.num_layers:
                 rx.state = TransferState.DONE
                 self._live.pop(h, None)
+                self._settled()
