@@ -42,7 +42,6 @@ class PrefillWorker(DecodeWorker):
         self._fault: str | None = None  # fault injection (tests): applies to the next request prefilled
         self._dropped: set[str] = set()  # requests whose KV was never sent (fault "drop")
         super().__init__(engine_config, transfer_config, worker_id)  # the engine loop runs from here on
-        self._owner.call(lambda: self.engine.set_prefill_layer_hook(self._ship_layer))
 
     # -- actor API (any thread) --------------------------------------------------------------------
     def inject_fault(self, kind: str | None) -> None:
@@ -99,6 +98,11 @@ class PrefillWorker(DecodeWorker):
                           queued_tokens=sched.prompt_tokens_left(), sending=len(self._sending))
 
     # -- engine loop thread ------------------------------------------------------------------------
+    def _after_layer(self, layer: int, seqs: list[Sequence]) -> None:
+        """After each layer of a prefill step: ship it, then take up a loan made or ended meanwhile."""
+        self._ship_layer(layer, seqs)
+        super()._after_layer(layer, seqs)
+
     def _ship_layer(self, layer: int, seqs: list[Sequence]) -> None:
         stall = self._fault == "stall"
         for seq in seqs:

@@ -64,6 +64,30 @@ def model_fingerprint(config: object) -> str:
     return f"{d.get('model_type', 'model')}:{digest}"
 
 
+class ThreadCount:
+    """The torch thread count a worker computes with, asked for from any thread (`want`: a loan made or
+    ended by the router) and taken up by the engine thread (`apply`; torch's count belongs to the thread
+    that sets it) between steps and between the layers of a prefill step, so a loan reaches a prompt
+    that is already computing (a whole 1024-token prompt is one step of seconds)."""
+
+    def __init__(self) -> None:
+        self._wanted: int | None = None
+        self._applied: int | None = None  # what `apply` last set (profiling may set its own meanwhile)
+
+    def want(self, threads: int) -> None:
+        """Any thread: compute with `threads` from the engine thread's next `apply` on."""
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        self._wanted = threads  # one reference swap, read by the engine thread
+
+    def apply(self) -> None:
+        """Engine thread: take up a count asked for since the last `apply` (nothing new: nothing changes)."""
+        wanted = self._wanted
+        if wanted is not None and wanted != self._applied:
+            torch.set_num_threads(wanted)
+            self._applied = wanted
+
+
 class WorkerBase:
     """Args: engine_config, transfer_config, worker_id (unique; names the worker in transfers)."""
 
@@ -78,6 +102,7 @@ class WorkerBase:
         self.connector = make_connector(transfer_config, worker_id)
         self.connector.register(self.engine.runner.kv, model_fingerprint(self.engine.runner.model.config))
         self._info = WorkerInfo(worker_id=worker_id, **self.engine.describe())  # static: answered off the engine thread
+        self._threads = ThreadCount()
 
     def _start_loop(self) -> None:
         """Start the engine loop; call last in the subclass's `__init__` (it starts running at once)."""
@@ -88,6 +113,12 @@ class WorkerBase:
         poll_s = SETTLED_POLL_S if self.connector.wakes_owner else OwnerThread.POLL_S
         self._owner = OwnerThread(self._work, name=f"engine-{self.worker_id}", poll_s=poll_s, after=self._after)
         self.connector.set_waker(self._owner.commands.wake)
+        self._owner.call(lambda: self.engine.set_prefill_layer_hook(self._after_layer))
+
+    def _after_layer(self, layer: int, seqs: list) -> None:
+        """Engine thread, after each layer of a step that computes prompts: a loan made or ended meanwhile
+        takes effect from the next layer."""
+        self._threads.apply()
 
     def _work(self) -> Round:
         """One round of the engine loop; returns what it left (`Round`)."""
@@ -147,11 +178,10 @@ class WorkerBase:
         return self._info
 
     def set_threads(self, threads: int) -> None:
-        """Compute with `threads` torch threads from the next engine step on (compute lent by a worker on
-        the same node, or given back)."""
-        if threads < 1:
-            raise ValueError(f"threads must be >= 1, got {threads}")
-        self._owner.call(lambda: torch.set_num_threads(threads))
+        """Compute with `threads` torch threads from the next engine step on, and within a prefill step
+        under way from its next layer (compute lent by a worker on the same node, or given back)."""
+        self._threads.want(threads)  # a prefill step under way takes it up at its next layer
+        self._owner.call(self._threads.apply)
 
     def prepare_threads(self, threads: int) -> None:
         """Get ready to compute with `threads` threads (`set_threads`) without a pause then: the compiled

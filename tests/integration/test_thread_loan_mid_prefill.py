@@ -1,0 +1,54 @@
+"""A thread loan made or ended while a prompt computes takes effect from the next layer: the engine
+thread takes up `ThreadCount` in the prefill layer hook the workers install (a whole long prompt is one
+step of seconds; at the step's end the loan would come too late). A real engine over a tiny model of
+eight layers."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from engine import SamplingParams
+from tests.conftest import TINY
+from tests.integration.test_engine_correctness import make_engine
+from worker_core.base import ThreadCount
+
+
+def test_a_loan_reaches_a_prefill_step_under_way():
+    engine = make_engine(LlamaForCausalLM(LlamaConfig(**{**TINY, "num_hidden_layers": 8})).eval())
+    threads = ThreadCount()
+    seen: list[int] = []
+
+    def after_layer(layer: int, seqs: list) -> None:
+        threads.apply()  # what the workers' hook does
+        seen.append(torch.get_num_threads())
+        if layer == 1:
+            threads.want(2)  # the router lends (an actor thread, here mid-step)
+        if layer == 5:
+            threads.want(1)  # and takes the loan back
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    engine.set_prefill_layer_hook(after_layer)
+    try:
+        engine.generate([list(range(100, 400))], SamplingParams(max_tokens=1))
+        assert seen == [1, 1, 2, 2, 2, 2, 1, 1]  # one step (the prompt went whole), the loan between layers
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_applying_changes_only_what_was_asked_since():
+    threads = ThreadCount()
+    before = torch.get_num_threads()
+    try:
+        threads.apply()  # nothing asked: the count stays
+        assert torch.get_num_threads() == before
+        threads.want(1)
+        threads.apply()
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(2)  # a measurement sets its own count: not undone by the next layer's apply
+        threads.apply()
+        assert torch.get_num_threads() == 2
+        with pytest.raises(ValueError, match="threads must be >= 1"):
+            threads.want(0)
+    finally:
+        torch.set_num_threads(before)
