@@ -11,15 +11,11 @@ import openai
 import pytest
 
 from tests.e2e.conftest import start_server, stop_server
+from tests.integration.test_structured_output import PERSON
 
 pytestmark = pytest.mark.model
 
-SCHEMA = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 30},
-    "age": {"type": "integer", "minimum": 0, "maximum": 120},
-    "mood": {"enum": ["happy", "sad", "neutral"]},
-    "student": {"type": "boolean"}},
-    "required": ["name", "age", "mood", "student"], "additionalProperties": False}
+SCHEMA = PERSON  # the engine tests' schema: one that SmolLM2 completes
 FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
 PROMPTS = ["Describe a person as JSON.", "Invent a character for a story.", "Tell me about a student in Paris.",
            "Describe an old sailor.", "Make up a user profile.", "Hi!"]
