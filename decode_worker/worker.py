@@ -180,7 +180,10 @@ class DecodeWorker(WorkerBase):
         return Round.BUSY
 
     def _on_output(self, out: RequestOutput) -> None:
-        """A step's output for one request: its stream's next item."""
+        """A step's output for one request: its stream's next item (an error where its token could not be picked)."""
+        if out.error is not None:
+            self._fail(out.request_id, ErrorKind.INTERNAL, f"worker {self.worker_id}: {out.error}")
+            return
         self._emit(out.request_id, StreamItem(tuple(out.new_token_ids), out.new_text, out.finish_reason,
                                               cached_tokens=out.num_cached_tokens, logprobs=tuple(out.logprobs)))
 

@@ -11,3 +11,8 @@ class InvalidRequestError(ValueError):
 
 class CapacityError(RuntimeError):
     """No room right now (KV blocks or sequence slots); try another worker or later."""
+
+
+class SamplingError(RuntimeError):
+    """No token could be picked for one request (its adjusted logits hold no finite value, or its grammar
+    refused the pick): that request fails, the others of its step go on."""

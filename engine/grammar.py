@@ -35,7 +35,7 @@ import torch
 import xgrammar
 from transformers import PreTrainedTokenizerBase
 
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, SamplingError
 from engine.sequence import Sequence
 
 JSON_OBJECT_SCHEMA = '{"type":"object"}'  # response_format json_object: any JSON object
@@ -120,5 +120,5 @@ class Grammars:
     @staticmethod
     def _accept(state: GrammarState, token: int, seq: Sequence) -> None:
         if not state.matcher.accept_token(token):
-            raise RuntimeError(f"request {seq.request_id!r}: token {token} breaks its response_format grammar")
+            raise SamplingError(f"request {seq.request_id!r}: token {token} breaks its response_format grammar")
         state.accepted += 1

@@ -29,7 +29,7 @@ from engine.block_manager import BlockManager
 from engine.chat_template import use_chat_template
 from engine.config import EngineConfig, KVLayout
 from engine.detokenizer import StopChecker
-from engine.errors import CapacityError, InvalidRequestError
+from engine.errors import CapacityError, InvalidRequestError, SamplingError
 from engine.grammar import Grammars
 from engine.hardware import DtypeChoice
 from engine.logprobs import TokenLogprob
@@ -56,6 +56,7 @@ class RequestOutput:
     num_cached_tokens: int
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per new token, when the request asked
+    error: str | None = None  # the request failed in this step (no token could be picked); it is aborted
 
 
 @dataclass(frozen=True)
@@ -245,11 +246,16 @@ class LLMEngine:
         sampled = batch.sampled
         self._batch_seqs = [c.seq for c in batch.prefill if c.final]
         logits = self.runner.run(batch.decode, batch.prefill)
-        tokens = self.sampler.sample(logits, sampled) if sampled else []
+        picked = self.sampler.sample(logits, sampled) if sampled else []
+        failed = {seq.request_id: str(p) for seq, p in zip(sampled, picked) if isinstance(p, SamplingError)}
+        for rid in failed:  # that request alone ends: aborted before `update`, which then skips it
+            self.scheduler.abort(rid)
+        tokens = [p if isinstance(p, int) else 0 for p in picked]
         logprobs = self.sampler.logprobs(logits, sampled, tokens) if sampled else []
         self._account(batch, time.perf_counter() - t0)
         self.scheduler.update(batch, tokens)
-        return [self._output(seq, [tok], lp) for seq, tok, lp in zip(sampled, tokens, logprobs)]
+        return [self._output(seq, [tok], lp) if seq.request_id not in failed else
+                self._failed(seq, failed[seq.request_id]) for seq, tok, lp in zip(sampled, tokens, logprobs)]
 
     def _account(self, batch: Batch, seconds: float) -> None:
         """A step with prompt chunks counts as prefill time (its decode tokens ride along), one
@@ -272,6 +278,11 @@ class LLMEngine:
                              seq.num_cached_tokens, seq.output_token_ids if seq.is_finished else [],
                              [logprob] if logprob is not None else [])
 
+    @staticmethod
+    def _failed(seq: Sequence, error: str) -> RequestOutput:
+        return RequestOutput(seq.request_id, [], "", True, FinishReason.ABORT.value, seq.num_prompt_tokens,
+                             seq.num_cached_tokens, error=error)
+
     def generate(self, prompts: list[Prompt], sampling: SamplingParams | list[SamplingParams] | None = None,
                  chat: bool = False) -> list[RequestOutput]:
         """Run prompts to completion together. Returns one final output per prompt, in order,
@@ -283,6 +294,8 @@ class LLMEngine:
         final: dict[str, RequestOutput] = {}
         while self.has_unfinished():
             for out in self.step():
+                if out.error is not None:
+                    raise SamplingError(f"request {out.request_id}: {out.error}")
                 texts[out.request_id].append(out.new_text)
                 logprobs[out.request_id] += out.logprobs
                 if out.finished:

@@ -14,6 +14,11 @@ where no request asked costs nothing more.
 Structured output (`SamplingParams.json_schema`): the grammar's mask is applied last in `_adjust`
 (after penalties and `logit_bias`, before temperature / top-k / top-p), and the picked token goes to the
 request's matcher at once, so the stop check sees a completed JSON in the same step (`engine.grammar`).
+
+A row fails alone: extreme but valid settings (a repetition penalty near 0 divides logits by it) are
+kept finite (NaN never wins, +inf becomes the largest float), and a row that still cannot give a token
+(no finite logit, a grammar that refuses the pick) gets a `SamplingError` in its place, for the engine
+to fail that request only.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ import random
 
 import torch
 
+from engine.errors import SamplingError
 from engine.grammar import Grammars
 from engine.logprobs import TokenLogprob
 from engine.sequence import Sequence
@@ -38,20 +44,27 @@ class Sampler:
         self._eos_ids = eos_ids
         self._grammars = grammars
 
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-        """One token per row of `logits` [B, V]."""
-        tokens = logits.max(dim=-1).indices.tolist()  # first maximum, like argmax; faster on bf16 CPU
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int | SamplingError]:
+        """One token per row of `logits` [B, V], or the `SamplingError` of a row that has none."""
+        tokens: list[int | SamplingError] = logits.max(dim=-1).indices.tolist()  # first maximum, like argmax
         for i, seq in enumerate(seqs):
             sp = seq.sampling
             if sp.greedy and not sp.adjusts_logits:
                 continue
-            row = logits[i].float().cpu()
-            if sp.adjusts_logits:
-                row = self._adjust(row, seq)
-            tokens[i] = int(row.argmax()) if sp.greedy else self._sample_one(row, seq)
-            if sp.json_schema is not None and self._grammars is not None:
-                self._grammars.accept(seq, tokens[i])
+            try:
+                tokens[i] = self._pick(logits[i].float().cpu(), seq)
+            except Exception as e:  # this request's row only: the rest of the step goes on
+                tokens[i] = e if isinstance(e, SamplingError) else SamplingError(f"{type(e).__name__}: {e}")
         return tokens
+
+    def _pick(self, row: torch.Tensor, seq: Sequence) -> int:
+        sp = seq.sampling
+        if sp.adjusts_logits:
+            row = _finite(self._adjust(row, seq))
+        token = int(row.argmax()) if sp.greedy else self._sample_one(row, seq)
+        if sp.json_schema is not None and self._grammars is not None:
+            self._grammars.accept(seq, token)
+        return token
 
     @staticmethod
     def logprobs(logits: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> list[TokenLogprob | None]:
@@ -107,7 +120,7 @@ class Sampler:
             seq.sample_seed = sp.seed if sp.seed is not None else self._seeds.getrandbits(63)
         generator = torch.Generator().manual_seed(token_seed(seq.sample_seed,
                                                              sp.prior_output_tokens + seq.num_output_tokens))
-        logits = logits / sp.temperature
+        logits = _finite(logits / sp.temperature)
         if 0 < sp.top_k < logits.shape[-1]:
             kth = torch.topk(logits, sp.top_k).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -120,6 +133,14 @@ class Sampler:
         if sp.min_p > 0:
             probs = probs.masked_fill(probs < sp.min_p * probs.max(), 0.0)  # the likeliest always stays
         return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def _finite(logits: torch.Tensor) -> torch.Tensor:
+    """`logits` with NaN as -inf and +inf as the largest float. Raises SamplingError: no finite value left."""
+    logits = torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)
+    if not bool(torch.isfinite(logits).any()):
+        raise SamplingError("no token can be picked: every logit is -inf or NaN after the request's adjustments")
+    return logits
 
 
 def token_seed(seed: int, index: int) -> int:

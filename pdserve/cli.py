@@ -79,6 +79,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     reason, n_out, n_prompt = None, 0, 0
     while engine.has_unfinished():
         for out in engine.step():
+            if out.error is not None:
+                print(f"\npdserve generate: error: {out.error}", file=sys.stderr)
+                return 1
             sys.stdout.write(out.new_text)
             sys.stdout.flush()
             n_out += len(out.new_token_ids)

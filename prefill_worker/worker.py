@@ -143,6 +143,10 @@ class PrefillWorker(DecodeWorker):
     def _on_output(self, out: RequestOutput) -> None:
         """A prompt prefilled for a decode worker: its caller gets the first token (its logprobs too) and
         the connector's handoff; its blocks are held until the KV is sent. Any other request: a token of its stream."""
+        if out.error is not None and out.request_id in self._first:  # its token could not be picked: it ends here
+            self.connector.abort(out.request_id)  # layers already queued are not sent
+            self._forget(out.request_id, error=RuntimeError(f"prefill failed on {self.worker_id}: {out.error}"))
+            return
         fut = self._first.pop(out.request_id, None)
         if fut is None and out.request_id not in self._peers:
             super()._on_output(out)

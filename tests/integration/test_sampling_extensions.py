@@ -112,3 +112,44 @@ def test_logit_bias_equals_generate_with_its_sequence_bias(tiny_pair):
     with pytest.raises(InvalidRequestError, match="logit_bias: token id 512 is outside"):
         engine.add_request(prompt, SamplingParams(logit_bias=((512, 1.0),)))
     assert_all_free(engine)
+
+
+@pytest.mark.parametrize("penalty", [1.0694772137381023e-193, 100.0])
+def test_extreme_repetition_penalties_still_pick_tokens(tiny_pair, penalty):
+    """The ends of the allowed range (a penalty near 0 divides the seen tokens' logits by it: +inf): greedy
+    equals `generate` with the same penalty, and sampling still draws a token each step."""
+    ref, model = tiny_pair
+    engine = make_engine(model)
+    prompt = random_prompt(12, seed=600)
+    greedy = engine.generate([prompt], SamplingParams(max_tokens=6, repetition_penalty=penalty, ignore_eos=True))[0]
+    assert greedy.output_token_ids == hf_generate(ref, prompt, 6, repetition_penalty=penalty)
+    sampled = engine.generate([prompt], SamplingParams(max_tokens=6, repetition_penalty=penalty, temperature=0.5,
+                                                       seed=3, ignore_eos=True))[0]
+    assert len(sampled.output_token_ids) == 6 and all(0 <= t < 512 for t in sampled.output_token_ids)
+    assert_all_free(engine)
+
+
+def test_a_row_that_cannot_pick_a_token_fails_its_request_alone(tiny_pair, monkeypatch):
+    """A request whose adjusted logits hold no finite value (injected: NaN everywhere) ends with an error
+    and its blocks return; the other requests of its steps go on, equal to `generate`."""
+    ref, model = tiny_pair
+    engine = make_engine(model)
+    adjust = engine.sampler._adjust
+
+    def broken(logits, seq):
+        return torch.full_like(logits, float("nan")) if seq.request_id == "bad" else adjust(logits, seq)
+
+    monkeypatch.setattr(engine.sampler, "_adjust", broken)
+    prompts = [random_prompt(n, seed=700 + n) for n in (9, 21)]
+    sp = SamplingParams(max_tokens=8, ignore_eos=True, presence_penalty=0.5)
+    engine.add_request(prompts[0], sp, request_id="bad")
+    engine.add_request(prompts[1], sp, request_id="good")
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    bad = [o for o in outs if o.request_id == "bad"]
+    assert len(bad) == 1 and bad[0].finished and bad[0].new_token_ids == [] and "no token can be picked" in bad[0].error
+    good = [t for o in outs if o.request_id == "good" for t in o.new_token_ids]
+    assert good == openai_penalized(ref, prompts[1], 8, 0.5, 0.0)
+    assert all(o.error is None for o in outs if o.request_id == "good")
+    assert_all_free(engine)
