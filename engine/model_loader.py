@@ -76,12 +76,14 @@ def max_context(model: PreTrainedModel) -> int:
     return int(getattr(cfg, "max_position_embeddings", None) or 2048)
 
 
-def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | list[dict], chat: bool) -> list[int]:
-    """Token ids of a text prompt, or of chat messages through the model's chat template."""
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str | list[dict], chat: bool,
+                  tools: list[dict] | None = None) -> list[int]:
+    """Token ids of a text prompt, or of chat messages through the model's chat template (`tools`:
+    function specs in transformers' format, handed to the template)."""
     if isinstance(prompt, list):
         if not tokenizer.chat_template:
             raise ModelError("this model has no chat template; send a plain text prompt instead of messages")
-        ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(prompt, tools=tools, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
     if chat and tokenizer.chat_template:
         return encode_prompt(tokenizer, [{"role": "user", "content": prompt}], chat=True)

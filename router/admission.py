@@ -2,7 +2,8 @@
 
 Request lifecycle here (the first steps of `Router.submit`):
 1. Check the model name.
-2. Tokenize: the chat template for chat messages, text as is, token ids as given; long texts in
+2. Tokenize: the chat template for chat messages (with the request's tools and tool messages as
+   `router.tool_calls.chat_prompt` hands them over), text as is, token ids as given; long texts in
    a thread, so streams keep flowing meanwhile.
 3. A request without max_tokens gets the router's default, cut to the room left in the context;
    then prompt and max_tokens are checked against the context, the vocabulary and a decode
@@ -25,6 +26,7 @@ from engine.model_loader import encode_prompt
 from engine.model_store import ModelError
 from engine.sampling_params import SamplingParams
 from router.policy import OutputLengthEstimator, RequestFeatures
+from router.tool_calls import chat_prompt
 from router.types import GenerateRequest, ModelNotFoundError
 from worker_core.protocol import WorkerInfo
 
@@ -120,7 +122,8 @@ class Admission:
             raise InvalidRequestError(field, "this model has no tokenizer; send the prompt as token ids")
         try:
             if request.messages is not None:
-                return encode_prompt(self.tokenizer, request.messages, chat=True)
+                messages, tools = chat_prompt(self.tokenizer, request.messages, request.tools)
+                return encode_prompt(self.tokenizer, messages, chat=True, tools=tools)
             return encode_prompt(self.tokenizer, request.prompt, chat=False)
         except ModelError as e:  # no chat template
             raise InvalidRequestError("messages", str(e)) from None

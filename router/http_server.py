@@ -210,7 +210,8 @@ async def _generate(request: web.Request, parsed: ParsedRequest, chat: bool) -> 
         first = parsed.request
         logprobs = LogprobsBuilder(chat, _token_text(router)) if first.sampling.logprobs is not None else None
         builder = ResponseBuilder(chat=chat, request_id=streams[0].request_id, model=first.model or router.model_name,
-                                  created=int(time.time()), include_usage=parsed.include_usage, logprobs=logprobs)
+                                  created=int(time.time()), include_usage=parsed.include_usage, logprobs=logprobs,
+                                  tools=parsed.tools)
         outputs = [choices.SequenceOutput(c, s.prompt_tokens) for c, s in zip(candidates, streams, strict=True)]
         if parsed.stream:
             return await _stream(request, streams, outputs, builder, parsed.n, echo)

@@ -2,7 +2,7 @@
 
 Parsing checks every field the OpenAI API defines for /v1/completions and /v1/chat/completions,
 raising `InvalidRequestError(field, message)` that names the field and what is allowed; fields we
-cannot honour (tools, suffix, ...) are refused rather than silently ignored,
+cannot honour (functions, suffix, ...) are refused rather than silently ignored,
 and so are the sampling extensions of other OpenAI-compatible servers that pdserve does not implement
 (`UNSUPPORTED_EXTENSIONS`). Other unknown top-level fields are ignored, as such servers commonly do.
 
@@ -40,6 +40,12 @@ schema (strict or not: the schema is always enforced). Both become `SamplingPara
 schema's JSON text), checked here by compiling it (`engine.grammar.check_json_schema`): a malformed
 response_format or a schema the grammar library cannot compile → InvalidRequestError naming response_format.
 
+Tool calling (chat): `tools`, `tool_choice`, `parallel_tool_calls` and the tool messages of the history
+are parsed by `router.tool_calls` into `ParsedRequest.tools` (a `ToolCalling`, None when no tool may be
+called) and `GenerateRequest.tools` (the tools the prompt shows); "required" and a named function set
+`SamplingParams.json_schema` to the calls' schema. Not with a response_format other than text (the output
+has one shape) nor with logprobs (400 naming them). `ResponseBuilder` turns the output into `tool_calls`.
+
 Size limits (`router.limits.RequestLimits`: prompt characters, messages, stop strings, stop token
 ids) are checked here too, shared with the gRPC API; over a limit → InvalidRequestError naming the field.
 """
@@ -47,7 +53,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engine.errors import InvalidRequestError
@@ -55,6 +61,7 @@ from engine.grammar import JSON_OBJECT_SCHEMA, check_json_schema
 from engine.logprobs import MAX_LOGPROBS, TokenLogprob
 from engine.sampling_params import SamplingParams
 from router.limits import DEFAULT_LIMITS, RequestLimits, check_limits
+from router.tool_calls import ToolCalling, ToolStream, history_message, parse_tool_calling, parse_tools
 from router.types import Chunk, GenerateRequest, PhaseTimings, RequestFailed, Usage
 from worker_core.protocol import ErrorKind
 
@@ -85,6 +92,7 @@ class ParsedRequest:
         best_of: sequences generated per prompt (>= n); the n with the highest cumulative
             log-probability are returned. None: n (every sequence is returned).
         echo: each completion's text starts with its prompt (completions only).
+        tools: how the choices may call tools (chat only); None: they answer in text.
     Raises: InvalidRequestError naming the field for a combination OpenAI refuses or pdserve cannot serve.
     """
 
@@ -94,6 +102,7 @@ class ParsedRequest:
     n: int = 1
     best_of: int | None = None
     echo: bool = False
+    tools: ToolCalling | None = None
 
     def __post_init__(self) -> None:
         if not self.requests:
@@ -159,8 +168,7 @@ def parse_chat_request(body: Any, default_max_tokens: int = DEFAULT_MAX_TOKENS,
     Returns: the parsed request. Raises: InvalidRequestError naming the offending field."""
     body = _object(body)
     logprobs = _chat_logprobs(body)
-    _only_null_or(body, "tools", ([],), "tool calling is not supported; leave tools out")
-    _only_null_or(body, "tool_choice", ("none",), "tool calling is not supported; use \"none\" or leave it out")
+    calling = parse_tool_calling(body)
     _only_null_or(body, "functions", ([],), "function calling is not supported; leave functions out")
     _only_null_or(body, "function_call", ("none",), "function calling is not supported; use \"none\"")
     messages = _messages(body.get("messages", _MISSING), limits.max_messages)
@@ -169,10 +177,26 @@ def parse_chat_request(body: Any, default_max_tokens: int = DEFAULT_MAX_TOKENS,
     else:
         max_tokens = _int_field(body, "max_tokens", default_max_tokens)
     sampling = _sampling(body, max_tokens, logprobs)
+    if calling is not None:
+        sampling = _tool_sampling(sampling, calling)
     unset = body.get("max_completion_tokens") is None and body.get("max_tokens") is None
     request = GenerateRequest(messages=messages, sampling=sampling, model=_model(body), max_tokens_default=unset,
-                              timeout_s=_timeout(body))
-    return _parsed(body, (check_limits(request, limits),), limits)
+                              timeout_s=_timeout(body), tools=calling.tools if calling is not None else ())
+    return _parsed(body, (check_limits(request, limits),), limits, tools=calling)
+
+
+def _tool_sampling(sampling: SamplingParams, calling: ToolCalling) -> SamplingParams:
+    """The sampling of a request that may call tools: its output constrained to the calls' schema
+    ("required", a named function). Refuses what cannot go with tool calls."""
+    if sampling.json_schema is not None:
+        raise InvalidRequestError("response_format", "cannot be combined with tool calling (tool_choice "
+                                                     f"{calling.choice!r}); use tool_choice \"none\" or leave "
+                                                     "response_format out")
+    if sampling.logprobs is not None:
+        raise InvalidRequestError("logprobs", "is not supported with tool calling; use tool_choice \"none\" or "
+                                              "leave logprobs out")
+    schema = calling.json_schema
+    return sampling if schema is None else replace(sampling, json_schema=schema)
 
 
 def parse_tokenize_request(body: Any, limits: RequestLimits = DEFAULT_LIMITS) -> GenerateRequest:
@@ -182,7 +206,8 @@ def parse_tokenize_request(body: Any, limits: RequestLimits = DEFAULT_LIMITS) ->
     if (body.get("prompt") is None) == (body.get("messages") is None):
         raise InvalidRequestError("prompt", "give exactly one of prompt (a string) or messages")
     if body.get("messages") is not None:
-        request = GenerateRequest(messages=_messages(body["messages"], limits.max_messages), model=_model(body))
+        request = GenerateRequest(messages=_messages(body["messages"], limits.max_messages), model=_model(body),
+                                  tools=parse_tools(body.get("tools")))
     else:
         prompts = _prompts(body["prompt"], 1)
         if not isinstance(prompts[0], str):
@@ -203,14 +228,14 @@ def parse_detokenize_request(body: Any) -> tuple[list[int], str | None]:
 
 
 def _parsed(body: dict, requests: tuple[GenerateRequest, ...], limits: RequestLimits, *, best_of: int | None = None,
-            echo: bool = False) -> ParsedRequest:
+            echo: bool = False, tools: ToolCalling | None = None) -> ParsedRequest:
     stream = _typed(body, "stream", bool, "a boolean", False)
     options = _typed(body, "stream_options", dict, "an object", None)
     if options is not None and not stream:
         raise InvalidRequestError("stream_options", "is only allowed when stream is true")
     include_usage = _typed(options or {}, "include_usage", bool, "a boolean", False, "stream_options.include_usage")
     return ParsedRequest(requests=requests, stream=stream, include_usage=include_usage,
-                         n=_choices(body, "n", limits, 1), best_of=best_of, echo=echo)
+                         n=_choices(body, "n", limits, 1), best_of=best_of, echo=echo, tools=tools)
 
 
 def _choices(body: dict, name: str, limits: RequestLimits, default: int | None) -> int | None:
@@ -337,7 +362,8 @@ def _message(i: int, message: Any) -> dict:
     role = message.get("role")
     if role not in CHAT_ROLES:
         raise InvalidRequestError(f"{where}.role", f"must be one of {', '.join(CHAT_ROLES)}; got {role!r}")
-    return {"role": role, "content": _content(where + ".content", message.get("content", _MISSING))}
+    content = message.get("content")
+    return history_message(where, message, role, None if content is None else _content(where + ".content", content))
 
 
 def _content(where: str, content: Any) -> str:
@@ -537,7 +563,9 @@ class ChoiceOutput:
 class ResponseBuilder:
     """Builds one request's response bodies (whole, or stream chunks) in OpenAI's shapes; with
     `logprobs` (the request asked for them) each choice carries its tokens' logprobs. Stream chunks
-    are those of choice `index`: `for_choice(i)` gives the builder of another choice."""
+    are those of choice `index`: `for_choice(i)` gives the builder of another choice. With `tools` (chat),
+    a choice's output becomes its message's `tool_calls` when it holds calls (`router.tool_calls`); its
+    stream chunks go through the builder's own `ToolStream`."""
 
     chat: bool
     request_id: str
@@ -546,6 +574,12 @@ class ResponseBuilder:
     include_usage: bool = False
     logprobs: LogprobsBuilder | None = None
     index: int = 0
+    tools: ToolCalling | None = None
+    _tool_stream: ToolStream | None = field(init=False, default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.tools is not None and self.chat:  # a fresh one per builder: `replace` makes a new builder
+            object.__setattr__(self, "_tool_stream", ToolStream(self.tools))
 
     def for_choice(self, index: int) -> ResponseBuilder:
         """The builder of choice `index`'s stream chunks (its logprobs offsets counted on their own)."""
@@ -567,7 +601,13 @@ class ResponseBuilder:
         body = []
         for c in choices:
             lp = self.logprobs.fresh().build(c.logprobs) if self.logprobs is not None else None
-            if self.chat:
+            if self.chat and self.tools is not None:
+                out = self.tools.extract(c.text, c.finish_reason)
+                message = {"role": "assistant", "content": out.content}
+                if out.calls:
+                    message["tool_calls"] = [call.body() for call in out.calls]
+                body.append({"index": c.index, "message": message, "finish_reason": out.finish_reason, "logprobs": lp})
+            elif self.chat:
                 body.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
                              "finish_reason": c.finish_reason, "logprobs": lp})
             else:
@@ -586,7 +626,13 @@ class ResponseBuilder:
         events = []
         lp = self.logprobs.build(chunk.logprobs) if self.logprobs is not None else None
         tokens = lp is not None and bool(chunk.logprobs)
-        if self.chat:
+        if self._tool_stream is not None:  # no logprobs with tools (refused at parsing)
+            events += [self._chunk(delta, None) for delta in self._tool_stream.feed(chunk.text)]
+            if finish_reason is not None:
+                deltas, finish_reason = self._tool_stream.finish(finish_reason)
+                events += [self._chunk(delta, None) for delta in deltas]
+                events.append(self._chunk({}, finish_reason))
+        elif self.chat:
             if chunk.text or tokens:
                 events.append(self._chunk({"content": chunk.text}, None, lp))
             if finish_reason is not None:

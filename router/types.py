@@ -13,6 +13,7 @@ from typing import Protocol
 from engine.errors import CapacityError, InvalidRequestError
 from engine.logprobs import TokenLogprob
 from engine.sampling_params import SamplingParams
+from router.tool_calls import Tool
 from worker_core.protocol import ErrorKind, WorkerInfo
 
 
@@ -85,6 +86,7 @@ class GenerateRequest:
         max_tokens_default: the client gave no max_tokens: the router uses its default, cut to the
             room left in the context (`sampling.max_tokens` is then ignored).
         timeout_s: the request's deadline in seconds from arrival (queueing included); None: none.
+        tools: functions the chat template shows the model (`router.tool_calls`); with messages only.
     """
 
     prompt: str | list[int] | None = None
@@ -94,6 +96,7 @@ class GenerateRequest:
     model: str | None = None
     max_tokens_default: bool = False
     timeout_s: float | None = None
+    tools: tuple[Tool, ...] = ()
 
     def __post_init__(self) -> None:
         if self.timeout_s is not None and not (isinstance(self.timeout_s, (int, float)) and 0 < self.timeout_s < 1e7):

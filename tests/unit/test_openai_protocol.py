@@ -100,7 +100,7 @@ CHAT_REJECTS = [  # (body, field)
     ({**M, "presence_penalty": 3}, "presence_penalty"), ({**M, "frequency_penalty": 2.1}, "frequency_penalty"),
     ({**M, "guided_regex": "a+"}, "guided_regex"), ({**M, "prompt_logprobs": 1}, "prompt_logprobs"),
     ({**M, "response_format": "text"}, "response_format"),
-    ({**M, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({**M, "tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "tools"),
     ({**M, "tool_choice": "auto"}, "tool_choice"), ({**M, "tool_choice": {"type": "function"}}, "tool_choice"),
     ({**M, "functions": [{"name": "f"}]}, "functions"),
     ({**M, "stop": ["a", "b", "c", "d", "e"]}, "stop"), ({**M, "seed": "x"}, "seed"),

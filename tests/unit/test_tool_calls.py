@@ -1,0 +1,249 @@
+"""Tool calling (`router.tool_calls`, through `openai_protocol`): tools / tool_choice validation naming the
+field, the output schema of "required" and named calls, the history in transformers' format, the prompt
+for templates with and without tool support, and outputs turned into OpenAI's tool_calls, whole and streamed."""
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from engine.errors import InvalidRequestError
+from engine.model_loader import encode_prompt
+from router.openai_protocol import ResponseBuilder, parse_chat_request, parse_tokenize_request
+from router.tool_calls import ToolCalling, ToolStream, chat_prompt, fallback_messages, template_renders_tools
+from router.types import Chunk, Usage
+
+USER = [{"role": "user", "content": "Weather in Paris?"}]
+PARAMS = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+          "required": ["city", "unit"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather now.", "parameters": PARAMS}}
+TIME = {"type": "function", "function": {"name": "get_time"}}  # no parameters: OpenAI's empty object
+TOOLS = [WEATHER, TIME]
+HISTORY = [*USER, {"role": "assistant", "content": None, "tool_calls": [
+    {"id": "call_a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}]},
+    {"role": "tool", "tool_call_id": "call_a", "content": "22"}]
+# a template that renders tools and tool calls, as tool-using models' templates do
+TOOL_TEMPLATE = ("{% if tools %}[TOOLS]{% for t in tools %}{{ t.function.name }};{% endfor %}{% endif %}"
+                 "{% for m in messages %}<{{ m.role }}>{% if m.tool_calls %}{% for c in m.tool_calls %}"
+                 "CALL {{ c.function.name }} {{ c.function.arguments.city }}{% endfor %}{% else %}{{ m.content }}"
+                 "{% endif %}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+PLAIN_TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+
+
+def chat(**fields) -> dict:
+    return {"messages": USER, "tools": TOOLS, **fields}
+
+
+@pytest.mark.parametrize(("body", "field"), [
+    (chat(tools={"type": "function"}), "tools"),
+    (chat(tools=[{"type": "custom", "custom": {"name": "x"}}]), "tools"),
+    (chat(tools=[{"type": "function"}]), "tools"),
+    (chat(tools=[{"type": "function", "function": {"name": "bad name"}}]), "tools"),
+    (chat(tools=[{"type": "function", "function": {"name": "f", "parameters": "{}"}}]), "tools"),
+    (chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]), "tools"),
+    (chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+                                                                                "properties": {"a": {"type": "foo"}}}}}]),
+     "tools"),
+    (chat(tools=[WEATHER, WEATHER]), "tools"),
+    (chat(tools=[{"type": "function", "function": {"name": "f", "description": 3}}]), "tools"),
+    (chat(tool_choice="sometimes"), "tool_choice"),
+    (chat(tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
+    (chat(tool_choice={"type": "function"}), "tool_choice"),
+    ({"messages": USER, "tool_choice": "required"}, "tool_choice"),
+    ({"messages": USER, "tools": [], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
+     "tool_choice"),
+    (chat(parallel_tool_calls="yes"), "parallel_tool_calls"),
+    (chat(tool_choice="required", response_format={"type": "json_object"}), "response_format"),
+    (chat(logprobs=True), "logprobs"),
+    (chat(tool_choice="required", min_tokens=2), "min_tokens"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f"}}]}]},
+     "messages[0].tool_calls"),
+    ({"messages": [*USER, {"role": "assistant", "tool_calls": [{"type": "function", "function": {
+        "name": "f", "arguments": "not json"}}]}]}, "messages[1].tool_calls[0].function.arguments"),
+    ({"messages": [*USER, {"role": "assistant", "tool_calls": [{"type": "function"}]}]},
+     "messages[1].tool_calls[0].function"),
+    ({"messages": [*USER, {"role": "tool", "content": "1", "tool_call_id": 5}]}, "messages[1].tool_call_id"),
+])
+def test_bad_tool_fields_are_refused_naming_the_field(body: dict, field: str) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        parse_chat_request(body)
+    assert info.value.field == field
+
+
+def test_no_tool_may_be_called_without_tools_or_with_none() -> None:
+    for body in ({"messages": USER}, {"messages": USER, "tools": []}, chat(tool_choice="none"),
+                 {"messages": USER, "tool_choice": "none"}):
+        parsed = parse_chat_request(body)
+        assert parsed.tools is None and parsed.request.tools == () and parsed.request.sampling.json_schema is None
+
+
+def test_auto_is_the_default_and_leaves_the_output_free() -> None:
+    parsed = parse_chat_request(chat())
+    assert parsed.tools is not None and parsed.tools.choice == "auto" and parsed.tools.parallel
+    assert [t.name for t in parsed.request.tools] == ["get_weather", "get_time"]
+    assert parsed.request.sampling.json_schema is None
+
+
+def test_a_named_function_constrains_the_output_to_its_parameters() -> None:
+    parsed = parse_chat_request(chat(tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+    assert json.loads(parsed.request.sampling.json_schema) == PARAMS
+
+
+def test_required_output_is_one_call_of_a_listed_tool_or_a_list_when_parallel() -> None:
+    one = json.loads(parse_chat_request(chat(tool_choice="required", parallel_tool_calls=False)).request.sampling.json_schema)
+    jsonschema.validate({"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}, one)
+    jsonschema.validate({"name": "get_time", "arguments": {}}, one)
+    for wrong in ({"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "other", "arguments": {}},
+                  [{"name": "get_time", "arguments": {}}]):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(wrong, one)
+    many = json.loads(parse_chat_request(chat(tool_choice="required")).request.sampling.json_schema)
+    jsonschema.validate([{"name": "get_time", "arguments": {}}, {"name": "get_time", "arguments": {}}], many)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([], many)
+
+
+def test_history_messages_take_transformers_format() -> None:
+    messages = parse_chat_request({"messages": HISTORY, "tools": TOOLS}).request.messages
+    assert messages[1] == {"role": "assistant", "tool_calls": [{"id": "call_a", "type": "function", "function": {
+        "name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}}]}
+    assert messages[2] == {"role": "tool", "content": "22", "tool_call_id": "call_a"}
+
+
+@pytest.fixture
+def tok() -> PreTrainedTokenizerFast:
+    t = Tokenizer(models.BPE(unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    t.train_from_iterator(["<user> <assistant> <tool> <system> [TOOLS] CALL get_weather Paris 22 tool_call"] * 4,
+                          trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<eos>"], show_progress=False))
+    return PreTrainedTokenizerFast(tokenizer_object=t, eos_token="<eos>", unk_token="<unk>")
+
+
+def test_a_template_that_renders_tools_gets_them_as_transformers_documents(tok) -> None:
+    tok.chat_template = TOOL_TEMPLATE
+    request = parse_chat_request({"messages": HISTORY, "tools": TOOLS}).request
+    assert template_renders_tools(tok)
+    messages, tools = chat_prompt(tok, request.messages, request.tools)
+    assert tools == TOOLS[:1] + [{"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {}}}}]
+    text = tok.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    assert text == "[TOOLS]get_weather;get_time;<user>Weather in Paris?<assistant>CALL get_weather Paris<tool>22<assistant>"
+    assert encode_prompt(tok, messages, chat=True, tools=tools) == tok(text)["input_ids"]
+
+
+def test_a_template_without_tools_gets_them_written_in_the_prompt(tok) -> None:
+    tok.chat_template = PLAIN_TEMPLATE
+    request = parse_chat_request({"messages": HISTORY, "tools": TOOLS}).request
+    assert not template_renders_tools(tok)
+    messages, tools = chat_prompt(tok, request.messages, request.tools)
+    assert tools is None and messages == fallback_messages(request.messages, request.tools)
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool"]
+    assert '"name": "get_weather"' in messages[0]["content"] and "<tool_call>" in messages[0]["content"]
+    assert messages[2]["content"] == ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}'
+                                      '\n</tool_call>')
+    assert messages[3]["content"] == "<tool_response>\n22\n</tool_response>"
+    # the client's system message keeps its text, the tools follow it; no tools and no tool messages: as sent
+    own = fallback_messages([{"role": "system", "content": "Be brief."}, *USER], request.tools)
+    assert own[0]["content"].startswith("Be brief.\n\n") and len(own) == 2
+    assert chat_prompt(tok, USER, ()) == (USER, None)
+
+
+def test_tokenize_takes_tools_too(tok) -> None:
+    assert [t.name for t in parse_tokenize_request({"messages": USER, "tools": TOOLS}).tools] == ["get_weather",
+                                                                                                    "get_time"]
+
+
+def calling(choice="auto", function=None, parallel=True) -> ToolCalling:
+    return parse_chat_request(chat(tool_choice=choice if function is None else {
+        "type": "function", "function": {"name": function}}, parallel_tool_calls=parallel)).tools
+
+
+def test_outputs_become_tool_calls() -> None:
+    named = calling(function="get_weather").extract('{"city": "Paris", "unit": "c"}', "stop")
+    assert named.content is None and named.finish_reason == "tool_calls"
+    assert [(c.name, json.loads(c.arguments)) for c in named.calls] == [("get_weather", {"city": "Paris", "unit": "c"})]
+    two = calling("required").extract('[{"name": "get_time", "arguments": {}}, {"name": "get_time", "arguments": {}}]',
+                                      "stop")
+    assert [c.name for c in two.calls] == ["get_time", "get_time"] and two.calls[0].id != two.calls[1].id
+    assert all(c.id.startswith("call_") and len(c.id) > 20 for c in two.calls)
+    one = calling("required", parallel=False).extract('{"name": "get_time", "arguments": {}}', "stop")
+    assert [(c.name, c.arguments) for c in one.calls] == [("get_time", "{}")]
+    auto = calling().extract('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", '
+                             '"unit": "f"}}\n</tool_call>', "stop")
+    assert auto.content == "Let me look." and auto.finish_reason == "tool_calls"
+    assert json.loads(auto.calls[0].arguments) == {"city": "Oslo", "unit": "f"}
+
+
+@pytest.mark.parametrize(("text", "finish"), [
+    ("It is sunny.", "stop"),  # auto: an answer in words
+    ('<tool_call>{"name": "unknown", "arguments": {}}</tool_call>', "stop"),  # not a listed tool
+    ("<tool_call>{not json</tool_call>", "stop"),
+    ('<tool_call>{"name": "get_weather", "arguments": {"city"', "length"),  # cut by max_tokens
+])
+def test_outputs_without_a_valid_call_stay_content(text: str, finish: str) -> None:
+    out = calling().extract(text, finish)
+    assert (out.content, out.calls, out.finish_reason) == (text, (), finish)
+
+
+def test_a_cut_required_output_is_content_with_length() -> None:
+    out = calling("required").extract('[{"name": "get_wea', "length")
+    assert (out.content, out.calls, out.finish_reason) == ('[{"name": "get_wea', (), "length")
+
+
+def feed_all(stream: ToolStream, pieces: list[str], finish: str) -> tuple[list[dict], str]:
+    deltas = [d for p in pieces for d in stream.feed(p)]
+    last, reason = stream.finish(finish)
+    return deltas + last, reason
+
+
+def test_streamed_named_arguments_come_as_they_are_written() -> None:
+    deltas, reason = feed_all(ToolStream(calling(function="get_weather")), ['{"city": ', '"Paris", ', '"unit": "c"}'],
+                              "stop")
+    first = deltas[0]["tool_calls"][0]
+    assert first["index"] == 0 and first["id"].startswith("call_") and first["type"] == "function"
+    assert first["function"]["name"] == "get_weather"
+    args = "".join(d["tool_calls"][0]["function"]["arguments"] for d in deltas)
+    assert json.loads(args) == {"city": "Paris", "unit": "c"} and reason == "tool_calls"
+    assert all("id" not in d["tool_calls"][0] for d in deltas[1:])
+
+
+def test_streamed_auto_sends_text_until_a_tag_may_begin() -> None:
+    stream = ToolStream(calling())
+    assert stream.feed("Sure, ") == [{"content": "Sure, "}]
+    assert stream.feed("checking <tool") == [{"content": "checking "}]  # "<tool" may begin a tag: held
+    deltas, reason = feed_all(stream, ['_call>{"name": "get_time", ', '"arguments": {}}</tool_call>'], "stop")
+    assert reason == "tool_calls" and len(deltas) == 1
+    call = deltas[0]["tool_calls"][0]
+    assert call["index"] == 0 and call["function"] == {"name": "get_time", "arguments": "{}"}
+    words, reason = feed_all(ToolStream(calling()), ["a <to", "y> b"], "stop")  # not a tag after all
+    assert "".join(d["content"] for d in words) == "a <toy> b" and reason == "stop"
+
+
+def test_streamed_required_calls_come_whole_at_the_end() -> None:
+    stream = ToolStream(calling("required"))
+    assert stream.feed('[{"name": "get_time", ') == []
+    deltas, reason = feed_all(stream, ['"arguments": {}}]'], "stop")
+    assert reason == "tool_calls" and [d["tool_calls"][0]["function"]["name"] for d in deltas] == ["get_time"]
+
+
+def test_response_bodies_carry_tool_calls_in_openai_shape() -> None:
+    builder = ResponseBuilder(chat=True, request_id="r1", model="m", created=1, tools=calling("required"))
+    body = builder.full('[{"name": "get_weather", "arguments": {"city": "Rome", "unit": "c"}}]', "stop",
+                        Usage(10, 7), None)
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    (call,) = choice["message"]["tool_calls"]
+    assert call["type"] == "function" and call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Rome", "unit": "c"}
+    assert body["usage"]["completion_tokens"] == 7
+    # streamed: each choice's builder has a stream of its own
+    b0, b1 = builder.for_choice(0), builder.for_choice(1)
+    assert b0.chunk_events(Chunk('[{"name": "get_time", ', [5]), None, None) == []
+    events = b1.chunk_events(Chunk('[{"name": "get_time", "arguments": {}}]', [6], "stop"), "stop", None)
+    assert [e["choices"][0]["index"] for e in events] == [1, 1]
+    assert events[0]["choices"][0]["delta"]["tool_calls"][0]["function"]["name"] == "get_time"
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
