@@ -1,7 +1,9 @@
 """response_format through the official `openai` SDK against a real `pdserve serve` whose round_robin policy
 alternates the remote path (prefill worker, then decode worker) and the local one: json_schema output
 validates for several prompts on both paths, chat and completions, streamed and not; json_object parses;
-a bad response_format is a 400 naming it."""
+a bad response_format is a 400 naming it. Tool calling rides the same grammar path: tool_choice required and a
+named function give tool_calls whose arguments validate against the tool's parameters, on both paths and
+streamed, and a follow-up with the assistant's tool_calls and a tool message is answered; bad tools are a 400."""
 from __future__ import annotations
 
 import json
@@ -92,4 +94,73 @@ def test_a_bad_response_format_is_a_400_naming_it(client, alternating, response_
         client.chat.completions.create(model=alternating.model, messages=[{"role": "user", "content": "hi"}],
                                        max_tokens=5, response_format=response_format)
     assert info.value.body["param"] == "response_format"
+    assert "Traceback" not in info.value.body["message"]
+
+
+WEATHER_PARAMS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                   "unit": {"enum": ["celsius", "fahrenheit"]}},
+                  "required": ["city", "unit"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city now.",
+                                           "parameters": WEATHER_PARAMS}},
+         {"type": "function", "function": {"name": "get_time", "description": "The local time in a city.",
+                                           "parameters": {"type": "object", "properties": {
+                                               "city": {"type": "string", "maxLength": 20}},
+                                               "required": ["city"], "additionalProperties": False}}}]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def test_tool_calls_validate_on_both_paths_and_the_history_is_answered(client, alternating):
+    paths = set()
+    for tool_choice in ("required", "required", NAMED, NAMED):
+        resp = client.chat.completions.create(model=alternating.model, messages=ASK, tools=TOOLS, tool_choice=tool_choice,
+                                              parallel_tool_calls=False, max_tokens=60, temperature=0)
+        choice = resp.choices[0]
+        assert choice.finish_reason == "tool_calls", choice.message
+        (call,) = choice.message.tool_calls
+        assert call.type == "function" and call.id.startswith("call_")
+        if tool_choice == NAMED:
+            assert call.function.name == "get_weather"
+        params = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == call.function.name)
+        jsonschema.validate(json.loads(call.function.arguments), params)
+        assert resp.usage.completion_tokens > 0
+        paths.add(path_of(resp))
+    assert paths == {"remote", "local"}
+    history = [*ASK, choice.message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 22, "sky": "clear"}'}]
+    answer = client.chat.completions.create(model=alternating.model, messages=history, tools=TOOLS, max_tokens=40,
+                                            temperature=0)
+    assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    assert answer.choices[0].message.content or answer.choices[0].message.tool_calls
+    assert answer.usage.prompt_tokens > resp.usage.prompt_tokens  # the call and its result are in the prompt
+
+
+def test_streamed_tool_call_arguments_arrive_in_pieces(client, alternating):
+    stream = client.chat.completions.create(model=alternating.model, messages=ASK, tools=TOOLS, tool_choice=NAMED,
+                                            max_tokens=60, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    pieces, ids, finish, usage = [], set(), None, None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        if not chunk.choices:
+            continue
+        for delta in chunk.choices[0].delta.tool_calls or []:
+            assert delta.index == 0
+            ids.add(delta.id) if delta.id else None
+            pieces.append(delta.function.arguments or "")
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and len(ids) == 1 and len(pieces) > 1
+    jsonschema.validate(json.loads("".join(pieces)), WEATHER_PARAMS)
+    assert usage.completion_tokens > 0
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": ["x"]}}]}, "tools"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+])
+def test_bad_tools_are_a_400_naming_the_field(client, alternating, fields, param):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=alternating.model, messages=ASK, max_tokens=5, **fields)
+    assert info.value.body["param"] == param
     assert "Traceback" not in info.value.body["message"]
