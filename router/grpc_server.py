@@ -7,7 +7,9 @@ Lifecycle of one Generate call:
    are not a valid message (corrupt wire format, strings that are not UTF-8) get INVALID_ARGUMENT
    (`MalformedRequestInterceptor`; grpc alone would answer UNKNOWN with the parser's exception).
 1. Translate the proto request into a `GenerateRequest`: the oneof `input` becomes the prompt or
-   chat messages, unset `sampling` fields take `SamplingParams`' defaults, empty strings mean unset.
+   chat messages, unset `sampling` fields take `SamplingParams`' defaults, empty strings mean unset;
+   `sampling.response_format` becomes `SamplingParams.json_schema` as on HTTP (JSON_OBJECT: any object,
+   JSON_SCHEMA: the schema's text), a schema the grammar library cannot compile refused naming response_format.
    `SamplingParams` validates on construction; chat roles and the size limits of
    `router.limits.RequestLimits` (prompt characters, messages, stop strings and ids) are checked.
 2. `router.submit` validates, tokenizes and places it, or raises before anything runs.
@@ -39,6 +41,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from engine.errors import CapacityError, InvalidRequestError
+from engine.grammar import JSON_OBJECT_SCHEMA, check_json_schema
 from engine.logprobs import TokenLogprob
 from engine.sampling_params import SamplingParams
 from protos.pdserve.v1 import pdserve_pb2 as pb
@@ -111,7 +114,28 @@ def to_sampling_params(msg: pb.SamplingParams) -> SamplingParams:
     """Args: the proto settings (unset optional fields → defaults). Returns: validated SamplingParams."""
     optional = {name: getattr(msg, name) for name in _OPTIONAL_SAMPLING if msg.HasField(name)}
     return SamplingParams(top_k=msg.top_k, stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
-                          ignore_eos=msg.ignore_eos, min_tokens=msg.min_tokens, **optional)
+                          ignore_eos=msg.ignore_eos, min_tokens=msg.min_tokens,
+                          json_schema=_json_schema(msg.response_format), **optional)
+
+
+def _json_schema(msg: pb.ResponseFormat) -> str | None:
+    """`response_format` → `SamplingParams.json_schema` (None: plain text); the schema is compiled once
+    here, so a bad one is refused before the request is placed."""
+    if msg.type == pb.ResponseFormat.TEXT:
+        if msg.json_schema:
+            raise InvalidRequestError("response_format", "json_schema is for type JSON_SCHEMA only")
+        return None
+    if msg.type == pb.ResponseFormat.JSON_OBJECT:
+        if msg.json_schema:
+            raise InvalidRequestError("response_format", "json_schema is for type JSON_SCHEMA only")
+        return JSON_OBJECT_SCHEMA
+    if msg.type != pb.ResponseFormat.JSON_SCHEMA:
+        raise InvalidRequestError("response_format", f"type must be TEXT, JSON_OBJECT or JSON_SCHEMA, got {msg.type}")
+    if not msg.json_schema:
+        raise InvalidRequestError("response_format", "type JSON_SCHEMA needs json_schema (JSON text of a schema)")
+    text = SamplingParams(json_schema=msg.json_schema).json_schema  # checked: a JSON object, written compact
+    check_json_schema(text)
+    return text
 
 
 def to_response(request_id: str, chunk: Chunk) -> pb.GenerateResponse:

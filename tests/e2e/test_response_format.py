@@ -1,17 +1,20 @@
 """response_format through the official `openai` SDK against a real `pdserve serve` whose round_robin policy
 alternates the remote path (prefill worker, then decode worker) and the local one: json_schema output
 validates for several prompts on both paths, chat and completions, streamed and not; json_object parses;
-a bad response_format is a 400 naming it. Tool calling rides the same grammar path: tool_choice required and a
+a bad response_format is a 400 naming it; gRPC's sampling.response_format gives the same. Tool calling rides the same grammar path: tool_choice required and a
 named function give tool_calls whose arguments validate against the tool's parameters, on both paths and
 streamed, and a follow-up with the assistant's tool_calls and a tool message is answered; bad tools are a 400."""
 from __future__ import annotations
 
 import json
 
+import grpc
 import jsonschema
 import openai
 import pytest
 
+from protos.pdserve.v1 import pdserve_pb2 as pb
+from protos.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from tests.e2e.conftest import start_server, stop_server
 from tests.integration.test_structured_output import PERSON
 
@@ -82,6 +85,22 @@ def test_json_object_parses(client, alternating):
                                               max_tokens=100, temperature=0, response_format={"type": "json_object"})
         assert resp.choices[0].finish_reason == "stop", resp.choices[0].message.content
         assert isinstance(json.loads(resp.choices[0].message.content), dict)
+
+
+def test_grpc_response_format_validates(alternating):
+    fmt = pb.ResponseFormat(type=pb.ResponseFormat.JSON_SCHEMA, json_schema=json.dumps(SCHEMA))
+    chat = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=PROMPTS[0])])
+    with grpc.insecure_channel(alternating.grpc) as channel:
+        stub = pb_grpc.GenerationServiceStub(channel)
+        responses = list(stub.Generate(pb.GenerateRequest(chat=chat, sampling=pb.SamplingParams(
+            max_tokens=150, response_format=fmt)), timeout=120))
+        assert responses[-1].finish_reason == "stop"
+        jsonschema.validate(json.loads("".join(r.text for r in responses)), SCHEMA)
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(pb.GenerateRequest(text="hi", sampling=pb.SamplingParams(response_format=pb.ResponseFormat(
+                type=pb.ResponseFormat.JSON_SCHEMA, json_schema='{"type": "foo"}'))), timeout=60))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert info.value.details().startswith("response_format:")
 
 
 @pytest.mark.parametrize("response_format", [

@@ -118,6 +118,17 @@ def test_all_sampling_fields_and_ids_reach_the_router(served: Served) -> None:
     assert (sent.request_id, sent.model) == ("client-7", MODEL)
 
 
+def test_response_format_becomes_the_json_schema(served: Served) -> None:
+    """As on HTTP: JSON_OBJECT is any object, JSON_SCHEMA the schema's compact text, TEXT (unset) none."""
+    schema = '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}'
+    for fmt, expected in ((pb.ResponseFormat(type=pb.ResponseFormat.JSON_OBJECT), '{"type":"object"}'),
+                          (pb.ResponseFormat(type=pb.ResponseFormat.JSON_SCHEMA, json_schema=schema),
+                           '{"type":"object","properties":{"a":{"type":"integer"}},"required":["a"]}'),
+                          (pb.ResponseFormat(), None)):
+        served.generate(text_request("a b", max_tokens=2, response_format=fmt))
+        assert served.router.requests[-1].sampling.json_schema == expected
+
+
 @pytest.mark.parametrize("k", [0, 2])
 def test_logprobs_come_with_their_tokens(served: Served, k: int) -> None:
     """One TokenLogprob per token id of each response, with the k likeliest; none when not asked."""
@@ -185,6 +196,17 @@ ERROR_CASES = [
     (text_request("hi", frequency_penalty=float("nan")), grpc.StatusCode.INVALID_ARGUMENT, "frequency_penalty:"),
     (text_request("hi", repetition_penalty=0.0), grpc.StatusCode.INVALID_ARGUMENT, "repetition_penalty:"),
     (text_request("hi", logprobs=21), grpc.StatusCode.INVALID_ARGUMENT, "logprobs:"),
+    (text_request("hi", response_format=pb.ResponseFormat(type=pb.ResponseFormat.JSON_SCHEMA)),
+     grpc.StatusCode.INVALID_ARGUMENT, "response_format:"),
+    (text_request("hi", response_format=pb.ResponseFormat(type=pb.ResponseFormat.JSON_SCHEMA, json_schema="[1]")),
+     grpc.StatusCode.INVALID_ARGUMENT, "response_format:"),
+    (text_request("hi", response_format=pb.ResponseFormat(type=pb.ResponseFormat.JSON_SCHEMA,
+                                                          json_schema='{"type": "foo"}')),
+     grpc.StatusCode.INVALID_ARGUMENT, "response_format: the JSON schema is not supported"),
+    (text_request("hi", response_format=pb.ResponseFormat(json_schema='{"type": "object"}')),
+     grpc.StatusCode.INVALID_ARGUMENT, "response_format:"),
+    (text_request("hi", max_tokens=5, min_tokens=1, response_format=pb.ResponseFormat(
+        type=pb.ResponseFormat.JSON_OBJECT)), grpc.StatusCode.INVALID_ARGUMENT, "min_tokens:"),
     (pb.GenerateRequest(text="hi", model="gpt-9"), grpc.StatusCode.NOT_FOUND, "model: the model 'gpt-9'"),
     (pb.GenerateRequest(chat=pb.ChatMessages()), grpc.StatusCode.INVALID_ARGUMENT, "messages:"),
     (pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="robot", content="x")])),
