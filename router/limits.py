@@ -11,6 +11,7 @@ the client, so it must match `CLIENT_REQUEST_ID`: 1-128 letters, digits and `._:
 """
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 
@@ -58,10 +59,11 @@ def check_limits(request: GenerateRequest, limits: RequestLimits = DEFAULT_LIMIT
         if len(request.messages) > limits.max_messages:
             raise InvalidRequestError("messages", f"has {len(request.messages)} messages; at most "
                                                   f"{limits.max_messages} are allowed")
-        chars = sum(len(m.get("content") or "") for m in request.messages)
+        chars = sum(_message_chars(m) for m in request.messages) + \
+            sum(len(t.parameters) + len(t.description or "") for t in request.tools)
         if chars > limits.max_prompt_chars:
-            raise InvalidRequestError("messages", f"have {chars} characters of content together; at most "
-                                                  f"{limits.max_prompt_chars} are allowed")
+            raise InvalidRequestError("messages", f"have {chars} characters of content together (tool calls and "
+                                                  f"tools included); at most {limits.max_prompt_chars} are allowed")
     sampling = request.sampling
     if len(sampling.stop) > limits.max_stop:
         raise InvalidRequestError("stop", f"at most {limits.max_stop} stop sequences are allowed, "
@@ -70,3 +72,9 @@ def check_limits(request: GenerateRequest, limits: RequestLimits = DEFAULT_LIMIT
         raise InvalidRequestError("stop_token_ids", f"at most {limits.max_stop_token_ids} stop token ids are "
                                                     f"allowed, got {len(sampling.stop_token_ids)}")
     return request
+
+
+def _message_chars(message: dict) -> int:
+    """A chat message's characters: its content and its tool calls' arguments (as JSON)."""
+    calls = message.get("tool_calls") or ()
+    return len(message.get("content") or "") + sum(len(json.dumps(c["function"]["arguments"])) for c in calls)

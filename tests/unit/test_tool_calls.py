@@ -12,6 +12,7 @@ from transformers import PreTrainedTokenizerFast
 
 from engine.errors import InvalidRequestError
 from engine.model_loader import encode_prompt
+from router.limits import RequestLimits
 from router.openai_protocol import ResponseBuilder, parse_chat_request, parse_tokenize_request
 from router.tool_calls import ToolCalling, ToolStream, chat_prompt, fallback_messages, template_renders_tools
 from router.types import Chunk, Usage
@@ -247,3 +248,15 @@ def test_response_bodies_carry_tool_calls_in_openai_shape() -> None:
     assert [e["choices"][0]["index"] for e in events] == [1, 1]
     assert events[0]["choices"][0]["delta"]["tool_calls"][0]["function"]["name"] == "get_time"
     assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_tool_calls_and_tools_count_against_the_prompt_limit() -> None:
+    limits = RequestLimits(max_prompt_chars=200)
+    parse_chat_request({"messages": HISTORY, "tools": [TIME]}, limits=limits)
+    long_call = [*USER, {"role": "assistant", "tool_calls": [{"type": "function", "function": {
+        "name": "get_time", "arguments": json.dumps({"city": "x" * 300})}}]}]
+    for body in ({"messages": long_call}, {"messages": USER, "tools": [
+            {"type": "function", "function": {"name": "f", "description": "d" * 300}}]}):
+        with pytest.raises(InvalidRequestError) as info:
+            parse_chat_request(body, limits=limits)
+        assert info.value.field == "messages"
