@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 FLAG = "--chat-template"
 _TEMPLATE_CHARS = ("{", "}", "\n")
-_PROBE = [{"role": "user", "content": "Hello!"}]
+PROBE_MESSAGES = [{"role": "user", "content": "Hello!"}]  # a one-message conversation that any template renders
 
 
 def load_chat_template(value: str) -> str:
@@ -53,7 +53,7 @@ def use_chat_template(tokenizer: PreTrainedTokenizerBase | None, value: str) -> 
     if tokenizer is None:
         raise ValueError(f"{FLAG}: this model has no tokenizer, so no chat template applies (prompts are token ids)")
     try:
-        ids = tokenizer.apply_chat_template(_PROBE, chat_template=text, add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(PROBE_MESSAGES, chat_template=text, add_generation_prompt=True, tokenize=True)
     except Exception as e:  # noqa: BLE001 - Jinja's and the tokenizer's errors alike: the template is at fault
         raise ValueError(f"{FLAG}: the template could not render a one-message conversation: "
                          f"{type(e).__name__}: {e}") from None

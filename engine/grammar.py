@@ -40,6 +40,9 @@ from engine.sequence import Sequence
 
 JSON_OBJECT_SCHEMA = '{"type":"object"}'  # response_format json_object: any JSON object
 _COMPILE_OPTIONS = {"any_whitespace": False, "strict_mode": False}
+# Bytes of compiled grammars an engine keeps (xgrammar's default is no bound): distinct schemas (each
+# "required" tool list is one) would otherwise grow a worker's memory without end.
+GRAMMAR_CACHE_BYTES = 64 << 20
 _LOCATION = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")  # xgrammar's "[time] file.cc:line: " before a message
 
 
@@ -77,7 +80,8 @@ def is_terminated(seq: Sequence) -> bool:
 
 
 class Grammars:
-    """An engine's grammar compiler: compiled grammars cached by schema text, the tokenizer's
+    """An engine's grammar compiler: compiled grammars cached by schema text (at most
+    `GRAMMAR_CACHE_BYTES`, the least recently used dropped first), the tokenizer's
     vocabulary prepared on the first structured request (about a second for 49152 tokens).
 
     Args: tokenizer: the engine's; vocab_size: the model's logits width (may exceed the tokenizer's);
@@ -94,7 +98,7 @@ class Grammars:
         if self._compiler is None:
             info = xgrammar.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
                                                            stop_token_ids=self._end_ids)
-            self._compiler = xgrammar.GrammarCompiler(info, max_threads=1)
+            self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_limit_bytes=GRAMMAR_CACHE_BYTES)
         try:
             return self._compiler.compile_json_schema(schema, **_COMPILE_OPTIONS)
         except (RuntimeError, ValueError, TypeError) as e:

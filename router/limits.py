@@ -60,7 +60,7 @@ def check_limits(request: GenerateRequest, limits: RequestLimits = DEFAULT_LIMIT
             raise InvalidRequestError("messages", f"has {len(request.messages)} messages; at most "
                                                   f"{limits.max_messages} are allowed")
         chars = sum(_message_chars(m) for m in request.messages) + \
-            sum(len(t.parameters) + len(t.description or "") for t in request.tools)
+            sum(len(t.name) + len(t.parameters) + len(t.description or "") for t in request.tools)
         if chars > limits.max_prompt_chars:
             raise InvalidRequestError("messages", f"have {chars} characters of content together (tool calls and "
                                                   f"tools included); at most {limits.max_prompt_chars} are allowed")
@@ -75,6 +75,9 @@ def check_limits(request: GenerateRequest, limits: RequestLimits = DEFAULT_LIMIT
 
 
 def _message_chars(message: dict) -> int:
-    """A chat message's characters: its content and its tool calls' arguments (as JSON)."""
+    """A chat message's characters: its content, its tool_call_id, and its tool calls' ids, names and
+    arguments (as JSON, characters as they are)."""
     calls = message.get("tool_calls") or ()
-    return len(message.get("content") or "") + sum(len(json.dumps(c["function"]["arguments"])) for c in calls)
+    return len(message.get("content") or "") + len(message.get("tool_call_id") or "") + \
+        sum(len(c.get("id") or "") + len(c["function"]["name"]) +
+            len(json.dumps(c["function"]["arguments"], ensure_ascii=False)) for c in calls)

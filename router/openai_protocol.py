@@ -60,8 +60,10 @@ from engine.errors import InvalidRequestError
 from engine.grammar import JSON_OBJECT_SCHEMA, check_json_schema
 from engine.logprobs import MAX_LOGPROBS, TokenLogprob
 from engine.sampling_params import SamplingParams
+from router.json_fields import json_type as _json_type
+from router.json_fields import valid_unicode as _unicode
 from router.limits import DEFAULT_LIMITS, RequestLimits, check_limits
-from router.tool_calls import ToolCalling, ToolStream, history_message, parse_tool_calling, parse_tools
+from router.tool_calls import ToolCalling, ToolStream, history_message, parse_tool_calling
 from router.types import Chunk, GenerateRequest, PhaseTimings, RequestFailed, Usage
 from worker_core.protocol import ErrorKind
 
@@ -196,18 +198,23 @@ def _tool_sampling(sampling: SamplingParams, calling: ToolCalling) -> SamplingPa
         raise InvalidRequestError("logprobs", "is not supported with tool calling; use tool_choice \"none\" or "
                                               "leave logprobs out")
     schema = calling.json_schema
+    if schema is not None and sampling.min_tokens:
+        raise InvalidRequestError("tool_choice", f"{calling.choice!r} cannot be combined with min_tokens (the call's "
+                                                 "JSON decides where the output ends); leave min_tokens out")
     return sampling if schema is None else replace(sampling, json_schema=schema)
 
 
 def parse_tokenize_request(body: Any, limits: RequestLimits = DEFAULT_LIMITS) -> GenerateRequest:
-    """POST /tokenize: {"prompt": text} or {"messages": [...]} (rendered with the chat template),
-    optional "model". Returns the request to tokenize. Raises: InvalidRequestError naming the field."""
+    """POST /tokenize: {"prompt": text} or {"messages": [...]} (rendered with the chat template, with
+    `tools` as chat renders them: not when tool_choice is "none"), optional "model". Returns the request
+    to tokenize. Raises: InvalidRequestError naming the field."""
     body = _object(body)
     if (body.get("prompt") is None) == (body.get("messages") is None):
         raise InvalidRequestError("prompt", "give exactly one of prompt (a string) or messages")
     if body.get("messages") is not None:
+        calling = parse_tool_calling(body)
         request = GenerateRequest(messages=_messages(body["messages"], limits.max_messages), model=_model(body),
-                                  tools=parse_tools(body.get("tools")))
+                                  tools=calling.tools if calling is not None else ())
     else:
         prompts = _prompts(body["prompt"], 1)
         if not isinstance(prompts[0], str):
@@ -422,16 +429,6 @@ def _stop(value: Any) -> tuple[str, ...]:
     return tuple(_unicode("stop", s) for s in value)
 
 
-def _unicode(field: str, text: str) -> str:
-    """`text` if it is valid Unicode; JSON's \\uXXXX escapes can smuggle in unpaired surrogates."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise InvalidRequestError(field, f"contains an unpaired surrogate (\\u{ord(text[exc.start]):04x}) at "
-                                         f"character {exc.start}; send valid Unicode text") from None
-    return text
-
-
 def _int_field(body: dict, name: str, default: int) -> int:
     value = _typed(body, name, int, "an integer >= 1", default)
     if value < 1:
@@ -463,11 +460,6 @@ def _only_null_or(body: dict, name: str, allowed: tuple, message: str, kind: typ
 def _is(value: Any, kind: type | tuple[type, ...]) -> bool:
     """JSON type check: a boolean is not a number."""
     return isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
-
-
-def _json_type(v: Any) -> str:
-    names = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object"}
-    return "null" if v is None else names.get(type(v), type(v).__name__)
 
 
 # ---------------------------------------------------------------- responses

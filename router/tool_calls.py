@@ -5,9 +5,12 @@ Request lifecycle:
    "function" with a name, an optional description and a `parameters` JSON Schema of type object),
    `tool_choice` ("none" | "auto" | "required" | {"type": "function", "function": {"name"}}) and
    `parallel_tool_calls` become a `ToolCalling` (None when no tool may be called: no tools, or
-   tool_choice "none"). Anything malformed is an InvalidRequestError naming `tools`, `tool_choice` or
-   `parallel_tool_calls`. The chat history may hold assistant messages with `tool_calls` and `tool`
-   messages (`history_message` keeps them in transformers' format: arguments as a dict).
+   tool_choice "none"). At most `MAX_TOOLS` tools, counted before any is parsed; a parameters schema
+   without a type is an object's; each is compiled (`engine.grammar.check_json_schema`), and so is the
+   combined schema of "required". Anything malformed, or text with an unpaired surrogate, is an
+   InvalidRequestError naming `tools`, `tool_choice` or `parallel_tool_calls`. The chat history may hold
+   assistant messages with `tool_calls` and `tool` messages (`history_message` keeps them in transformers'
+   format: arguments as a dict; names, ids and text checked as the request's own).
 2. Prompt (`router.admission` → `chat_prompt`): the tools and the history go to the chat template as
    transformers' `apply_chat_template(messages, tools=...)` documents it when the model's template
    renders tools (`template_renders_tools`: a probe renders one conversation with and without a tool).
@@ -18,31 +21,40 @@ Request lifecycle:
    path (`ToolCalling.json_schema` → `SamplingParams.json_schema`, masked by xgrammar on the prefill and
    the decode worker): a named function's output is its arguments object; "required" writes
    {"name": one of the tools, "arguments": that tool's parameters} (a list of them, at least one, when
-   parallel_tool_calls is true). "auto" leaves the model free; its output is parsed for the tagged calls.
-4. Response (`ToolCalling.extract` whole, `ToolStream` streamed): the output becomes `ToolCall`s with ids
-   "call_<random>", finish_reason "tool_calls". Output that does not parse (cut by max_tokens, or an
-   "auto" answer in words) is the message's content, with the generation's own finish_reason.
+   parallel_tool_calls is true; each tool's $defs hoisted to the root under its own names). "auto"
+   leaves the model free; its output is parsed for the tagged calls.
+4. Response (`ToolCalling.extract` whole, `ToolStream` streamed; both give the same): the output becomes
+   `ToolCall`s with ids "call_<random>", finish_reason "tool_calls", their arguments the model's own JSON
+   text (checked to parse, never re-serialised). A named function's output is always its call (cut by
+   max_tokens: partial, finish_reason "length"); other output that does not parse (cut by max_tokens,
+   or an "auto" answer in words) is the message's content, with the generation's own finish_reason.
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from engine.chat_template import PROBE_MESSAGES
 from engine.errors import InvalidRequestError
-from engine.grammar import check_json_schema
+from router.json_fields import json_type, valid_unicode
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 RESULT_OPEN, RESULT_CLOSE = "<tool_response>", "</tool_response>"
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
 _TAGGED = re.compile(re.escape(CALL_OPEN) + r"(.*?)(?:" + re.escape(CALL_CLOSE) + r"|\Z)", re.DOTALL)
 _EMPTY_PARAMETERS = '{"type":"object","properties":{}}'  # a function without parameters (OpenAI's default)
-_PROBE_MESSAGES = [{"role": "user", "content": "Hello!"}]
+MAX_TOOLS = 128  # tools per request (OpenAI's limit)
+_DEFS = ("$defs", "definitions")  # where a schema keeps its named subschemas
+_DATA_KEYWORDS = ("const", "enum", "default", "examples")  # their values are data, not schemas
+_DECODER = json.JSONDecoder(parse_constant=lambda name: _refuse_constant(name))  # no NaN / Infinity
+_WS = re.compile(r"[ \t\n\r]*")
 _PROBE_TOOL = {"type": "function", "function": {"name": "pdserve_probe", "description": "A probe.",
                                                  "parameters": {"type": "object", "properties": {}}}}
-_RENDERS_TOOLS: dict[str, bool] = {}  # template text → whether it renders `tools`
+_RENDERS_TOOLS: dict[str, bool] = {}  # template (its text; named templates as sorted JSON) → renders `tools`
 FALLBACK_INSTRUCTIONS = (
     "You may call functions to answer. They are listed inside <tools></tools>, one JSON object a line:\n"
     "<tools>\n{tools}\n</tools>\n"
@@ -105,21 +117,48 @@ class ToolCalling:
     function: str | None = None
     parallel: bool = True
 
-    @property
+    @functools.cached_property
     def json_schema(self) -> str | None:
-        """The output's JSON Schema (`SamplingParams.json_schema`): None for "auto" (free output)."""
+        """The output's JSON Schema (`SamplingParams.json_schema`): None for "auto" (free output).
+
+        "required" nests each tool's parameters in one schema, at `_arguments_pointer`; their named
+        subschemas (`$defs`, `definitions`) move to the root's `$defs` as "<tool name>.<name>" (a tool
+        name has no "."), and their local `$ref`s are rewritten to where they now point."""
         if self.choice == "function":
             return self._tool(self.function).parameters
         if self.choice != "required":
             return None
-        calls = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": json.loads(t.parameters)},
-                  "required": ["name", "arguments"], "additionalProperties": False} for t in self.tools]
+        defs: dict[str, Any] = {}
+        calls = []
+        for i, t in enumerate(self.tools):
+            parameters = json.loads(t.parameters)
+            own = {}
+            for key in _DEFS:
+                if isinstance(parameters.get(key), dict):
+                    own.update(parameters.pop(key))
+            base = self._arguments_pointer(i)
+            defs.update((f"{t.name}.{name}", _rewrite_refs(sub, t.name, base)) for name, sub in own.items())
+            calls.append({"type": "object", "properties": {"name": {"const": t.name},
+                                                           "arguments": _rewrite_refs(parameters, t.name, base)},
+                          "required": ["name", "arguments"], "additionalProperties": False})
         one = calls[0] if len(calls) == 1 else {"anyOf": calls}
         schema = {"type": "array", "items": one, "minItems": 1} if self.parallel else one
+        if defs:
+            schema["$defs"] = defs
         return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
 
+    def _arguments_pointer(self, i: int) -> str:
+        """The JSON pointer of tool i's parameters in the "required" schema."""
+        return ("#/items" if self.parallel else "#") + \
+            (f"/anyOf/{i}" if len(self.tools) > 1 else "") + "/properties/arguments"
+
     def extract(self, text: str, finish_reason: str) -> ToolOutput:
-        """The message of a finished output `text` (finish_reason: the generation's, OpenAI's words)."""
+        """The message of a finished output `text` (finish_reason: the generation's, OpenAI's words).
+        A named function's output is always its call, its arguments the text as written (cut short by
+        max_tokens: partial, with finish_reason "length", as OpenAI and `ToolStream` give it)."""
+        if self.choice == "function" and text:
+            return ToolOutput(None, (new_call(self.function or "", text),),
+                              "tool_calls" if finish_reason == "stop" else finish_reason)
         if finish_reason != "stop":  # cut short: whatever was written is content
             return ToolOutput(text or None, (), finish_reason)
         calls = self._calls(text)
@@ -130,30 +169,31 @@ class ToolCalling:
 
     def _calls(self, text: str) -> tuple[ToolCall, ...] | None:
         """The calls `text` holds, or None when it holds none that parse (all of them must)."""
-        if self.choice == "function":
-            arguments = _json_object(text)
-            return None if arguments is None else (new_call(self.function, text.strip()),)
+        if self.choice == "function":  # an empty output: no call
+            return None
         if self.choice == "required":
-            value = _json(text)
-            items = value if isinstance(value, list) else [value]
+            items = _json_objects(text, True)
         else:
-            items = [_json(m.group(1).strip()) for m in _TAGGED.finditer(text)]
+            blocks = [_json_objects(m.group(1), False) for m in _TAGGED.finditer(text)]
+            items = None if any(b is None for b in blocks) else [item for b in blocks for item in b]  # type: ignore
+        if items is None:
+            return None
         calls = [self._call(item) for item in items]
         if not calls or any(c is None for c in calls):
             return None
         return tuple(calls[:1] if not self.parallel else calls)  # type: ignore[arg-type]
 
-    def _call(self, item: Any) -> ToolCall | None:
-        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+    def _call(self, item: dict[str, tuple[Any, str]]) -> ToolCall | None:
+        """A call object's members (value, JSON text) → the call, its arguments the model's own JSON text."""
+        name = item.get("name", (None, ""))[0]
+        if not isinstance(name, str) or not any(t.name == name for t in self.tools):
             return None
-        if not any(t.name == item["name"] for t in self.tools):
-            return None
-        arguments = item.get("arguments", {})
+        arguments, text = item.get("arguments", ({}, "{}"))
         if isinstance(arguments, str):  # some models write the arguments as a JSON string
-            arguments = _json_object(arguments)
+            arguments, text = _json_object(arguments), _escape_surrogates(arguments)
         if not isinstance(arguments, dict):
             return None
-        return new_call(item["name"], json.dumps(arguments, ensure_ascii=False))
+        return new_call(name, text)
 
     def _tool(self, name: str | None) -> Tool:
         return next(t for t in self.tools if t.name == name)
@@ -172,12 +212,15 @@ def parse_tools(value: Any) -> tuple[Tool, ...]:
         return ()
     if not isinstance(value, list):
         raise InvalidRequestError("tools", f"must be a list of {{\"type\": \"function\", \"function\": {{...}}}} "
-                                           f"objects, got {_json_type(value)}")
+                                           f"objects, got {json_type(value)}")
+    if len(value) > MAX_TOOLS:  # before parsing each one
+        raise InvalidRequestError("tools", f"has {len(value)} tools; at most {MAX_TOOLS} are allowed")
     tools = [_tool(i, t) for i, t in enumerate(value)]
-    names = [t.name for t in tools]
-    for name in names:
-        if names.count(name) > 1:
-            raise InvalidRequestError("tools", f"name the function {name!r} twice; function names must be unique")
+    names: set[str] = set()
+    for t in tools:
+        if t.name in names:
+            raise InvalidRequestError("tools", f"name the function {t.name!r} twice; function names must be unique")
+        names.add(t.name)
     return tuple(tools)
 
 
@@ -196,6 +239,8 @@ def _tool(i: int, value: Any) -> Tool:
     description = function.get("description")
     if description is not None and not isinstance(description, str):
         raise InvalidRequestError("tools", f"{where}.function.description must be a string")
+    if description is not None:
+        _tool_text(f"{where}.function.description", description)
     if function.get("strict") is not None and not isinstance(function["strict"], bool):
         raise InvalidRequestError("tools", f"{where}.function.strict must be a boolean")
     parameters = function.get("parameters")
@@ -203,16 +248,32 @@ def _tool(i: int, value: Any) -> Tool:
         return Tool(name, description, _EMPTY_PARAMETERS)
     if not isinstance(parameters, dict):
         raise InvalidRequestError("tools", f"{where}.function.parameters must be a JSON Schema object, "
-                                           f"got {_json_type(parameters)}")
-    if parameters.get("type", "object") != "object":
+                                           f"got {json_type(parameters)}")
+    if "type" not in parameters:  # arguments are an object: a schema without a type would allow any JSON
+        parameters = {"type": "object", **parameters}
+    if parameters["type"] != "object":
         raise InvalidRequestError("tools", f"{where}.function.parameters must describe an object (type \"object\": "
                                            f"arguments are named), got type {parameters['type']!r}")
-    text = json.dumps(parameters, separators=(",", ":"), ensure_ascii=False)
-    try:
-        check_json_schema(text)
-    except InvalidRequestError as e:
-        raise InvalidRequestError("tools", f"{where}.function.parameters: {e.message}") from None
+    text = _tool_text(f"{where}.function.parameters", json.dumps(parameters, separators=(",", ":"), ensure_ascii=False))
+    _check_schema(f"{where}.function.parameters", text)
     return Tool(name, description, text)
+
+
+def _tool_text(where: str, text: str) -> str:
+    """`text` of a tool if it is valid Unicode; else a 400 naming tools (the place in the message)."""
+    try:
+        return valid_unicode("tools", text)
+    except InvalidRequestError as e:
+        raise InvalidRequestError("tools", f"{where} {e.message}") from None
+
+
+def _check_schema(where: str, schema: str) -> None:
+    """Compile `schema` as the workers will; one the grammar library refuses is a 400 naming tools."""
+    from engine.grammar import check_json_schema  # here: xgrammar and torch stay out of `router.types`' imports
+    try:
+        check_json_schema(schema)
+    except InvalidRequestError as e:
+        raise InvalidRequestError("tools", f"{where}: {e.message}") from None
 
 
 def parse_tool_calling(body: dict) -> ToolCalling | None:
@@ -220,7 +281,7 @@ def parse_tool_calling(body: dict) -> ToolCalling | None:
     tools = parse_tools(body.get("tools"))
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
-        raise InvalidRequestError("parallel_tool_calls", f"must be a boolean, got {_json_type(parallel)}")
+        raise InvalidRequestError("parallel_tool_calls", f"must be a boolean, got {json_type(parallel)}")
     choice = body.get("tool_choice")
     if choice is None:
         choice = "auto" if tools else "none"
@@ -242,7 +303,10 @@ def parse_tool_calling(body: dict) -> ToolCalling | None:
         return None
     if not tools:
         raise InvalidRequestError("tool_choice", f"is {choice!r} but the request has no tools")
-    return ToolCalling(tools, choice, function, True if parallel is None else parallel)
+    calling = ToolCalling(tools, choice, function, True if parallel is None else parallel)
+    if choice == "required":  # the tools' parameters together: compiled here, as each tool's were
+        _check_schema("the schema of a call of one of them", calling.json_schema or "")
+    return calling
 
 
 def history_message(where: str, message: dict, role: str, content: str | None) -> dict:
@@ -265,7 +329,7 @@ def history_message(where: str, message: dict, role: str, content: str | None) -
     if call_id is not None:
         if role != "tool" or not isinstance(call_id, str):
             raise InvalidRequestError(f"{where}.tool_call_id", "is a string, in tool messages only")
-        out["tool_call_id"] = call_id
+        out["tool_call_id"] = valid_unicode(f"{where}.tool_call_id", call_id)
     return out
 
 
@@ -276,15 +340,21 @@ def _history_call(where: str, call: Any) -> dict:
     function = call.get("function")
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
         raise InvalidRequestError(f"{where}.function", "must be an object with the function's name and arguments")
+    if not _NAME.match(function["name"]):
+        raise InvalidRequestError(f"{where}.function.name", f"must be 1 to 64 letters, digits, _ or -, "
+                                                            f"got {function['name']!r}")
     arguments = function.get("arguments", "{}")
-    parsed = _json_object(arguments) if isinstance(arguments, str) else None
+    parsed = _json_object(valid_unicode(f"{where}.function.arguments", arguments)) if isinstance(arguments, str) \
+        else None
     if parsed is None:
         raise InvalidRequestError(f"{where}.function.arguments", "must be a JSON object written as a string")
+    # its strings decoded: an escaped surrogate (\\ud83d) is one too, and the prompt writes them out
+    valid_unicode(f"{where}.function.arguments", json.dumps(parsed, ensure_ascii=False))
     out: dict[str, Any] = {"type": "function", "function": {"name": function["name"], "arguments": parsed}}
     if call.get("id") is not None:
         if not isinstance(call["id"], str):
             raise InvalidRequestError(f"{where}.id", "must be a string")
-        out["id"] = call["id"]
+        out["id"] = valid_unicode(f"{where}.id", call["id"])
     return out
 
 
@@ -298,14 +368,17 @@ def has_tool_content(messages: list[dict], tools: tuple[Tool, ...]) -> bool:
 
 def template_renders_tools(tokenizer: Any) -> bool:
     """Whether the tokenizer's chat template renders `tools` (else it ignores them): a one-message
-    conversation rendered with and without a tool differs. Cached by template text."""
+    conversation rendered with and without a tool differs. Named templates (a dict, as transformers
+    allows) are probed as transformers picks them: "tool_use" when tools are given and it has one, else
+    "default". Cached by template: its text, or the named templates as sorted JSON."""
     template = tokenizer.chat_template
-    known = _RENDERS_TOOLS.get(template)
+    key = template if isinstance(template, str) else json.dumps(template, sort_keys=True)
+    known = _RENDERS_TOOLS.get(key)
     if known is None:
-        plain = tokenizer.apply_chat_template(_PROBE_MESSAGES, add_generation_prompt=True, tokenize=False)
-        with_tool = tokenizer.apply_chat_template(_PROBE_MESSAGES, tools=[_PROBE_TOOL], add_generation_prompt=True,
+        plain = tokenizer.apply_chat_template(PROBE_MESSAGES, add_generation_prompt=True, tokenize=False)
+        with_tool = tokenizer.apply_chat_template(PROBE_MESSAGES, tools=[_PROBE_TOOL], add_generation_prompt=True,
                                                   tokenize=False)
-        known = _RENDERS_TOOLS[template] = plain != with_tool
+        known = _RENDERS_TOOLS[key] = plain != with_tool
     return known
 
 
@@ -404,18 +477,98 @@ def _partial_tag(text: str) -> int:
     return 0
 
 
-def _json(text: str) -> Any:
+def _json_object(text: str) -> dict | None:
+    """`text` as a JSON object (NaN and Infinity are no JSON), or None."""
     try:
-        return json.loads(text)
+        value, end = _DECODER.raw_decode(text, _WS.match(text).end())  # type: ignore[union-attr]
     except ValueError:
         return None
+    return value if isinstance(value, dict) and _WS.match(text, end).end() == len(text) else None  # type: ignore
 
 
-def _json_object(text: str) -> dict | None:
-    value = _json(text)
-    return value if isinstance(value, dict) else None
+def _json_objects(text: str, array: bool) -> list[dict[str, tuple[Any, str]]] | None:
+    """The JSON objects `text` is (one, or with `array` also a list of them), each as its members:
+    key → (value, the value's JSON text as written). None when `text` is not that. Linear in `text`:
+    each member's value is decoded once."""
+    try:
+        pos = _WS.match(text).end()  # type: ignore[union-attr]
+        if array and text.startswith("[", pos):
+            items: list[dict[str, tuple[Any, str]]] = []
+            pos = _WS.match(text, pos + 1).end()  # type: ignore[union-attr]
+            while not text.startswith("]", pos):
+                if items:
+                    pos = _expect(text, pos, ",")
+                item, pos = _members(text, pos)
+                items.append(item)
+                pos = _WS.match(text, pos).end()  # type: ignore[union-attr]
+            pos += 1
+        else:
+            item, pos = _members(text, pos)
+            items = [item]
+    except ValueError:
+        return None
+    return items if _WS.match(text, pos).end() == len(text) else None  # type: ignore[union-attr]
 
 
-def _json_type(v: Any) -> str:
-    names = {bool: "boolean", int: "integer", float: "number", str: "string", list: "array", dict: "object"}
-    return "null" if v is None else names.get(type(v), type(v).__name__)
+def _members(text: str, pos: int) -> tuple[dict[str, tuple[Any, str]], int]:
+    """The object at `pos`: key → (value, its JSON text) (a repeated key: the last, as json.loads), and
+    where it ends. Raises ValueError when there is none."""
+    pos = _expect(text, pos, "{")
+    members: dict[str, tuple[Any, str]] = {}
+    while not text.startswith("}", pos):
+        if members:
+            pos = _expect(text, pos, ",")
+        if not text.startswith('"', pos):
+            raise ValueError("a key must be a string")
+        key, pos = _DECODER.raw_decode(text, pos)
+        start = _expect(text, pos, ":")
+        value, pos = _DECODER.raw_decode(text, start)
+        members[key] = (value, text[start:pos])
+        pos = _WS.match(text, pos).end()  # type: ignore[union-attr]
+    return members, pos + 1
+
+
+def _expect(text: str, pos: int, char: str) -> int:
+    """Past `char` at `pos` (after blanks) and the blanks after it. Raises ValueError when it is not there."""
+    pos = _WS.match(text, pos).end()  # type: ignore[union-attr]
+    if not text.startswith(char, pos):
+        raise ValueError(f"expected {char!r}")
+    return _WS.match(text, pos + 1).end()  # type: ignore[union-attr]
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _escape_surrogates(text: str) -> str:
+    """JSON text with any lone surrogate (decoded from a \\uXXXX escape inside a JSON string) written
+    back as that escape, so that the text encodes as UTF-8."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _rewrite_refs(schema: Any, tool: str, base: str) -> Any:
+    """A copy of tool `tool`'s subschema `schema` for the "required" schema: local `$ref`s into its
+    `$defs` / `definitions` point to the root's "<tool>.<name>", other local ones under `base` (where
+    its parameters now are). Values of data keywords (const, enum, ...) are left as they are."""
+    if isinstance(schema, list):
+        return [_rewrite_refs(v, tool, base) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = _moved_ref(value, tool, base)
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        else:
+            out[key] = _rewrite_refs(value, tool, base)
+    return out
+
+
+def _moved_ref(ref: str, tool: str, base: str) -> str:
+    parts = ref[1:].split("/")  # "#/$defs/X/..." → ["", "$defs", "X", ...]
+    if len(parts) >= 3 and parts[0] == "" and parts[1] in _DEFS:
+        name = parts[2].replace("~1", "/").replace("~0", "~")
+        moved = f"{tool}.{name}".replace("~", "~0").replace("/", "~1")
+        return "/".join(["#", "$defs", moved, *parts[3:]])
+    return base + ref[1:]

@@ -10,11 +10,13 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from engine import grammar
 from engine.errors import InvalidRequestError
+from engine.grammar import check_json_schema
 from engine.model_loader import encode_prompt
 from router.limits import RequestLimits
 from router.openai_protocol import ResponseBuilder, parse_chat_request, parse_tokenize_request
-from router.tool_calls import ToolCalling, ToolStream, chat_prompt, fallback_messages, template_renders_tools
+from router.tool_calls import MAX_TOOLS, ToolCalling, ToolStream, chat_prompt, fallback_messages, template_renders_tools
 from router.types import Chunk, Usage
 
 USER = [{"role": "user", "content": "Weather in Paris?"}]
@@ -59,7 +61,7 @@ def chat(**fields) -> dict:
     (chat(parallel_tool_calls="yes"), "parallel_tool_calls"),
     (chat(tool_choice="required", response_format={"type": "json_object"}), "response_format"),
     (chat(logprobs=True), "logprobs"),
-    (chat(tool_choice="required", min_tokens=2), "min_tokens"),
+    (chat(tool_choice="required", min_tokens=2), "tool_choice"),
     ({"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f"}}]}]},
      "messages[0].tool_calls"),
@@ -260,3 +262,171 @@ def test_tool_calls_and_tools_count_against_the_prompt_limit() -> None:
         with pytest.raises(InvalidRequestError) as info:
             parse_chat_request(body, limits=limits)
         assert info.value.field == "messages"
+
+
+# ---------------------------------------------------------------- review fixes
+
+
+def numbered_tools(n: int) -> list[dict]:
+    return [{"type": "function", "function": {"name": f"f{i}"}} for i in range(n)]
+
+
+def test_at_most_128_tools_are_taken_and_names_are_checked_in_one_pass() -> None:
+    assert len(parse_chat_request(chat(tools=numbered_tools(MAX_TOOLS))).request.tools) == MAX_TOOLS == 128
+    for tools in (numbered_tools(MAX_TOOLS + 1), [None] * 20_000):  # refused before each tool is parsed
+        with pytest.raises(InvalidRequestError) as info:
+            parse_chat_request(chat(tools=tools))
+        assert info.value.field == "tools" and "at most 128" in info.value.message
+    with pytest.raises(InvalidRequestError) as info:
+        parse_chat_request(chat(tools=[*numbered_tools(MAX_TOOLS - 1), numbered_tools(1)[0]]))
+    assert info.value.field == "tools" and "'f0' twice" in info.value.message
+
+
+# as openai.pydantic_function_tool writes nested models: $defs at the root, "#/$defs/..." references
+SEND = {"$defs": {"Address": {"properties": {"city": {"type": "string"}, "zip": {"$ref": "#/$defs/Zip"}},
+                              "required": ["city", "zip"], "title": "Address", "type": "object",
+                              "additionalProperties": False},
+                  "Zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+        "properties": {"to": {"$ref": "#/$defs/Address"},
+                       "cc": {"anyOf": [{"$ref": "#/$defs/Address"}, {"type": "null"}]}},
+        "required": ["to", "cc"], "title": "Send", "type": "object", "additionalProperties": False}
+# another tool whose own "Address" differs (older drafts' "definitions"), and a reference to its own root
+ROUTE = {"definitions": {"Address": {"type": "object", "properties": {"stop": {"type": "integer"}},
+                                     "required": ["stop"], "additionalProperties": False}},
+         "type": "object", "properties": {"at": {"$ref": "#/definitions/Address"},
+                                          "next": {"anyOf": [{"type": "null"}, {"$ref": "#"}]}},
+         "required": ["at", "next"], "additionalProperties": False}
+REF_TOOLS = [{"type": "function", "function": {"name": "send", "parameters": SEND}},
+             {"type": "function", "function": {"name": "route", "parameters": ROUTE}}]
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+@pytest.mark.parametrize("tools", [REF_TOOLS, REF_TOOLS[:1]])
+def test_required_keeps_each_tools_references(tools: list[dict], parallel: bool) -> None:
+    schema = json.loads(parse_chat_request(chat(tools=tools, tool_choice="required", parallel_tool_calls=parallel))
+                        .request.sampling.json_schema)
+    send = {"name": "send", "arguments": {"to": {"city": "Oslo", "zip": "01234"}, "cc": None}}
+    route = {"name": "route", "arguments": {"at": {"stop": 1}, "next": {"at": {"stop": 2}, "next": None}}}
+    good = [send, route] if len(tools) == 2 else [send]
+    for call in good:
+        jsonschema.validate([call] if parallel else call, schema)
+    bad_zip = {"name": "send", "arguments": {"to": {"city": "Oslo", "zip": "x"}, "cc": None}}
+    bad_route = {"name": "route", "arguments": {"at": {"stop": 1}, "next": {"at": {"city": "x"}, "next": None}}}
+    for call in [bad_zip, bad_route] if len(tools) == 2 else [bad_zip]:
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate([call] if parallel else call, schema)
+    check_json_schema(json.dumps(schema))  # the grammar library compiles it too
+
+
+def test_a_forced_call_is_always_a_call_whole_and_streamed() -> None:
+    named = calling(function="get_weather")
+    for pieces, finish in (([' {"city": ', '"Paris", "unit": "c"} '], "stop"), (['{"city": ', '"Par'], "length")):
+        whole = named.extract("".join(pieces), finish)
+        deltas, reason = feed_all(ToolStream(named), pieces, finish)
+        streamed = "".join(d["tool_calls"][0]["function"]["arguments"] for d in deltas)
+        assert whole.content is None and whole.finish_reason == reason == ("tool_calls" if finish == "stop" else finish)
+        assert [(c.name, c.arguments) for c in whole.calls] == [("get_weather", streamed)]
+        assert streamed == "".join(pieces)  # as written, blanks too
+
+
+def test_parameters_without_a_type_are_an_object() -> None:
+    body = chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+                tool_choice={"type": "function", "function": {"name": "f"}})
+    schema = json.loads(parse_chat_request(body).request.sampling.json_schema)
+    jsonschema.validate({}, schema)
+    for wrong in ("abc", [1], 3):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(wrong, schema)
+    with pytest.raises(InvalidRequestError) as info:
+        parse_chat_request(chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+            "type": ["object", "null"]}}}]))
+    assert info.value.field == "tools"
+
+
+def test_arguments_are_the_models_own_json_text() -> None:
+    surrogate = '{"city": "\\ud83d", "unit": "c"}'  # an escape the grammar allows: a lone surrogate once decoded
+    big = '{"city": "x", "unit": 1e400}'  # json.loads: inf, which json.dumps writes as Infinity (no JSON)
+    twice = '{"city": "a", "city": "b"}'  # json.loads keeps one
+    for arguments in (surrogate, big, twice, '{ "city" : "Rome" }'):
+        for c, text in (("required", f'[{{"name": "get_weather", "arguments": {arguments}}}]'),
+                        ("auto", f'<tool_call>{{"name": "get_weather", "arguments": {arguments}}}</tool_call>')):
+            out = calling(c).extract(text, "stop")
+            assert [call.arguments for call in out.calls] == [arguments]
+            deltas, _ = feed_all(ToolStream(calling(c)), [text], "stop")
+            assert deltas[0]["tool_calls"][0]["function"]["arguments"] == arguments
+            json.dumps(deltas, ensure_ascii=False).encode()  # as the stream writes them: no UnicodeEncodeError
+    # arguments written as a JSON string: its text, a decoded lone surrogate escaped back
+    out = calling("required").extract('[{"name": "get_weather", "arguments": "{\\"city\\": \\"\\ud83d\\"}"}]', "stop")
+    assert out.calls[0].arguments == '{"city": "\\ud83d"}'
+    for text in ('[{"name": "get_weather", "arguments": {"n": NaN}}]', '[{"name": "get_time"}] x', '[1]', '[]'):
+        assert calling("required").extract(text, "stop").calls == ()
+
+
+def test_named_templates_are_probed_as_transformers_picks_them(tok) -> None:
+    tok.chat_template = {"default": PLAIN_TEMPLATE, "tool_use": TOOL_TEMPLATE}
+    assert template_renders_tools(tok)
+    request = parse_chat_request({"messages": USER, "tools": TOOLS}).request
+    messages, tools = chat_prompt(tok, request.messages, request.tools)
+    assert encode_prompt(tok, messages, chat=True, tools=tools) == tok("[TOOLS]get_weather;get_time;<user>Weather "
+                                                                        "in Paris?<assistant>")["input_ids"]
+    tok.chat_template = {"default": PLAIN_TEMPLATE}
+    assert not template_renders_tools(tok)
+
+
+def test_the_worker_grammar_cache_is_bounded(tok, monkeypatch) -> None:
+    made = []
+
+    class Compiler:
+        def __init__(self, info, **options) -> None:
+            made.append(options)
+
+        def compile_json_schema(self, schema, **options):
+            return schema
+
+    monkeypatch.setattr(grammar.xgrammar, "GrammarCompiler", Compiler)
+    grammar.Grammars(tok, len(tok), frozenset({tok.eos_token_id})).compile(grammar.JSON_OBJECT_SCHEMA)
+    assert made == [{"max_threads": 1, "cache_limit_bytes": grammar.GRAMMAR_CACHE_BYTES}]
+    assert 0 < grammar.GRAMMAR_CACHE_BYTES <= 1 << 30
+
+
+def test_history_calls_count_as_written_and_their_names_are_checked() -> None:
+    limits = RequestLimits(max_prompt_chars=200)
+
+    def history(arguments="{}", name="get_time", call_id="call_a", result_id="call_a") -> dict:
+        call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+        return {"messages": [*USER, {"role": "assistant", "tool_calls": [call]},
+                             {"role": "tool", "tool_call_id": result_id, "content": "1"}]}
+
+    parse_chat_request(history(json.dumps({"city": "é" * 150}, ensure_ascii=False)), limits=limits)  # 150, not 900
+    for body in (history(call_id="c" * 200), history(result_id="c" * 200), history(name="g" * 64, call_id="c" * 120)):
+        with pytest.raises(InvalidRequestError) as info:
+            parse_chat_request(body, limits=limits)
+        assert info.value.field == "messages"
+    with pytest.raises(InvalidRequestError) as info:
+        parse_chat_request(history(name="bad name"))
+    assert info.value.field == "messages[1].tool_calls[0].function.name"
+
+
+LONE = "\ud83d"  # what JSON's "\\ud83d" decodes to
+
+
+@pytest.mark.parametrize(("body", "field"), [
+    (chat(tools=[{"type": "function", "function": {"name": "f", "description": "a" + LONE}}]), "tools"),
+    (chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "description": LONE}}}}}]), "tools"),
+    ({"messages": [*USER, {"role": "assistant", "tool_calls": [{"type": "function", "function": {
+        "name": "f", "arguments": '{"a": "' + LONE + '"}'}}]}]}, "messages[1].tool_calls[0].function.arguments"),
+    ({"messages": [*USER, {"role": "assistant", "tool_calls": [{"type": "function", "function": {
+        "name": "f", "arguments": '{"a": "\\ud83d"}'}}]}]}, "messages[1].tool_calls[0].function.arguments"),
+    ({"messages": [*USER, {"role": "assistant", "tool_calls": [{"id": LONE, "type": "function", "function": {
+        "name": "f", "arguments": "{}"}}]}]}, "messages[1].tool_calls[0].id"),
+    ({"messages": [*USER, {"role": "tool", "content": "1", "tool_call_id": LONE}]}, "messages[1].tool_call_id"),
+])
+def test_tool_text_must_be_valid_unicode(body: dict, field: str) -> None:
+    with pytest.raises(InvalidRequestError) as info:
+        parse_chat_request(body)
+    assert info.value.field == field and "unpaired surrogate" in info.value.message
+
+
+def test_tokenize_shows_no_tools_with_tool_choice_none() -> None:
+    assert parse_tokenize_request({"messages": USER, "tools": TOOLS, "tool_choice": "none"}).tools == ()
