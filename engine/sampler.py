@@ -11,8 +11,8 @@ and the top k: the float32 log-softmax of the raw logits (before penalties and t
 `engine.logprobs`), top-k taken on the tensor, so only k + 1 numbers per row reach Python. A batch
 where no request asked costs nothing more.
 
-Structured output (`SamplingParams.json_schema`): the grammar's mask is applied last in `_adjust`
-(after penalties and `logit_bias`, before temperature / top-k / top-p), and the picked token goes to the
+Structured output (`SamplingParams.json_schema` / `structural_tag`): the grammar's mask is applied last
+in `_adjust` (after penalties and `logit_bias`, before temperature / top-k / top-p), and the picked token goes to the
 request's matcher at once, so the stop check sees a completed JSON in the same step (`engine.grammar`).
 
 A row fails alone: extreme but valid settings (a repetition penalty near 0 divides logits by it) are
@@ -36,8 +36,8 @@ from engine.sequence import Sequence
 class Sampler:
     """Args: seed: engine seed; requests without their own seed draw one from it. eos_ids: the
     model's end tokens, masked out with the stop token ids until a request's `min_tokens`. grammars:
-    the engine's grammar compiler, for requests with a `json_schema` (None: the engine has no tokenizer
-    and refuses them)."""
+    the engine's grammar compiler, for requests with a `json_schema` or `structural_tag` (None: the
+    engine has no tokenizer; it refuses a json_schema, and a structural_tag's row fails)."""
 
     def __init__(self, seed: int = 0, eos_ids: frozenset[int] = frozenset(), grammars: Grammars | None = None) -> None:
         self._seeds = random.Random(seed)
@@ -62,7 +62,7 @@ class Sampler:
         if sp.adjusts_logits:
             row = _finite(self._adjust(row, seq))
         token = int(row.argmax()) if sp.greedy else self._sample_one(row, seq)
-        if sp.json_schema is not None and self._grammars is not None:
+        if sp.constrained and self._grammars is not None:
             self._grammars.accept(seq, token)
         return token
 
@@ -110,7 +110,9 @@ class Sampler:
             ends = [t for t in ends if t < logits.shape[-1]]
             if ends:
                 logits[torch.tensor(ends, dtype=torch.long)] = float("-inf")
-        if sp.json_schema is not None and self._grammars is not None:
+        if sp.constrained:
+            if self._grammars is None:
+                raise SamplingError("the request's grammar needs the engine's tokenizer, and it has none")
             self._grammars.mask(logits, seq, output.tolist())
         return logits
 

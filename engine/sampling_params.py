@@ -50,6 +50,11 @@ class SamplingParams:
             match (json_object is {"type": "object"}), stored compact with its keys in their order; the
             sampler masks every token that would break it and the request stops when the JSON is complete
             (`engine.grammar`, which also refuses a schema it cannot compile). Not with `min_tokens`.
+        structural_tag: structured output with free text around it (tool_choice "auto"): JSON text of an
+            xgrammar structural tag ({"type": "structural_tag", "format": ...}), stored compact; the
+            sampler masks every token that would break it (free text until a trigger, then the tag's
+            content and its end, then free text again), and the request ends as free text does (EOS
+            where the grammar allows it, a stop, max_tokens). Not with `json_schema`.
     """
 
     max_tokens: int = 16
@@ -70,6 +75,7 @@ class SamplingParams:
     logprobs: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
     json_schema: str | None = None
+    structural_tag: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -103,10 +109,17 @@ class SamplingParams:
                                                   f"got {self.logprobs!r}")
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         if self.json_schema is not None:
-            object.__setattr__(self, "json_schema", _json_schema(self.json_schema))
+            object.__setattr__(self, "json_schema", _json_object("response_format", "the JSON schema",
+                                                                 self.json_schema))
             if self.min_tokens:
                 raise InvalidRequestError("min_tokens", "cannot be combined with response_format (the JSON decides "
                                                         "where the output ends)")
+        if self.structural_tag is not None:
+            if self.json_schema is not None:
+                raise InvalidRequestError("structural_tag", "cannot be combined with json_schema (one grammar "
+                                                            "a request)")
+            object.__setattr__(self, "structural_tag", _json_object("structural_tag", "the structural tag",
+                                                                    self.structural_tag))
         object.__setattr__(self, "stop", _as_tuple(self.stop, str, "stop"))
         object.__setattr__(self, "stop_token_ids", _as_tuple(self.stop_token_ids, int, "stop_token_ids"))
         if any(s == "" for s in self.stop):
@@ -120,20 +133,26 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         """Whether the logits change before the token is picked (penalties, min_tokens, a grammar)."""
         return bool(self.min_tokens or self.presence_penalty or self.frequency_penalty
-                    or self.repetition_penalty != 1.0 or self.logit_bias or self.json_schema is not None)
+                    or self.repetition_penalty != 1.0 or self.logit_bias or self.constrained)
+
+    @property
+    def constrained(self) -> bool:
+        """Whether a grammar constrains the output (`json_schema` or `structural_tag`)."""
+        return self.json_schema is not None or self.structural_tag is not None
 
 
-def _json_schema(value: object) -> str:
-    """`json_schema` as compact JSON text (keys keep their order: it is the order the output writes them)."""
+def _json_object(field: str, what: str, value: object) -> str:
+    """A grammar's JSON text (`json_schema`, `structural_tag`) as compact JSON text (keys keep their
+    order: it is the order the output writes them). Refusals name `field`."""
     if not isinstance(value, str):
-        raise InvalidRequestError("response_format", f"the JSON schema must be JSON text, got {type(value).__name__}")
+        raise InvalidRequestError(field, f"{what} must be JSON text, got {type(value).__name__}")
     try:
-        schema = json.loads(value)
+        obj = json.loads(value)
     except ValueError as e:
-        raise InvalidRequestError("response_format", f"the JSON schema is not valid JSON: {e}") from None
-    if not isinstance(schema, dict):
-        raise InvalidRequestError("response_format", "the JSON schema must be an object")
-    return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+        raise InvalidRequestError(field, f"{what} is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise InvalidRequestError(field, f"{what} must be an object")
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
 
 
 def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:

@@ -43,7 +43,8 @@ response_format or a schema the grammar library cannot compile → InvalidReques
 Tool calling (chat): `tools`, `tool_choice`, `parallel_tool_calls` and the tool messages of the history
 are parsed by `router.tool_calls` into `ParsedRequest.tools` (a `ToolCalling`, None when no tool may be
 called) and `GenerateRequest.tools` (the tools the prompt shows); "required" and a named function set
-`SamplingParams.json_schema` to the calls' schema. Not with a response_format other than text (the output
+`SamplingParams.json_schema` to the calls' schema, "auto" `SamplingParams.structural_tag` (free text with
+well-formed tagged calls). Not with a response_format other than text (the output
 has one shape) nor with logprobs (400 naming them). `ResponseBuilder` turns the output into `tool_calls`.
 
 Size limits (`router.limits.RequestLimits`: prompt characters, messages, stop strings, stop token
@@ -189,7 +190,8 @@ def parse_chat_request(body: Any, default_max_tokens: int = DEFAULT_MAX_TOKENS,
 
 def _tool_sampling(sampling: SamplingParams, calling: ToolCalling) -> SamplingParams:
     """The sampling of a request that may call tools: its output constrained to the calls' schema
-    ("required", a named function). Refuses what cannot go with tool calls."""
+    ("required", a named function) or, for "auto", to free text with well-formed tagged calls in it (a
+    structural tag). Refuses what cannot go with tool calls."""
     if sampling.json_schema is not None:
         raise InvalidRequestError("response_format", "cannot be combined with tool calling (tool_choice "
                                                      f"{calling.choice!r}); use tool_choice \"none\" or leave "
@@ -201,7 +203,7 @@ def _tool_sampling(sampling: SamplingParams, calling: ToolCalling) -> SamplingPa
     if schema is not None and sampling.min_tokens:
         raise InvalidRequestError("tool_choice", f"{calling.choice!r} cannot be combined with min_tokens (the call's "
                                                  "JSON decides where the output ends); leave min_tokens out")
-    return sampling if schema is None else replace(sampling, json_schema=schema)
+    return replace(sampling, json_schema=schema, structural_tag=calling.structural_tag)
 
 
 def parse_tokenize_request(body: Any, limits: RequestLimits = DEFAULT_LIMITS) -> GenerateRequest:

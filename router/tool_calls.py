@@ -7,7 +7,7 @@ Request lifecycle:
    `parallel_tool_calls` become a `ToolCalling` (None when no tool may be called: no tools, or
    tool_choice "none"). At most `MAX_TOOLS` tools, counted before any is parsed; a parameters schema
    without a type is an object's; each is compiled (`engine.grammar.check_json_schema`), and so is the
-   combined schema of "required". Anything malformed, or text with an unpaired surrogate, is an
+   combined schema of "required" and the structural tag of "auto" (`check_structural_tag`). Anything malformed, or text with an unpaired surrogate, is an
    InvalidRequestError naming `tools`, `tool_choice` or `parallel_tool_calls`. The chat history may hold
    assistant messages with `tool_calls` and `tool` messages (`history_message` keeps them in transformers'
    format: arguments as a dict; names, ids and text checked as the request's own).
@@ -22,7 +22,11 @@ Request lifecycle:
    the decode worker): a named function's output is its arguments object; "required" writes
    {"name": one of the tools, "arguments": that tool's parameters} (a list of them, at least one, when
    parallel_tool_calls is true; each tool's $defs hoisted to the root under its own names). "auto"
-   leaves the model free; its output is parsed for the tagged calls.
+   is constrained too (`ToolCalling.structural_tag` → `SamplingParams.structural_tag`, an xgrammar
+   structural tag): the model writes free text (or ends) as it likes, but once it writes `<tool_call>`
+   it must write one call as "required" does (a listed tool's name and its arguments, blanks bounded),
+   then `</tool_call>`; then free text again (with parallel_tool_calls false: only the end). Its output
+   is parsed for the tagged calls, which are then always well formed (unless cut by max_tokens or a stop).
 4. Response (`ToolCalling.extract` whole, `ToolStream` streamed; both give the same): the output becomes
    `ToolCall`s with ids "call_<random>", finish_reason "tool_calls", their arguments the model's own JSON
    text (checked to parse, never re-serialised). A named function's output is always its call (cut by
@@ -48,6 +52,7 @@ _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
 _TAGGED = re.compile(re.escape(CALL_OPEN) + r"(.*?)(?:" + re.escape(CALL_CLOSE) + r"|\Z)", re.DOTALL)
 _EMPTY_PARAMETERS = '{"type":"object","properties":{}}'  # a function without parameters (OpenAI's default)
 MAX_TOOLS = 128  # tools per request (OpenAI's limit)
+_TAG_WHITESPACE = 1  # "auto": blanks in a row a call's JSON may hold (a small model cannot wander off)
 _DEFS = ("$defs", "definitions")  # where a schema keeps its named subschemas
 _DATA_KEYWORDS = ("const", "enum", "default", "examples")  # their values are data, not schemas
 _DECODER = json.JSONDecoder(parse_constant=lambda name: _refuse_constant(name))  # no NaN / Infinity
@@ -119,7 +124,7 @@ class ToolCalling:
 
     @functools.cached_property
     def json_schema(self) -> str | None:
-        """The output's JSON Schema (`SamplingParams.json_schema`): None for "auto" (free output).
+        """The output's JSON Schema (`SamplingParams.json_schema`): None for "auto" (`structural_tag`).
 
         "required" nests each tool's parameters in one schema, at `_arguments_pointer`; their named
         subschemas (`$defs`, `definitions`) move to the root's `$defs` as "<tool name>.<name>" (a tool
@@ -128,6 +133,28 @@ class ToolCalling:
             return self._tool(self.function).parameters
         if self.choice != "required":
             return None
+        return json.dumps(self._call_schema(self.parallel), separators=(",", ":"), ensure_ascii=False)
+
+    @functools.cached_property
+    def structural_tag(self) -> str | None:
+        """"auto"'s grammar (`SamplingParams.structural_tag`, an xgrammar structural tag): free text until
+        `CALL_OPEN`, then one call as "required" writes it without parallel_tool_calls (the same schema:
+        a listed tool's name and its parameters), an optional newline either side, `CALL_CLOSE`, then
+        free text again (with parallel_tool_calls false: nothing but the end). None for other choices."""
+        if self.choice != "auto":
+            return None
+        call = {"type": "json_schema", "json_schema": self._call_schema(False),
+                "max_whitespace_cnt": _TAG_WHITESPACE}
+        newline = {"type": "regex", "pattern": "\\n?"}
+        tag = {"type": "tag", "begin": CALL_OPEN, "content": {"type": "sequence", "elements": [newline, call, newline]},
+               "end": CALL_CLOSE}
+        text = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": [CALL_OPEN], "tags": [tag],
+                                                     "stop_after_first": not self.parallel}}
+        return json.dumps(text, separators=(",", ":"), ensure_ascii=False)
+
+    def _call_schema(self, array: bool) -> dict[str, Any]:
+        """The schema of a call of one of the tools ({"name", "arguments"}), or of a list of them
+        (at least one) with `array`; each tool's named subschemas hoisted to the root."""
         defs: dict[str, Any] = {}
         calls = []
         for i, t in enumerate(self.tools):
@@ -136,20 +163,20 @@ class ToolCalling:
             for key in _DEFS:
                 if isinstance(parameters.get(key), dict):
                     own.update(parameters.pop(key))
-            base = self._arguments_pointer(i)
+            base = self._arguments_pointer(i, array)
             defs.update((f"{t.name}.{name}", _rewrite_refs(sub, t.name, base)) for name, sub in own.items())
             calls.append({"type": "object", "properties": {"name": {"const": t.name},
                                                            "arguments": _rewrite_refs(parameters, t.name, base)},
                           "required": ["name", "arguments"], "additionalProperties": False})
         one = calls[0] if len(calls) == 1 else {"anyOf": calls}
-        schema = {"type": "array", "items": one, "minItems": 1} if self.parallel else one
+        schema = {"type": "array", "items": one, "minItems": 1} if array else one
         if defs:
             schema["$defs"] = defs
-        return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+        return schema
 
-    def _arguments_pointer(self, i: int) -> str:
-        """The JSON pointer of tool i's parameters in the "required" schema."""
-        return ("#/items" if self.parallel else "#") + \
+    def _arguments_pointer(self, i: int, array: bool) -> str:
+        """The JSON pointer of tool i's parameters in the call schema (`array`: a list of calls)."""
+        return ("#/items" if array else "#") + \
             (f"/anyOf/{i}" if len(self.tools) > 1 else "") + "/properties/arguments"
 
     def extract(self, text: str, finish_reason: str) -> ToolOutput:
@@ -276,6 +303,16 @@ def _check_schema(where: str, schema: str) -> None:
         raise InvalidRequestError("tools", f"{where}: {e.message}") from None
 
 
+def _check_tag(where: str, tag: str) -> None:
+    """Compile "auto"'s structural tag as the workers will; one the grammar library refuses is a 400
+    naming tools."""
+    from engine.grammar import check_structural_tag  # here, as in `_check_schema`
+    try:
+        check_structural_tag(tag)
+    except InvalidRequestError as e:
+        raise InvalidRequestError("tools", f"{where}: {e.message}") from None
+
+
 def parse_tool_calling(body: dict) -> ToolCalling | None:
     """`tools`, `tool_choice` and `parallel_tool_calls` of a chat body: None when no tool may be called."""
     tools = parse_tools(body.get("tools"))
@@ -306,6 +343,8 @@ def parse_tool_calling(body: dict) -> ToolCalling | None:
     calling = ToolCalling(tools, choice, function, True if parallel is None else parallel)
     if choice == "required":  # the tools' parameters together: compiled here, as each tool's were
         _check_schema("the schema of a call of one of them", calling.json_schema or "")
+    if choice == "auto":
+        _check_tag("the grammar of a call of one of them", calling.structural_tag or "")
     return calling
 
 

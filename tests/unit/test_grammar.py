@@ -13,8 +13,8 @@ from tokenizers import models as tok_models
 from transformers import PreTrainedTokenizerFast
 
 from engine.detokenizer import StopChecker
-from engine.errors import InvalidRequestError
-from engine.grammar import Grammars, check_json_schema, is_terminated
+from engine.errors import InvalidRequestError, SamplingError
+from engine.grammar import Grammars, check_json_schema, check_structural_tag, is_terminated
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.sequence import FinishReason, Sequence
@@ -139,3 +139,122 @@ def test_bad_schemas_name_response_format(tok, grammars) -> None:
     with pytest.raises(InvalidRequestError, match="^min_tokens: "):
         SamplingParams(json_schema=SCHEMA, min_tokens=1)
     assert SamplingParams(json_schema='{ "type" : "object",\n "a": 1 }').json_schema == '{"type":"object","a":1}'
+
+
+# ---------------------------------------------------------------- structural tags (tool_choice "auto")
+
+TAG_PARAMS = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]},
+                                               "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+              "required": ["city", "days"], "additionalProperties": False}
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+def tag_of(parallel: bool = True) -> str:
+    """The structural tag the router writes for "auto" with one tool, `forecast(TAG_PARAMS)`."""
+    from router.tool_calls import ToolCalling, parse_tools
+    tools = parse_tools([{"type": "function", "function": {"name": "forecast", "parameters": TAG_PARAMS}}])
+    return ToolCalling(tools, "auto", None, parallel).structural_tag or ""
+
+
+def check_call(text: str) -> None:
+    obj = json.loads(text, strict=False)
+    assert set(obj) == {"name", "arguments"} and obj["name"] == "forecast"
+    assert set(obj["arguments"]) == {"city", "days"} and obj["arguments"]["city"] in ("Paris", "Oslo")
+    days = obj["arguments"]["days"]
+    assert isinstance(days, int) and not isinstance(days, bool) and 1 <= days <= 7
+
+
+def in_call(tok, output: list[int]) -> bool:
+    """Whether `output` ends inside an open <tool_call> block."""
+    text = tok.decode(output)
+    return text.rfind(OPEN) > text.rfind(CLOSE)
+
+
+def test_a_structural_tag_lets_free_text_pass_and_end(tok, grammars) -> None:
+    """Free text (no trigger) is all allowed, EOS too, and nothing forces the end: the request goes on to
+    max_tokens as free text does."""
+    text = tok.encode("the quick brown fox jumps over the lazy dog")
+    seq = Sequence("r", [5, 6, 7], SamplingParams(max_tokens=50, structural_tag=tag_of()))
+    for k in range(len(text)):
+        got = allowed(grammars, seq, text[:k])
+        assert got[text[k]] and got[EOS] and got.sum() > len(tok) // 2
+    assert allowed(grammars, seq, text)[EOS]
+    masks: list[torch.Tensor] = []
+    ran = run(tok, grammars, SamplingParams(max_tokens=30, structural_tag=tag_of(), logit_bias=((EOS, -100.0),)),
+              4, masks=masks)
+    assert ran.finish_reason is FinishReason.LENGTH and not is_terminated(ran)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_after_the_trigger_only_a_valid_call_may_come_and_no_eos_inside_it(tok, grammars, seed) -> None:
+    """The output so far ends with "<tool_call>" (written by an earlier worker); random logits, with a
+    model that wants EOS most, write a valid call (EOS masked all through it) and end right after its
+    close tag; sampled without EOS pressure, free text follows the call."""
+    before = tok.encode("I will look. " + OPEN)
+    sp = SamplingParams(max_tokens=200, temperature=1.0, seed=seed, structural_tag=tag_of(),
+                        prior_output_tokens=len(before))
+    masks: list[torch.Tensor] = []
+    seq = run(tok, grammars, sp, seed, prompt=[5, 6, 7] + before, boost_eos=True, masks=masks)
+    out = before + seq.output_token_ids
+    assert seq.finish_reason is FinishReason.STOP and out[-1] == EOS and EOS not in out[:-1]
+    text = tok.decode(out[:-1])
+    assert text.endswith(CLOSE)  # EOS came at the first place it was allowed
+    check_call(text[text.index(OPEN) + len(OPEN):-len(CLOSE)].strip("\n"))
+    for k, mask in enumerate(masks[1:], 1):  # masks[0]: `run` asks before the earlier output is replayed
+        assert bool(mask[EOS]) == (not in_call(tok, out[:len(before) + k])) and mask[out[len(before) + k]]
+    free = run(tok, grammars, replace_sp(sp, logit_bias=((EOS, -100.0),), max_tokens=120), seed,
+               prompt=[5, 6, 7] + before)
+    text = tok.decode(before + free.output_token_ids)
+    assert free.finish_reason is FinishReason.LENGTH and CLOSE in text
+    check_call(text[text.index(OPEN) + len(OPEN):text.index(CLOSE)].strip("\n"))
+
+
+def replace_sp(sp: SamplingParams, **kw: object) -> SamplingParams:
+    import dataclasses
+    return dataclasses.replace(sp, **kw)
+
+
+def test_without_parallel_calls_only_the_end_may_follow_a_call(tok, grammars) -> None:
+    call = tok.encode('<tool_call>\n{"name": "forecast", "arguments": {"city": "Oslo", "days": 3}}\n</tool_call>')
+    for parallel, free_after in ((True, True), (False, False)):
+        seq = Sequence("r", [5], SamplingParams(max_tokens=200, structural_tag=tag_of(parallel)))
+        got = allowed(grammars, seq, call)
+        assert got[EOS] and bool(got.sum() > 1) == free_after
+    bad = tok.encode('<tool_call>{"name": "other"')
+    seq = Sequence("r", [5], SamplingParams(max_tokens=200, structural_tag=tag_of()))
+    with pytest.raises(SamplingError, match="structural_tag"):
+        allowed(grammars, seq, bad)
+
+
+def test_a_worker_taking_over_rebuilds_the_same_structural_mask(tok, grammars) -> None:
+    """As for a schema: replaying k tokens on another worker's compiler gives the step-by-step mask."""
+    before = tok.encode("ok " + OPEN)
+    sp = SamplingParams(max_tokens=80, temperature=1.0, seed=2, structural_tag=tag_of(),
+                        prior_output_tokens=len(before))
+    masks: list[torch.Tensor] = []
+    whole = run(tok, grammars, sp, 2, prompt=[5, 6, 7] + before, masks=masks)
+    out = before + whole.output_token_ids
+    other = Grammars(tok, len(tok), frozenset({EOS}))
+    for k in (1, 3, len(before) + 2, len(out) // 2, len(out) - 1):
+        moved = Sequence("b", [5, 6, 7] + out[:k], replace_sp(sp, prior_output_tokens=k))
+        got = allowed(other, moved, out[:k])
+        if k > len(before):  # `run`'s first mask comes before the earlier output is replayed
+            assert torch.equal(got, masks[k - len(before)])
+        assert got[out[k]] and bool(got[EOS]) == (not in_call(tok, out[:k]))
+
+
+def test_bad_structural_tags_name_structural_tag(grammars) -> None:
+    bad = '{"type": "structural_tag", "format": {"type": "nope"}}'
+    with pytest.raises(InvalidRequestError, match="^structural_tag: the structural tag is not supported: "):
+        check_structural_tag(bad)
+    with pytest.raises(InvalidRequestError, match="^structural_tag: "):
+        grammars.compile_structural_tag(bad)
+    check_structural_tag(tag_of())
+    with pytest.raises(InvalidRequestError, match="^structural_tag: the structural tag is not valid JSON"):
+        SamplingParams(structural_tag="{")
+    with pytest.raises(InvalidRequestError, match="^structural_tag: cannot be combined with json_schema"):
+        SamplingParams(structural_tag=tag_of(), json_schema=SCHEMA)
+    sp = SamplingParams(structural_tag=json.dumps(json.loads(tag_of()), indent=2), min_tokens=1)
+    assert sp.structural_tag == tag_of() and sp.constrained and sp.adjusts_logits  # stored compact
+    with pytest.raises(SamplingError, match="grammar needs the engine's tokenizer"):
+        Sampler()._adjust(torch.zeros(8), Sequence("r", [1], sp))

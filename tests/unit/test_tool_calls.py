@@ -12,7 +12,7 @@ from transformers import PreTrainedTokenizerFast
 
 from engine import grammar
 from engine.errors import InvalidRequestError
-from engine.grammar import check_json_schema
+from engine.grammar import check_json_schema, check_structural_tag
 from engine.model_loader import encode_prompt
 from router.limits import RequestLimits
 from router.openai_protocol import ResponseBuilder, parse_chat_request, parse_tokenize_request
@@ -84,11 +84,23 @@ def test_no_tool_may_be_called_without_tools_or_with_none() -> None:
         assert parsed.tools is None and parsed.request.tools == () and parsed.request.sampling.json_schema is None
 
 
-def test_auto_is_the_default_and_leaves_the_output_free() -> None:
-    parsed = parse_chat_request(chat())
+def test_auto_is_the_default_and_constrains_only_the_tagged_calls() -> None:
+    parsed = parse_chat_request(chat(min_tokens=2))  # free text around the calls: min_tokens is fine
     assert parsed.tools is not None and parsed.tools.choice == "auto" and parsed.tools.parallel
     assert [t.name for t in parsed.request.tools] == ["get_weather", "get_time"]
-    assert parsed.request.sampling.json_schema is None
+    sampling = parsed.request.sampling
+    assert sampling.json_schema is None and sampling.structural_tag == parsed.tools.structural_tag
+    tag = json.loads(sampling.structural_tag)["format"]
+    assert tag["type"] == "triggered_tags" and tag["triggers"] == ["<tool_call>"] and not tag["stop_after_first"]
+    (only,) = tag["tags"]
+    assert only["begin"] == "<tool_call>" and only["end"] == "</tool_call>"
+    call = json.loads(parse_chat_request(chat(tool_choice="required", parallel_tool_calls=False))
+                      .request.sampling.json_schema)
+    assert only["content"]["elements"][1]["json_schema"] == call  # one call, as "required" writes it
+    single = json.loads(parse_chat_request(chat(parallel_tool_calls=False)).request.sampling.structural_tag)
+    assert single["format"]["stop_after_first"]
+    for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+        assert parse_chat_request(chat(tool_choice=choice)).request.sampling.structural_tag is None
 
 
 def test_a_named_function_constrains_the_output_to_its_parameters() -> None:
@@ -316,6 +328,19 @@ def test_required_keeps_each_tools_references(tools: list[dict], parallel: bool)
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate([call] if parallel else call, schema)
     check_json_schema(json.dumps(schema))  # the grammar library compiles it too
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_autos_call_grammar_keeps_each_tools_references(parallel: bool) -> None:
+    """"auto"'s tag holds one call's schema ($defs hoisted to its root, refs rewritten), whichever
+    parallel_tool_calls: each tag is one call."""
+    tag = parse_chat_request(chat(tools=REF_TOOLS, parallel_tool_calls=parallel)).request.sampling.structural_tag
+    schema = json.loads(tag)["format"]["tags"][0]["content"]["elements"][1]["json_schema"]
+    jsonschema.validate({"name": "send", "arguments": {"to": {"city": "Oslo", "zip": "01234"}, "cc": None}}, schema)
+    jsonschema.validate({"name": "route", "arguments": {"at": {"stop": 1}, "next": None}}, schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"name": "route", "arguments": {"at": {"city": "x"}, "next": None}}, schema)
+    check_structural_tag(tag)  # the grammar library compiles it too
 
 
 def test_a_forced_call_is_always_a_call_whole_and_streamed() -> None:
