@@ -161,6 +161,11 @@ HTTP_CASES = [  # inputs that once broke or could break a server; always run
     ("/v1/completions", {"prompt": [VOCAB], "max_tokens": 2}),
     ("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "top_k": 2**62, "top_p": 1e-300, "temperature": 2}),
     ("/v1/completions", {"prompt": "Hi", "max_tokens": 2, "stop_token_ids": [2**62], "seed": 2**63 - 1}),
+    # a repetition penalty near 0 divides the seen tokens' logits by it: +inf, once a whole step's 500
+    ("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 1, "stream": True,
+                         "repetition_penalty": 1.0694772137381023e-193}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
+                              "repetition_penalty": 5e-324, "temperature": 0.3}),
 ]
 
 
