@@ -208,6 +208,10 @@ class LLMEngine:
             if self.grammars is None:
                 raise InvalidRequestError("response_format", "structured output needs a tokenizer")
             self.grammars.compile(sampling.json_schema)  # refused here, not in a step; compiled once per schema
+        if sampling.structural_tag is not None:
+            if self.grammars is None:
+                raise InvalidRequestError("structural_tag", "a structural tag needs a tokenizer")
+            self.grammars.compile_structural_tag(sampling.structural_tag)  # likewise
         worst = min(len(ids) + sampling.max_tokens, self.max_model_len)
         need, have = self.block_manager.blocks_needed(worst), self.block_manager.num_blocks
         if need > have:

@@ -14,7 +14,7 @@ from dataclasses import replace
 import jsonschema
 import pytest
 
-from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
+from engine import CacheConfig, EngineConfig, InvalidRequestError, LLMEngine, SamplingParams
 from engine.model_loader import encode_prompt, load_model
 
 pytestmark = pytest.mark.model
@@ -104,6 +104,16 @@ def test_an_aborted_request_drops_its_matcher(smol):
     engine.abort(rid)
     assert seq.grammar is None and seq.is_finished
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_a_bad_structural_tag_is_refused_when_added(smol):
+    """A tag xgrammar cannot compile is an InvalidRequestError naming structural_tag at add_request, never
+    a failure inside a step; nothing is left running."""
+    _, engine = smol
+    with pytest.raises(InvalidRequestError, match="^structural_tag: ") as e:
+        engine.add_request(PROMPTS[0], SamplingParams(max_tokens=4, structural_tag='{"type":"no such format"}'),
+                           chat=True)
+    assert e.value.field == "structural_tag" and not engine.has_unfinished()
 
 
 def test_remote_output_equals_local_and_validates(ray_cluster, smol):
