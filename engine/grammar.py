@@ -7,8 +7,8 @@ Request lifecycle:
    the grammar library cannot compile (InvalidRequestError naming response_format), so workers never
    see a bad one. An engine checks it again on `add_request` / `reserve` (its own compile, cached).
    tool_choice "auto" gives `SamplingParams.structural_tag` (`router.tool_calls`), checked by the router
-   with `check_structural_tag`; a worker compiles it on the request's first sample (a tag it cannot
-   compile fails that request alone, as a `SamplingError`).
+   with `check_structural_tag`, and an engine compiles it on `add_request` / `reserve` as it does a
+   schema (a tag that still cannot be compiled at a sample fails that request alone, a `SamplingError`).
 2. Sampling (prefill worker for the first token of a remote request, decode worker for the rest, or a
    decode worker doing the whole request): `Grammars.mask` gives the sequence its matcher the first
    time it is sampled on this worker, by replaying the output it already has (earlier workers' part
