@@ -23,6 +23,7 @@ to fail that request only.
 from __future__ import annotations
 
 import hashlib
+import logging
 import random
 
 import torch
@@ -31,6 +32,8 @@ from engine.errors import SamplingError
 from engine.grammar import Grammars
 from engine.logprobs import TokenLogprob
 from engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
 
 
 class Sampler:
@@ -53,8 +56,11 @@ class Sampler:
                 continue
             try:
                 tokens[i] = self._pick(logits[i].float().cpu(), seq)
-            except Exception as e:  # this request's row only: the rest of the step goes on
-                tokens[i] = e if isinstance(e, SamplingError) else SamplingError(f"{type(e).__name__}: {e}")
+            except SamplingError as e:  # this request's row only: the rest of the step goes on
+                tokens[i] = e
+            except Exception as e:  # unforeseen: the same, with its traceback in the log
+                log.exception("sampling request %s failed", seq.request_id)
+                tokens[i] = SamplingError(f"{type(e).__name__}: {e}")
         return tokens
 
     def _pick(self, row: torch.Tensor, seq: Sequence) -> int:

@@ -258,3 +258,21 @@ def test_bad_structural_tags_name_structural_tag(grammars) -> None:
     assert sp.structural_tag == tag_of() and sp.constrained and sp.adjusts_logits  # stored compact
     with pytest.raises(SamplingError, match="grammar needs the engine's tokenizer"):
         Sampler()._adjust(torch.zeros(8), Sequence("r", [1], sp))
+
+
+def test_an_unforeseen_sampling_failure_fails_its_row_alone_and_is_logged(caplog, monkeypatch) -> None:
+    sampler = Sampler()
+    seqs = [Sequence(rid, [1], SamplingParams(temperature=0.7, seed=1)) for rid in ("ok", "bad")]
+    real = Sampler._sample_one
+
+    def broken(self: Sampler, logits: torch.Tensor, seq: Sequence) -> int:
+        if seq.request_id == "bad":
+            raise ZeroDivisionError("boom")
+        return real(self, logits, seq)
+    monkeypatch.setattr(Sampler, "_sample_one", broken)
+    with caplog.at_level("ERROR", logger="engine.sampler"):
+        ok, bad = sampler.sample(torch.randn(2, 16), seqs)
+    assert isinstance(ok, int) and 0 <= ok < 16
+    assert isinstance(bad, SamplingError) and str(bad) == "ZeroDivisionError: boom"
+    [record] = caplog.records
+    assert "bad" in record.getMessage() and record.exc_info is not None  # the traceback is kept
