@@ -43,6 +43,13 @@ Threads change between engine steps only (a worker command), never inside one.
    there, in the same steps as the prompt's chunks, until they end (the policy priced that ride
    and the stall it puts on them). Nothing moves and nothing is dropped.
 3. A replaced prefill worker starts as a prefill worker (`reset`).
+An operator may pin the split instead (`pin`, from `POST /pdserve/split`, `router.split`): N prefill
+workers hold the prefill role, the others are flipped to decode at once and stay so (idle polls
+flip none, no prompt flips one back: the placer then prefills on the remaining prefill workers or
+locally); a replaced worker takes its pinned role. Those flipped first are the ones flipped
+already, then those with the fewest prompt tokens queued (what they queued is still prefilled
+there; only new prompts go elsewhere). `pin(None)` makes flips automatic again from the roles as
+they stand.
 A flip is a change in the router's book only: instant, no worker call, no process started. On GPU
 pools it is the same mechanism (a device changes role), which threads cannot be.
 
@@ -278,7 +285,41 @@ class RoleFlipper:
         assert len(book.flex) == len(book.prefill), "role flips need a flex slot per prefill worker"
         self._book = book
         self._idle = [0] * len(book.prefill)  # consecutive polls with nothing queued, per prefill worker
+        self._held: list[bool] | None = None  # pinned: per prefill worker, whether it is held flipped
         self.flips = 0  # times a prefill worker was flipped to decode, for tests and logs
+
+    @property
+    def pinned(self) -> int | None:
+        """The prefill workers an operator holds in the prefill role; None: flips are automatic."""
+        return None if self._held is None else self._held.count(False)
+
+    def pin(self, prefill: int | None) -> None:
+        """Hold `prefill` prefill workers in the prefill role and flip the others to decode, now and until
+        pinned again; None: automatic flips from the roles as they stand. Requests in flight stay where
+        they are. Raises ValueError for a count outside 0..prefill workers."""
+        if prefill is None:
+            self._held = None
+            return
+        n = len(self._book.prefill)
+        if not 0 <= prefill <= n:
+            raise ValueError(f"prefill: must be between 0 and {n} prefill workers, got {prefill}")
+        flex, queued = self._book.flex, self._book.prefill
+        order = sorted(range(n), key=lambda i: (not flex[i].accepting, queued[i].queued_tokens, -i))
+        self._held = [False] * n
+        for i in order[:n - prefill]:
+            self._held[i] = True
+        for i in range(n):
+            self._hold(i)
+
+    def _hold(self, i: int) -> None:
+        """Prefill worker `i` takes its pinned role."""
+        slot, flipped = self._book.flex[i], self._held[i]
+        if flipped and not slot.accepting:
+            self.flips += 1
+            log.info("prefill worker %s flipped to decode (pinned)", slot.worker_id)
+        elif slot.accepting and not flipped:
+            log.info("prefill worker %s back to prefill (pinned)", slot.worker_id)
+        slot.accepting = flipped
 
     @property
     def moved(self) -> int:
@@ -298,6 +339,8 @@ class RoleFlipper:
     def rebalance(self, queued_tokens: list[int], decoding: list[int]) -> None:
         for i, queued in enumerate(queued_tokens):
             self._idle[i] = self._idle[i] + 1 if queued == 0 else 0
+            if self._held is not None:
+                continue  # pinned: roles change only when pinned again
             slot = self._book.flex[i]
             if self._idle[i] >= IDLE_POLLS and not slot.accepting:
                 slot.accepting = True
@@ -305,7 +348,10 @@ class RoleFlipper:
                 log.debug("prefill worker %s flipped to decode", slot.worker_id)
 
     def reclaim(self, prefill: int) -> None:
+        """Pinned, the placer books prompts on prefill workers that hold the prefill role only (a
+        flipped worker is no prefill candidate, and no flip back is priced)."""
         self._idle[prefill] = 0
+        assert not (self._held and self._held[prefill]), "a prompt booked on a prefill worker pinned to decode"
         self._book.flex[prefill].accepting = False
 
     def occupy(self, decode: int) -> None:
@@ -317,3 +363,5 @@ class RoleFlipper:
     def reset(self, pool: str, index: int) -> None:
         if pool == "prefill":
             self._idle[index] = 0  # its fresh flex slot does not accept yet
+            if self._held is not None:
+                self._hold(index)  # pinned: the new worker takes the role the old one held

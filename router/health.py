@@ -62,6 +62,7 @@ class HealthMonitor:
             self._placer.elastic.rebalance(*self._placer.computing())
             self._metrics.elastic.set(self._placer.elastic.moved)
             self._metrics.elastic_decode.set(self._placer.elastic.moved_to_prefill)
+        self._metrics.observe_split(self._placer.split())
 
     async def _poll(self, pool: str, index: int, actor: ray.actor.ActorHandle) -> None:
         slot = self._placer.slots(pool)[index]

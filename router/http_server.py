@@ -27,6 +27,7 @@ Errors are always `{"error": {"message", "type", "param", "code"}}`:
 | malformed JSON, invalid field        | 400    | invalid_request_error | null (param: field) |
 | API key missing or wrong             | 401    | invalid_request_error | invalid_api_key     |
 | unknown model                        | 404    | invalid_request_error | model_not_found     |
+| role split without role flips        | 409    | invalid_request_error | split_unavailable   |
 | unknown route                        | 404    | invalid_request_error | null                |
 | wrong method                         | 405    | invalid_request_error | null (+ Allow)      |
 | body too large                       | 413    | invalid_request_error | null                |
@@ -39,7 +40,10 @@ Errors are always `{"error": {"message", "type", "param", "code"}}`:
 they retry; clients key off the status, the type is informational. Tracebacks go to the log only.
 
 Besides the OpenAI routes: POST /tokenize and /detokenize (the model's tokenizer, the chat template
-applied as for a request), GET /version, GET and POST /ping (the same answer as /health).
+applied as for a request), GET /version, GET and POST /ping (the same answer as /health), GET
+/pdserve/cost_model, and the role split (`router.split`): GET /pdserve/split reads it, POST
+`{"prefill": N}` pins it (null, or DELETE, makes flips automatic again); each answers the split
+then, as `RoleSplit.to_json`.
 
 API keys (`api_keys`, see `router.auth`): when non-empty, every route needs one except GET /health
 and /ping (liveness probes) and GET /metrics (so Prometheus scrapes without a secret; it exposes
@@ -80,6 +84,7 @@ from router.openai_protocol import (
     parse_detokenize_request,
     parse_tokenize_request,
 )
+from router.split import SplitUnavailable, parse_split_body
 from router.tls import TlsFiles
 from router.types import ERROR_STATUS, ModelNotFoundError, RequestFailed, RequestStream, RouterAPI
 
@@ -119,6 +124,9 @@ def build_app(router: RouterAPI, max_body_bytes: int = 4 << 20, *, api_keys: fro
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/pdserve/cost_model", cost_model)
+    app.router.add_get("/pdserve/split", get_split)
+    app.router.add_post("/pdserve/split", set_split)
+    app.router.add_delete("/pdserve/split", release_split)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
@@ -167,6 +175,22 @@ async def models(request: web.Request) -> web.Response:
 async def cost_model(request: web.Request) -> web.Response:
     """The cost model calibrated at start-up (pdserve's extension; `pdserve bench phases` reads it)."""
     return web.json_response(_router(request).cost_model())
+
+
+async def get_split(request: web.Request) -> web.Response:
+    """The role split now (pdserve's extension, `router.split`)."""
+    return web.json_response(_router(request).split().to_json())
+
+
+async def set_split(request: web.Request) -> web.Response:
+    """Pin the role split, `{"prefill": N}` (null: automatic flips again); answers the split now."""
+    prefill = parse_split_body(await _read_json(request))
+    return web.json_response(_router(request).set_split(prefill).to_json())
+
+
+async def release_split(request: web.Request) -> web.Response:
+    """Automatic flips again; answers the split now."""
+    return web.json_response(_router(request).set_split(None).to_json())
 
 
 async def tokenize(request: web.Request) -> web.Response:
@@ -390,6 +414,8 @@ def _error(exc: Exception, log_id: str) -> tuple[int, dict, dict[str, str]]:
         return 404, error_body(str(exc), "invalid_request_error", exc.field, "model_not_found"), {}
     if isinstance(exc, InvalidRequestError):
         return 400, error_body(str(exc), "invalid_request_error", exc.field), {}
+    if isinstance(exc, SplitUnavailable):
+        return 409, error_body(str(exc), "invalid_request_error", None, "split_unavailable"), {}
     if isinstance(exc, CapacityError):
         retry_s = max(0.0, float(getattr(exc, "retry_after_s", 1.0)))
         headers = {"Retry-After": str(max(1, math.ceil(retry_s))), "retry-after-ms": str(int(retry_s * 1000))}

@@ -25,6 +25,8 @@ Besides the latencies, the series a dashboard reads most (vLLM's counterpart in 
 - `pdserve_request_recoveries_total{action}`: what the router did next (retry: another prefill
   worker; local: prefill on the decode worker, by `--on-prefill-failure local` or as the fallback
   when no prefill worker is left; migrate: continued on another decode worker);
+- `pdserve_role_split_prefill_workers` and `pdserve_role_split_pinned`: the prefill workers holding
+  the prefill role, and whether an operator pinned that split (`router.split`);
 - `pdserve_request_errors_total{kind}`: requests refused (`model_not_found`, `invalid_request`,
   `overloaded`, `deadline`) or failed (their `ErrorKind`'s value: `transfer_failed`,
   `prefill_failed`, `worker_stopping`, `internal`, ...).
@@ -42,6 +44,7 @@ from prometheus_client import (
     generate_latest,
 )
 
+from router.split import Mechanism, RoleSplit
 from worker_core.protocol import LoadReport
 
 disable_created_metrics()  # no `_created` series: scrapers derive resets themselves
@@ -176,6 +179,11 @@ class Metrics:
                              "(threads lent or role flipped)", registry=r)
         self.elastic_decode = Gauge("pdserve_elastic_decode_workers", "Decode workers whose threads serve prefill "
                                     "now (lent to the prefill worker on their node)", registry=r)
+        self.split_prefill = Gauge("pdserve_role_split_prefill_workers", "Prefill workers holding the prefill role "
+                                   "(the others serve decode, flipped), as of the last load poll or split change",
+                                   registry=r)
+        self.split_pinned = Gauge("pdserve_role_split_pinned", "1 while an operator holds the role split (POST "
+                                  "/pdserve/split), 0 while roles flip automatically or never", registry=r)
         self.prefix_index = Gauge("pdserve_prefix_index_keys", "Cached block keys the router knows of, all workers",
                                   registry=r)
         self._preemptions_seen: dict[str, int] = {}  # worker id -> its engine's count at the last poll
@@ -197,6 +205,13 @@ class Metrics:
         else:
             self.prefill_queued.labels(worker).set(load.queued_tokens)
             self.running.labels(worker).set(load.running)  # the requests it runs whole (flipped to decode)
+
+    def observe_split(self, split: RoleSplit) -> None:
+        """Refresh the role split's gauges (and the count of prefill workers flipped to decode)."""
+        self.split_prefill.set(split.prefill_role)
+        self.split_pinned.set(split.pinned is not None)
+        if split.mechanism is Mechanism.FLIP_ROLES:
+            self.elastic.set(split.flipped)
 
     def exposition(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

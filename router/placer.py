@@ -10,9 +10,10 @@ Request lifecycle here:
 3. `release`: the request left D (finished, failed or moved): its blocks are unbooked, its promise
    withdrawn, and the waiters try again. `replan` places a running request again after a failure,
    away from the workers that failed it.
-Health results (`set_healthy`) and replaced workers (`replace_worker`) land here too. This is the
-only code that changes the book, with the `RoleFlipper` it owns (which opens and closes flex
-slots); both run on the router's event loop.
+Health results (`set_healthy`) and replaced workers (`replace_worker`) land here too, and an
+operator's role split (`pin_split`, `router.split`): while it is pinned no flip back is priced.
+This is the only code that changes the book, with the `RoleFlipper` it owns (which opens and
+closes flex slots); both run on the router's event loop.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from router.elastic import Elastic, RoleFlipper
 from router.metrics import Metrics
 from router.policy import NoCapacity, OutputLengthEstimator, Placement, Policy, PoolState, RequestFeatures, make_policy
 from router.prefix_index import PrefixIndex
+from router.split import Mechanism, RoleSplit
 from router.wait_queue import WaitQueue
 from worker_core.protocol import WorkerInfo
 
@@ -101,7 +103,7 @@ class Placer:
         limit = self.queue.limit(deadline)
         while True:
             placement = self._priced_place(policy, features, self._state(avoid, keys))
-            if isinstance(self.elastic, RoleFlipper) and self.elastic.moved:
+            if isinstance(self.elastic, RoleFlipper) and self.elastic.moved and self.elastic.pinned is None:
                 alt = self._priced_place(policy, features, self._state(avoid, keys, unflipped=True))
                 if alt is not None and alt.path == "remote" and self.elastic.flipped(alt.prefill) and (
                         placement is None or alt.cost + RoleFlipper.FLIP_BACK_GAIN < placement.cost):
@@ -204,6 +206,33 @@ class Placer:
             log.warning("%s worker %s failed; no new requests go to it until it answers again", pool, slot.worker_id)
             slot.healthy = False
             self._metrics.worker_failures.labels(pool).inc()
+
+    # -- the role split --------------------------------------------------------------------------
+    def split(self) -> RoleSplit:
+        """The role split now: prefill workers in the prefill role, pinned or not, and the mechanism."""
+        n = len(self.book.prefill)
+        if isinstance(self.elastic, RoleFlipper):
+            return RoleSplit(n, len(self.book.decode), n - self.elastic.moved, self.elastic.pinned,
+                             Mechanism.FLIP_ROLES)
+        mechanism = Mechanism.NONE if self.elastic is None else Mechanism.LEND_THREADS
+        return RoleSplit(n, len(self.book.decode), n, None, mechanism)  # lent threads move no role
+
+    def pin_split(self, prefill: int | None) -> RoleSplit:
+        """Hold `prefill` prefill workers in the prefill role, the others flipped to decode (None: automatic
+        flips again); requests in flight stay where they are, waiters try again. Returns the split now.
+        Raises SplitUnavailable (no role flips), InvalidRequestError naming `prefill` (out of range)."""
+        before = self.split()
+        before.require_flips()
+        if prefill is not None:
+            before.check(prefill)
+        assert isinstance(self.elastic, RoleFlipper)
+        self.elastic.pin(prefill)
+        after = self.split()
+        self._metrics.observe_split(after)
+        log.info("role split %s by the operator: %s", "pinned" if prefill is not None else "released",
+                 after.describe())
+        asyncio.get_running_loop().create_task(self.queue.notify())  # a flipped worker may have room
+        return after
 
     # -- workers ---------------------------------------------------------------------------------
     def computing(self) -> tuple[list[int], list[int]]:

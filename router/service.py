@@ -8,7 +8,8 @@ Request lifecycle in `Router.submit`:
    "overloaded". The worst-case KV blocks are booked on the decode worker.
 3. The request driver (`router/request.py`) runs it on the workers and streams its chunks; it
    hands the booking back to the placer when the request ends.
-Alongside: health polling and worker replacement (`router/health.py`).
+Alongside: health polling and worker replacement (`router/health.py`), and the role split an
+operator pins (`split`, `set_split`: `router/split.py`, applied by the placer).
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from router.placer import Placer
 from router.policy import OutputLengthEstimator
 from router.pools import Pools
 from router.request import RouterStream
+from router.split import RoleSplit
 from router.types import DeadlineExceeded, GenerateRequest, ModelCard, ModelNotFoundError, OverloadedError, Runtime
 from worker_core.protocol import WorkerInfo
 
@@ -70,6 +72,7 @@ class Router:
         self.placer = Placer(prefill_infos, decode_infos, limits, config, cost, self.metrics, estimator, lender)
         self.health = HealthMonitor(pools, self.placer, config, self.metrics, respawn)
         self.feeds = Feeds(observe=self.metrics.feed_items.observe)
+        self.metrics.observe_split(self.placer.split())
         self._created = int(time.time())
 
     @property
@@ -109,6 +112,12 @@ class Router:
 
     def metrics_text(self) -> tuple[bytes, str]:
         return self.metrics.exposition()
+
+    def split(self) -> RoleSplit:
+        return self.placer.split()
+
+    def set_split(self, prefill: int | None) -> RoleSplit:
+        return self.placer.pin_split(prefill)
 
     # -- worker health -----------------------------------------------------------------------------
     def start_polling(self) -> None:

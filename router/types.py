@@ -13,6 +13,7 @@ from typing import Protocol
 from engine.errors import CapacityError, InvalidRequestError
 from engine.logprobs import TokenLogprob
 from engine.sampling_params import SamplingParams
+from router.split import RoleSplit
 from router.tool_calls import Tool
 from worker_core.protocol import ErrorKind, WorkerInfo
 
@@ -228,4 +229,13 @@ class RouterAPI(Protocol):
 
     def metrics_text(self) -> tuple[bytes, str]:
         """Prometheus exposition: (body, content type)."""
+        ...
+
+    def split(self) -> RoleSplit:
+        """The role split now (`router.split`)."""
+        ...
+
+    def set_split(self, prefill: int | None) -> RoleSplit:
+        """Pin `prefill` prefill workers to the prefill role (None: automatic flips again). Returns the split
+        now. Raises SplitUnavailable (the server flips no roles) or InvalidRequestError naming `prefill`."""
         ...

@@ -15,7 +15,8 @@ PER_WORKER = {"pdserve_worker_failures", "pdserve_worker_replacements", "pdserve
               "pdserve_kv_blocks_used", "pdserve_kv_blocks_total", "pdserve_kv_cache_usage_ratio",
               "pdserve_preemptions", "pdserve_running_sequences", "pdserve_prefill_queued_tokens",
               "pdserve_cost_model_correction", "pdserve_decode_feed_items", "pdserve_elastic_prefill_workers",
-              "pdserve_elastic_decode_workers", "pdserve_prefix_index_keys"}
+              "pdserve_elastic_decode_workers", "pdserve_prefix_index_keys", "pdserve_role_split_prefill_workers",
+              "pdserve_role_split_pinned"}
 
 
 def scrape(m: Metrics) -> dict:
