@@ -45,7 +45,9 @@ are parsed by `router.tool_calls` into `ParsedRequest.tools` (a `ToolCalling`, N
 called) and `GenerateRequest.tools` (the tools the prompt shows); "required" and a named function set
 `SamplingParams.json_schema` to the calls' schema, "auto" `SamplingParams.structural_tag` (free text with
 well-formed tagged calls). Not with a response_format other than text (the output
-has one shape) nor with logprobs (400 naming them). `ResponseBuilder` turns the output into `tool_calls`.
+has one shape; 400 naming it). `ResponseBuilder` turns the output into `tool_calls`; with logprobs, they
+are those of every generated token, content and calls alike, as the output's tokens come (streamed: each
+chunk's ride its first event, or an empty delta while the text is held back).
 
 Size limits (`router.limits.RequestLimits`: prompt characters, messages, stop strings, stop token
 ids) are checked here too, shared with the gRPC API; over a limit → InvalidRequestError naming the field.
@@ -196,9 +198,6 @@ def _tool_sampling(sampling: SamplingParams, calling: ToolCalling) -> SamplingPa
         raise InvalidRequestError("response_format", "cannot be combined with tool calling (tool_choice "
                                                      f"{calling.choice!r}); use tool_choice \"none\" or leave "
                                                      "response_format out")
-    if sampling.logprobs is not None:
-        raise InvalidRequestError("logprobs", "is not supported with tool calling; use tool_choice \"none\" or "
-                                              "leave logprobs out")
     schema = calling.json_schema
     if schema is not None and sampling.min_tokens:
         raise InvalidRequestError("tool_choice", f"{calling.choice!r} cannot be combined with min_tokens (the call's "
@@ -620,12 +619,17 @@ class ResponseBuilder:
         events = []
         lp = self.logprobs.build(chunk.logprobs) if self.logprobs is not None else None
         tokens = lp is not None and bool(chunk.logprobs)
-        if self._tool_stream is not None:  # no logprobs with tools (refused at parsing)
+        if self._tool_stream is not None:
             events += [self._chunk(delta, None) for delta in self._tool_stream.feed(chunk.text)]
             if finish_reason is not None:
                 deltas, finish_reason = self._tool_stream.finish(finish_reason)
                 events += [self._chunk(delta, None) for delta in deltas]
                 events.append(self._chunk({}, finish_reason))
+            if tokens:  # the chunk's tokens, content or call: on its first event, or on an empty delta
+                if events:
+                    events[0]["choices"][0]["logprobs"] = lp
+                else:
+                    events.append(self._chunk({}, None, lp))
         elif self.chat:
             if chunk.text or tokens:
                 events.append(self._chunk({"content": chunk.text}, None, lp))

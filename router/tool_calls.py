@@ -30,8 +30,10 @@ Request lifecycle:
 4. Response (`ToolCalling.extract` whole, `ToolStream` streamed; both give the same): the output becomes
    `ToolCall`s with ids "call_<random>", finish_reason "tool_calls", their arguments the model's own JSON
    text (checked to parse, never re-serialised). A named function's output is always its call (cut by
-   max_tokens: partial, finish_reason "length"); other output that does not parse (cut by max_tokens,
-   or an "auto" answer in words) is the message's content, with the generation's own finish_reason.
+   max_tokens: partial, finish_reason "length"). A "required" or "auto" output cut by max_tokens has
+   finish_reason "length" and the calls it completed; the call it was writing is no call and is left
+   out ("auto": the text outside the calls is the content). Other output that does not parse (an "auto"
+   answer in words) is the message's content, with the generation's own finish_reason.
 """
 from __future__ import annotations
 
@@ -182,17 +184,39 @@ class ToolCalling:
     def extract(self, text: str, finish_reason: str) -> ToolOutput:
         """The message of a finished output `text` (finish_reason: the generation's, OpenAI's words).
         A named function's output is always its call, its arguments the text as written (cut short by
-        max_tokens: partial, with finish_reason "length", as OpenAI and `ToolStream` give it)."""
+        max_tokens: partial, with finish_reason "length", as OpenAI and `ToolStream` give it). A
+        "required" or "auto" output cut by max_tokens keeps finish_reason "length" and the calls it
+        completed (`_cut`); the call it was writing is no call (its JSON is cut) and is left out."""
         if self.choice == "function" and text:
             return ToolOutput(None, (new_call(self.function or "", text),),
                               "tool_calls" if finish_reason == "stop" else finish_reason)
-        if finish_reason != "stop":  # cut short: whatever was written is content
+        if finish_reason == "length" and self.choice != "function":
+            return self._cut(text)
+        if finish_reason != "stop":
             return ToolOutput(text or None, (), finish_reason)
         calls = self._calls(text)
         if calls is None:
             return ToolOutput(text or None, (), finish_reason)
-        content = _TAGGED.sub("", text).strip() if self.choice == "auto" else ""
-        return ToolOutput(content or None, calls, "tool_calls")
+        return ToolOutput(_outside(text) if self.choice == "auto" else None, calls, "tool_calls")
+
+    def _cut(self, text: str) -> ToolOutput:
+        """An output cut by max_tokens ("required" or "auto"): finish_reason "length", the calls written
+        whole before the cut, never the one cut short. "required": the calls of the list (or the one
+        call) that were complete, no content. "auto": the closed <tool_call> blocks are the calls, the
+        text outside every block (the cut one too) the content; an output without a tag, or with a
+        closed block that does not parse, is content as written."""
+        if self.choice == "required":
+            items = _json_objects(text, self.parallel, prefix=True) or []
+            calls = [self._call(item) for item in items]
+            return ToolOutput(None, tuple(calls) if all(calls) else (), "length")  # type: ignore[arg-type]
+        blocks = list(_TAGGED.finditer(text))
+        closed = [_json_objects(m.group(1), False) for m in blocks if m.group(0).endswith(CALL_CLOSE)]
+        items = [item for b in closed for item in b or ()]
+        calls = [self._call(item) for item in items]
+        if not blocks or any(b is None for b in closed) or not all(calls):
+            return ToolOutput(text or None, (), "length")
+        calls = calls[:1] if not self.parallel else calls
+        return ToolOutput(_outside(text), tuple(calls), "length")  # type: ignore[arg-type]
 
     def _calls(self, text: str) -> tuple[ToolCall, ...] | None:
         """The calls `text` holds, or None when it holds none that parse (all of them must)."""
@@ -467,14 +491,16 @@ class ToolStream:
 
     A named function's arguments stream as they come (the first delta carries the call's id and name).
     "required" output is held until it ends, then sent as whole calls. "auto" text streams as content
-    until a `<tool_call>` tag may begin (a held-back tail that could start one); from the tag on it is
-    held and, at the end, sent as calls, or as content when it does not parse."""
+    until a `<tool_call>` tag may begin (a held-back tail that could start one, and the blanks before
+    it, which a call drops); from the tag on it is held and, at the end, sent as calls, or as content
+    when it does not parse. The content sent adds up to `ToolCalling.extract`'s for the whole output."""
 
     def __init__(self, calling: ToolCalling) -> None:
         self.calling = calling
         self._held = ""  # output not sent yet
         self._named: ToolCall | None = None
         self._tagged = False  # "auto": a <tool_call> tag came; the rest is held
+        self._sent = False  # "auto": some content was sent
 
     def feed(self, text: str) -> list[dict]:
         """The deltas to send for the next output text."""
@@ -491,10 +517,13 @@ class ToolStream:
         start = self._held.find(CALL_OPEN)
         if start >= 0:
             self._tagged = True
-            sent, self._held = self._held[:start], self._held[start:]
+            sent = self._held[:start].rstrip()
+            self._held = self._held[len(sent):]
         else:
             keep = _partial_tag(self._held)
-            sent, self._held = self._held[:len(self._held) - keep], self._held[len(self._held) - keep:]
+            sent = self._held[:len(self._held) - keep].rstrip()  # blanks wait: they go if a call follows
+            self._held = self._held[len(sent):]
+        self._sent = self._sent or bool(sent)
         return [{"content": sent}] if sent else []
 
     def finish(self, finish_reason: str) -> tuple[list[dict], str]:
@@ -503,9 +532,25 @@ class ToolStream:
             return [], "tool_calls" if finish_reason == "stop" and self._named is not None else finish_reason
         held, self._held = self._held, ""
         out = self.calling.extract(held, finish_reason)
-        deltas = [{"content": out.content}] if out.content else []
+        content = out.content
+        if content and out.calls and self._sent:  # after the text sent, as `_outside` joins the pieces
+            content = "\n" + content
+        deltas = [{"content": content}] if content else []
         deltas += [{"tool_calls": [{"index": i, **c.body()}]} for i, c in enumerate(out.calls)]
         return deltas, out.finish_reason
+
+
+def _outside(text: str) -> str | None:
+    """"auto"'s content beside its calls: the text outside the <tool_call> blocks, the blanks next to
+    a block dropped, the pieces between blocks joined by a newline; None when nothing is left."""
+    pieces, at = [], 0
+    for m in _TAGGED.finditer(text):
+        pieces.append(text[at:m.start()])
+        at = m.end()
+    pieces.append(text[at:])
+    last = len(pieces) - 1
+    kept = [p.rstrip() if i == 0 else p.lstrip() if i == last else p.strip() for i, p in enumerate(pieces)]
+    return "\n".join(p for p in kept if p) or None
 
 
 def _partial_tag(text: str) -> int:
@@ -525,14 +570,15 @@ def _json_object(text: str) -> dict | None:
     return value if isinstance(value, dict) and _WS.match(text, end).end() == len(text) else None  # type: ignore
 
 
-def _json_objects(text: str, array: bool) -> list[dict[str, tuple[Any, str]]] | None:
+def _json_objects(text: str, array: bool, prefix: bool = False) -> list[dict[str, tuple[Any, str]]] | None:
     """The JSON objects `text` is (one, or with `array` also a list of them), each as its members:
-    key → (value, the value's JSON text as written). None when `text` is not that. Linear in `text`:
-    each member's value is decoded once."""
+    key → (value, the value's JSON text as written). None when `text` is not that. With `prefix`,
+    `text` may be cut short (an output cut by max_tokens): the objects completed before the first one
+    that does not parse (the one the cut broke). Linear in `text`: each member's value is decoded once."""
+    items: list[dict[str, tuple[Any, str]]] = []
+    pos = _WS.match(text).end()  # type: ignore[union-attr]
     try:
-        pos = _WS.match(text).end()  # type: ignore[union-attr]
         if array and text.startswith("[", pos):
-            items: list[dict[str, tuple[Any, str]]] = []
             pos = _WS.match(text, pos + 1).end()  # type: ignore[union-attr]
             while not text.startswith("]", pos):
                 if items:
@@ -545,7 +591,7 @@ def _json_objects(text: str, array: bool) -> list[dict[str, tuple[Any, str]]] | 
             item, pos = _members(text, pos)
             items = [item]
     except ValueError:
-        return None
+        return items if prefix else None
     return items if _WS.match(text, pos).end() == len(text) else None  # type: ignore[union-attr]
 
 

@@ -13,9 +13,10 @@ from transformers import PreTrainedTokenizerFast
 from engine import grammar
 from engine.errors import InvalidRequestError
 from engine.grammar import check_json_schema, check_structural_tag
+from engine.logprobs import TokenLogprob
 from engine.model_loader import encode_prompt
 from router.limits import RequestLimits
-from router.openai_protocol import ResponseBuilder, parse_chat_request, parse_tokenize_request
+from router.openai_protocol import LogprobsBuilder, ResponseBuilder, parse_chat_request, parse_tokenize_request
 from router.tool_calls import MAX_TOOLS, ToolCalling, ToolStream, chat_prompt, fallback_messages, template_renders_tools
 from router.types import Chunk, Usage
 
@@ -60,7 +61,6 @@ def chat(**fields) -> dict:
      "tool_choice"),
     (chat(parallel_tool_calls="yes"), "parallel_tool_calls"),
     (chat(tool_choice="required", response_format={"type": "json_object"}), "response_format"),
-    (chat(logprobs=True), "logprobs"),
     (chat(tool_choice="required", min_tokens=2), "tool_choice"),
     ({"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f"}}]}]},
@@ -197,16 +197,39 @@ def test_outputs_become_tool_calls() -> None:
     ("It is sunny.", "stop"),  # auto: an answer in words
     ('<tool_call>{"name": "unknown", "arguments": {}}</tool_call>', "stop"),  # not a listed tool
     ("<tool_call>{not json</tool_call>", "stop"),
-    ('<tool_call>{"name": "get_weather", "arguments": {"city"', "length"),  # cut by max_tokens
+    ("It is sunny and", "length"),  # an answer in words, cut by max_tokens
+    ("<tool_call>{not json</tool_call> and <tool_call>{", "length"),  # a closed block that does not parse
 ])
 def test_outputs_without_a_valid_call_stay_content(text: str, finish: str) -> None:
     out = calling().extract(text, finish)
     assert (out.content, out.calls, out.finish_reason) == (text, (), finish)
 
 
-def test_a_cut_required_output_is_content_with_length() -> None:
-    out = calling("required").extract('[{"name": "get_wea', "length")
-    assert (out.content, out.calls, out.finish_reason) == ('[{"name": "get_wea', (), "length")
+CALL = '{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "f"}}'
+
+
+@pytest.mark.parametrize(("tool_calling", "pieces", "content", "names"), [
+    (calling("required"), ['[{"name": "get_wea'], None, []),  # nothing complete: no call, no content
+    (calling("required"), ["[" + CALL, ', {"name": "get_time", "argum'], None, ["get_weather"]),
+    (calling("required", parallel=False), [CALL[:30]], None, []),
+    (calling(), ["Let me look.", "\n<tool_call>\n" + CALL[:25]], "Let me look.", []),
+    (calling(), ["Both.\n<tool_call>\n" + CALL, "\n</tool_call>\n", "<tool_call>\n" + CALL[:20]],
+     "Both.", ["get_weather"]),
+    (calling(), ["<tool_call>" + CALL + "</tool_call> and th"], "and th", ["get_weather"]),
+])
+def test_an_output_cut_inside_a_call_keeps_the_whole_calls_and_length(tool_calling, pieces, content, names) -> None:
+    """Cut by max_tokens under "required" or "auto": finish_reason "length" (as OpenAI), the calls completed
+    before the cut, never the cut one (its JSON is no valid call); streamed gives the same as whole."""
+    whole = tool_calling.extract("".join(pieces), "length")
+    assert whole.finish_reason == "length" and whole.content == content
+    assert [c.name for c in whole.calls] == names
+    assert all(json.loads(c.arguments) == {"city": "Oslo", "unit": "f"} for c in whole.calls)
+    deltas, reason = feed_all(ToolStream(tool_calling), pieces, "length")
+    assert reason == "length"
+    assert "".join(d.get("content") or "" for d in deltas) == (content or "")
+    streamed = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
+    assert [(c["index"], c["function"]["name"], c["function"]["arguments"]) for c in streamed] == \
+        [(i, c.name, c.arguments) for i, c in enumerate(whole.calls)]
 
 
 def feed_all(stream: ToolStream, pieces: list[str], finish: str) -> tuple[list[dict], str]:
@@ -228,8 +251,8 @@ def test_streamed_named_arguments_come_as_they_are_written() -> None:
 
 def test_streamed_auto_sends_text_until_a_tag_may_begin() -> None:
     stream = ToolStream(calling())
-    assert stream.feed("Sure, ") == [{"content": "Sure, "}]
-    assert stream.feed("checking <tool") == [{"content": "checking "}]  # "<tool" may begin a tag: held
+    assert stream.feed("Sure, ") == [{"content": "Sure,"}]  # blanks wait: a call after them drops them
+    assert stream.feed("checking <tool") == [{"content": " checking"}]  # "<tool" may begin a tag: held
     deltas, reason = feed_all(stream, ['_call>{"name": "get_time", ', '"arguments": {}}</tool_call>'], "stop")
     assert reason == "tool_calls" and len(deltas) == 1
     call = deltas[0]["tool_calls"][0]
@@ -455,3 +478,56 @@ def test_tool_text_must_be_valid_unicode(body: dict, field: str) -> None:
 
 def test_tokenize_shows_no_tools_with_tool_choice_none() -> None:
     assert parse_tokenize_request({"messages": USER, "tools": TOOLS, "tool_choice": "none"}).tools == ()
+
+
+@pytest.mark.parametrize(("choice", "pieces"), [
+    ("required", ['[{"name": "get_time", ', '"arguments": {}}]']),
+    ({"type": "function", "function": {"name": "get_weather"}}, ['{"city": ', '"Paris", ', '"unit": "c"}']),
+    ("auto", ["Sure. ", "<tool_call>", '{"name": "get_time", "arguments": {}}', "</tool_call>"]),
+])
+def test_logprobs_with_tools_cover_every_token_whole_and_streamed(choice, pieces) -> None:
+    """logprobs with tool calling: one entry per generated token, content and call tokens alike, in
+    `choices[].logprobs.content`; streamed, each chunk's entries come once, also while its text is held."""
+    parsed = parse_chat_request(chat(tool_choice=choice, logprobs=True, top_logprobs=1))
+    assert parsed.request.sampling.logprobs == 1 and parsed.tools is not None
+    entries = [(TokenLogprob(10 + i, -0.5 - i, (3,), (-0.1,)),) for i in range(len(pieces))]
+    chunks = [Chunk(p, [10 + i], "stop" if i == len(pieces) - 1 else None, logprobs=e)
+              for i, (p, e) in enumerate(zip(pieces, entries))]
+    builder = ResponseBuilder(chat=True, request_id="r1", model="m", created=1, tools=parsed.tools,
+                              logprobs=LogprobsBuilder(True, lambda t: f"<{t}>"))
+    whole = builder.full("".join(pieces), "stop", Usage(5, len(pieces)), None, [e for es in entries for e in es])
+    content = whole["choices"][0]["logprobs"]["content"]
+    assert [(c["token"], c["logprob"]) for c in content] == [(f"<{10 + i}>", -0.5 - i) for i in range(len(pieces))]
+    assert all(c["top_logprobs"] == [{"token": "<3>", "logprob": -0.1, "bytes": list(b"<3>")}] for c in content)
+    assert whole["choices"][0]["message"]["tool_calls"] and whole["choices"][0]["finish_reason"] == "tool_calls"
+    stream = builder.for_choice(0)
+    events = [e for c in chunks for e in stream.chunk_events(c, c.finish_reason, None)]
+    streamed = [c for e in events if e["choices"][0]["logprobs"] for c in e["choices"][0]["logprobs"]["content"]]
+    assert streamed == content
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    calls = [d for e in events for d in e["choices"][0]["delta"].get("tool_calls", [])]
+    assert calls and calls[0]["function"]["name"] in ("get_time", "get_weather")
+    if choice == "required":  # held until the end: the chunks before it come as empty deltas with their tokens
+        assert events[0]["choices"][0]["delta"] == {} and events[0]["choices"][0]["logprobs"]["content"]
+
+
+@pytest.mark.parametrize("text", [
+    "Let me look.\n<tool_call>\n" + CALL + "\n</tool_call>",
+    " A\n\n<tool_call>" + CALL + "</tool_call>\n then \n<tool_call>" + CALL + "</tool_call>\nB \n",
+    "<tool_call>" + CALL + "</tool_call>\n\nDone.",
+    "No call, just words. \n",
+    "Cut: <tool_call>" + CALL + "</tool_call> and <tool_call>{\"name\": \"get_we",
+])
+@pytest.mark.parametrize("finish", ["stop", "length"])
+def test_auto_streamed_equals_whole_however_the_output_is_chunked(text: str, finish: str) -> None:
+    """Content, calls and finish reason of an "auto" output are the same streamed as whole, wherever the
+    chunks split it (blanks next to a call are dropped from the content both ways)."""
+    tool_calling = calling()
+    whole = tool_calling.extract(text, finish)
+    for cut in range(len(text) + 1):
+        for pieces in ([text[:cut], text[cut:]], [text[:cut // 2], text[cut // 2:cut], text[cut:]]):
+            deltas, reason = feed_all(ToolStream(tool_calling), pieces, finish)
+            assert reason == whole.finish_reason
+            assert "".join(d.get("content") or "" for d in deltas) == (whole.content or ""), pieces
+            streamed = [d["tool_calls"][0]["function"] for d in deltas if "tool_calls" in d]
+            assert [(f["name"], f["arguments"]) for f in streamed] == [(c.name, c.arguments) for c in whole.calls]
