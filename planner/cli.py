@@ -1,4 +1,5 @@
-"""`pdserve plan` flags and what each mode runs: a sweep (default), `--validate URL`, `--watch --address URL`.
+"""`pdserve plan` flags and what each mode runs: a sweep (default), `--validate URL`, `--watch --address URL`
+(with `--apply`: the recommended split pinned on the server, `planner.watch`).
 
 A planned request starts as a line of the trace (`--trace`), is simulated on the profile (`--cost-model`
 measured, or `--roofline` + `--device`) by `planner.sim`, for every candidate `planner.plan` sweeps.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -113,6 +115,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     modes.add_argument("--interval", type=float, default=60.0, help="--watch: seconds per window (default: 60)")
     modes.add_argument("--rounds", type=int, default=None, help="--watch: windows to advise on (default: until "
                        "interrupted)")
+    modes.add_argument("--apply", action="store_true", help="--watch: pin each recommended split on the server "
+                       "(POST /pdserve/split) when it differs from the split now and the server can hold it (started "
+                       "with --flip-roles; at most its prefill workers keep the prefill role); prints what was "
+                       "applied or why not")
+    modes.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
+                       help="--watch: the server's API key (default: $PDSERVE_API_KEY)")
 
 
 def _config(args: argparse.Namespace) -> tuple[RouterConfig, EngineConfig]:
@@ -161,8 +169,11 @@ def run(args: argparse.Namespace) -> int:
 
         if not args.address:
             raise ValueError("--watch needs --address http://HOST:PORT of a running pdserve")
-        watch(args.address, slo, args.policies, args.max_num_seqs[0], args.interval, args.rounds)
+        watch(args.address, slo, args.policies, args.max_num_seqs[0], args.interval, args.rounds, pin=args.apply,
+              api_key=args.api_key)
         return 0
+    if args.apply:
+        raise ValueError("--apply goes with --watch --address URL (it pins the split each round recommends)")
     trace = _trace(args)
     if args.validate:
         return _validate(args, trace, slo, factors)

@@ -42,10 +42,11 @@ class ServerLayout:
     policy: str | None
 
 
-def fetch_text(url: str, timeout_s: float = 10.0) -> str:
-    """GET `url`. Raises: ValueError naming it when it cannot be read."""
+def fetch_text(url: str, timeout_s: float = 10.0, api_key: str | None = None) -> str:
+    """GET `url` (with `api_key` as a bearer token). Raises: ValueError naming it when it cannot be read."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=timeout_s) as r:
             return r.read().decode()
     except OSError as e:
         raise ValueError(f"cannot read {url}: {e}") from None
