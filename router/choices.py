@@ -1,4 +1,4 @@
-"""Several choices per OpenAI request (`n`, `best_of`, a batch of prompts): a fan-out above the router core.
+"""Several choices per request (HTTP `n`, `best_of`, prompt batches; gRPC `n`): a fan-out above the router.
 
 Every choice is a request of its own. For each prompt the API server submits `per_prompt` requests
 (`best_of`, else `n`) through `RouterAPI.submit`, one after the other, and merges their

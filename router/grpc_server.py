@@ -9,19 +9,23 @@ Lifecycle of one Generate call:
 1. Translate the proto request into a `GenerateRequest`: the oneof `input` becomes the prompt or
    chat messages, unset `sampling` fields take `SamplingParams`' defaults, empty strings mean unset;
    `sampling.response_format` becomes `SamplingParams.json_schema` as on HTTP (JSON_OBJECT: any object,
-   JSON_SCHEMA: the schema's text), a schema the grammar library cannot compile refused naming response_format.
-   `SamplingParams` validates on construction; chat roles and the size limits of
-   `router.limits.RequestLimits` (prompt characters, messages, stop strings and ids) are checked.
-2. `router.submit` validates, tokenizes and places it, or raises before anything runs.
-3. Relay each `Chunk` of the returned `RequestStream` as a `GenerateResponse` (request id on every
-   one; its tokens' log-probabilities when `sampling.logprobs` asked; finish_reason, usage and
-   timings on the last).
+   JSON_SCHEMA: the schema's text), a schema the grammar library cannot compile refused naming response_format;
+   `sampling.logit_bias` becomes `SamplingParams.logit_bias`. `SamplingParams` validates on construction;
+   chat roles and the size limits of `router.limits.RequestLimits` (prompt characters, messages, stop
+   strings and ids, `n` up to `max_choices`) are checked.
+2. `n` choices (`choice_count`; unset: 1) are a fan-out as on HTTP (`router.choices`: one router request
+   per choice, choice i seeded seed + i): `router.submit` validates, tokenizes and places each, or raises
+   before anything runs (the ones already submitted are then aborted).
+3. Relay each `Chunk` of the choices' `RequestStream`s, interleaved as they come, as a `GenerateResponse`
+   (the first choice's request id on every one; the choice's `index`; its tokens' log-probabilities when
+   `sampling.logprobs` asked; finish_reason, usage and timings on each choice's last).
 4. Errors become status codes: invalid field → INVALID_ARGUMENT (message names the field), unknown
    model → NOT_FOUND, overload → RESOURCE_EXHAUSTED (+ trailing `retry-after-s`), a failed request →
    INTERNAL with its message (also mid-stream), anything else → INTERNAL "internal error (request id
    ...)" with the traceback in the server log only.
-5. Always close the stream at the end: if the client cancelled or disconnected (the handler task is
-   cancelled), that aborts the request on the workers; after a normal end it is a no-op.
+5. Always close the streams at the end: if the client cancelled or disconnected (the handler task is
+   cancelled), or one choice failed, that aborts the requests still running on the workers; after a
+   normal end it is a no-op.
 
 The server also serves grpc.health.v1.Health (SERVING while `router.healthy()`, for "" and for the
 generation service) and server reflection listing both services; both stay open when API keys are
@@ -29,6 +33,7 @@ set (probes and tooling need no secret), as does nothing else. Keys and metadata
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import uuid
@@ -46,9 +51,10 @@ from engine.logprobs import TokenLogprob
 from engine.sampling_params import SamplingParams
 from protos.pdserve.v1 import pdserve_pb2 as pb
 from protos.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from router import choices
 from router.auth import as_key_set, bearer_token, key_allowed
 from router.limits import CLIENT_REQUEST_ID, DEFAULT_LIMITS, RequestLimits, check_limits
-from router.openai_protocol import CHAT_ROLES
+from router.openai_protocol import CHAT_ROLES, ParsedRequest
 from router.tls import TlsFiles
 from router.types import (
     ERROR_STATUS,
@@ -115,7 +121,8 @@ def to_sampling_params(msg: pb.SamplingParams) -> SamplingParams:
     optional = {name: getattr(msg, name) for name in _OPTIONAL_SAMPLING if msg.HasField(name)}
     return SamplingParams(top_k=msg.top_k, stop=tuple(msg.stop), stop_token_ids=tuple(msg.stop_token_ids),
                           ignore_eos=msg.ignore_eos, min_tokens=msg.min_tokens,
-                          json_schema=_json_schema(msg.response_format), **optional)
+                          logit_bias=tuple(msg.logit_bias.items()), json_schema=_json_schema(msg.response_format),
+                          **optional)
 
 
 def _json_schema(msg: pb.ResponseFormat) -> str | None:
@@ -138,10 +145,19 @@ def _json_schema(msg: pb.ResponseFormat) -> str | None:
     return text
 
 
-def to_response(request_id: str, chunk: Chunk) -> pb.GenerateResponse:
-    """Args: the request id and one chunk of its output. Returns: the proto response."""
+def choice_count(msg: pb.GenerateRequest, limits: RequestLimits = DEFAULT_LIMITS) -> int:
+    """`n`: the choices to generate, in [1, limits.max_choices] (0, the unset value: 1).
+    Raises InvalidRequestError naming n."""
+    if msg.n > limits.max_choices:
+        raise InvalidRequestError("n", f"must be in [1, {limits.max_choices}] (choices of the prompt; 0 means 1), "
+                                       f"got {msg.n}")
+    return msg.n or 1
+
+
+def to_response(request_id: str, chunk: Chunk, index: int = 0) -> pb.GenerateResponse:
+    """Args: the request id, one chunk of its output and its choice's index. Returns: the proto response."""
     response = pb.GenerateResponse(request_id=request_id, text=chunk.text, token_ids=chunk.token_ids,
-                                   finish_reason=chunk.finish_reason or "",
+                                   finish_reason=chunk.finish_reason or "", index=index,
                                    logprobs=[_token_logprob(lp) for lp in chunk.logprobs])
     if chunk.usage is not None:
         response.usage.CopyFrom(_usage(chunk.usage))
@@ -191,22 +207,24 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         # Writes with context.write (not a generator) so a cancellation always lands in this coroutine.
         request_id = request.request_id or f"grpc-{uuid.uuid4().hex[:12]}"
-        stream: RequestStream | None = None
+        streams: list[RequestStream] = []
         try:
             generate = to_generate_request(request, self._limits)
+            n = choice_count(request, self._limits)
             remaining = context.time_remaining()  # the client's gRPC deadline, if it set one
             if remaining is not None and generate.timeout_s is None:
                 generate = replace(generate, timeout_s=max(1e-3, min(remaining, 1e7 - 1)))
-            stream = await self._router.submit(generate)
-            request_id = stream.request_id
-            async for chunk in stream:
-                await context.write(to_response(request_id, chunk))
+            candidates = choices.plan(ParsedRequest(requests=(generate,), n=n), generate.request_id)
+            streams = await choices.submit_all(self._router, candidates)
+            request_id = streams[0].request_id
+            async with contextlib.aclosing(choices.merge(streams)) as merged:
+                async for k, chunk in merged:
+                    await context.write(to_response(request_id, chunk, candidates[k].number))
         except Exception as exc:  # noqa: BLE001 - every error gets a status; CancelledError only runs the finally
             code, message, trailers = error_status(exc, request_id)
             await context.abort(code, message, trailing_metadata=trailers)
         finally:
-            if stream is not None:
-                await stream.aclose()
+            await choices.close_all(streams)
 
     async def ListModels(self, request: pb.ListModelsRequest,
                          context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:

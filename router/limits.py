@@ -28,7 +28,7 @@ class RequestLimits:
         max_stop: stop strings per request (OpenAI allows 4).
         max_stop_token_ids: stop token ids per request.
         max_choices: OpenAI's `n` and `best_of`: sequences generated per prompt, each its own request
-            at the router (HTTP only; gRPC requests have one).
+            at the router (HTTP `n` and `best_of`, gRPC `n`).
         max_prompts: prompts in one batched completions request (`prompt` as a list of prompts). A
             request runs at most max_prompts * max_choices sequences.
     """

@@ -107,14 +107,14 @@ def test_all_sampling_fields_and_ids_reach_the_router(served: Served) -> None:
         sampling=pb.SamplingParams(max_tokens=3, temperature=0.7, top_p=0.9, top_k=40, seed=0, stop=["x", "yy"],
                                    stop_token_ids=[2, 5], ignore_eos=True, min_p=0.1, min_tokens=2,
                                    presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.25,
-                                   logprobs=4))
+                                   logprobs=4, logit_bias={7: 2.5, 3: -100}))
     responses = served.generate(request)
     assert {r.request_id for r in responses} == {"client-7"}
     sent = served.router.requests[-1]
     assert sent.sampling == SamplingParams(max_tokens=3, temperature=0.7, top_p=0.9, top_k=40, seed=0,
                                            stop=("x", "yy"), stop_token_ids=(2, 5), ignore_eos=True, min_p=0.1,
                                            min_tokens=2, presence_penalty=0.5, frequency_penalty=-0.5,
-                                           repetition_penalty=1.25, logprobs=4)
+                                           repetition_penalty=1.25, logprobs=4, logit_bias=((3, -100.0), (7, 2.5)))
     assert (sent.request_id, sent.model) == ("client-7", MODEL)
 
 
@@ -207,6 +207,10 @@ ERROR_CASES = [
      grpc.StatusCode.INVALID_ARGUMENT, "response_format:"),
     (text_request("hi", max_tokens=5, min_tokens=1, response_format=pb.ResponseFormat(
         type=pb.ResponseFormat.JSON_OBJECT)), grpc.StatusCode.INVALID_ARGUMENT, "min_tokens:"),
+    (text_request("hi", logit_bias={5: 100.5}), grpc.StatusCode.INVALID_ARGUMENT, "logit_bias: bias of token 5"),
+    (text_request("hi", logit_bias={i: 1.0 for i in range(301)}), grpc.StatusCode.INVALID_ARGUMENT,
+     "logit_bias: holds 301 tokens"),
+    (pb.GenerateRequest(text="hi", n=17), grpc.StatusCode.INVALID_ARGUMENT, "n: must be in [1, 16]"),
     (pb.GenerateRequest(text="hi", model="gpt-9"), grpc.StatusCode.NOT_FOUND, "model: the model 'gpt-9'"),
     (pb.GenerateRequest(chat=pb.ChatMessages()), grpc.StatusCode.INVALID_ARGUMENT, "messages:"),
     (pb.GenerateRequest(chat=pb.ChatMessages(messages=[pb.ChatMessage(role="robot", content="x")])),
@@ -239,6 +243,37 @@ def test_overload_is_resource_exhausted_with_retry_after(served: Served) -> None
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "retry later" in info.value.details()
     assert ("retry-after-s", "2") in tuple(info.value.trailing_metadata())
+
+
+def test_n_choices_stream_interleaved_each_with_its_index(served: Served) -> None:
+    """n = 3: three router requests (seeds 5, 6, 7), each choice's responses whole under its index, the
+    first choice's request id on all; each choice's last response has its own usage."""
+    before = len(served.router.requests)
+    responses = served.generate(pb.GenerateRequest(text="a b c", n=3,
+                                                   sampling=pb.SamplingParams(max_tokens=4, seed=5, logprobs=0)))
+    sent = served.router.requests[before:]
+    assert [r.sampling.seed for r in sent] == [5, 6, 7] and {r.prompt for r in sent} == {"a b c"}
+    assert sorted({r.index for r in responses}) == [0, 1, 2]
+    for i in range(3):
+        mine = [r for r in responses if r.index == i]
+        assert_complete(mine, n_tokens=4, prompt_tokens=3)
+        assert [lp.logprob for r in mine for lp in r.logprobs] == [-0.5 * t - 0.25 * ((5 + i) % 4) for t in range(4)]
+    assert len({r.request_id for r in responses}) == 1
+    one = served.generate(text_request("a b", max_tokens=2))
+    assert {r.index for r in one} == {0} and len(served.router.requests) == before + 4  # n unset: one
+
+
+def test_a_failing_choice_fails_the_call_and_aborts_the_others(served: Served, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(served.router, "token_delay_ms", 20.0)
+    before = len(served.router.aborted)
+    with pytest.raises(grpc.RpcError) as info:
+        served.generate(pb.GenerateRequest(text="explode", n=2, request_id="boom-n",
+                                           sampling=pb.SamplingParams(max_tokens=20)))
+    assert info.value.code() == grpc.StatusCode.INTERNAL and "KV transfer failed" in info.value.details()
+    deadline = time.monotonic() + 10
+    while len(served.router.aborted) < before + 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert served.router.aborted[before:].count("boom-n") >= 2  # neither choice's stream is left running
 
 
 def test_failure_mid_stream_is_internal_with_its_message(served: Served) -> None:

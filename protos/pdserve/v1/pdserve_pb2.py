@@ -24,13 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/pdserve/v1/pdserve.proto\x12\npdserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x92\x04\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x12\n\x05min_p\x18\t \x01(\x01H\x04\x88\x01\x01\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x01H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x01H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x01H\x07\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x08\x88\x01\x01\x12\x33\n\x0fresponse_format\x18\x0f \x01(\x0b\x32\x1a.pdserve.v1.ResponseFormatB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobs\"\x88\x01\n\x0eResponseFormat\x12-\n\x04type\x18\x01 \x01(\x0e\x32\x1f.pdserve.v1.ResponseFormat.Type\x12\x13\n\x0bjson_schema\x18\x02 \x01(\t\"2\n\x04Type\x12\x08\n\x04TEXT\x10\x00\x12\x0f\n\x0bJSON_OBJECT\x10\x01\x12\x0f\n\x0bJSON_SCHEMA\x10\x02\"\xd0\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\r\n\x05model\x18\x06 \x01(\tB\x07\n\x05input\"f\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\"\xb4\x01\n\x0cPhaseTimings\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x16\n\x0eprefill_worker\x18\x02 \x01(\t\x12\x15\n\rdecode_worker\x18\x03 \x01(\t\x12\x0f\n\x07queue_s\x18\x04 \x01(\x01\x12\x11\n\tprefill_s\x18\x05 \x01(\x01\x12\x12\n\ntransfer_s\x18\x06 \x01(\x01\x12\x10\n\x08\x64\x65\x63ode_s\x18\x07 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x08 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\t \x01(\x01\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"_\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12,\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"\xd7\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12)\n\x07timings\x18\x06 \x01(\x0b\x32\x18.pdserve.v1.PhaseTimings\x12*\n\x08logprobs\x18\x07 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"\x13\n\x11ListModelsRequest\"Q\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x03\x12\x10\n\x08owned_by\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelCard2\xa9\x01\n\x11GenerationService\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fprotos/pdserve/v1/pdserve.proto\x12\npdserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"9\n\x0c\x43hatMessages\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x83\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\x04 \x01(\r\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x03\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x12\n\x05min_p\x18\t \x01(\x01H\x04\x88\x01\x01\x12\x12\n\nmin_tokens\x18\n \x01(\r\x12\x1d\n\x10presence_penalty\x18\x0b \x01(\x01H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x01H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\r \x01(\x01H\x07\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x08\x88\x01\x01\x12\x33\n\x0fresponse_format\x18\x0f \x01(\x0b\x32\x1a.pdserve.v1.ResponseFormat\x12=\n\nlogit_bias\x18\x10 \x03(\x0b\x32).pdserve.v1.SamplingParams.LogitBiasEntry\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobs\"\x88\x01\n\x0eResponseFormat\x12-\n\x04type\x18\x01 \x01(\x0e\x32\x1f.pdserve.v1.ResponseFormat.Type\x12\x13\n\x0bjson_schema\x18\x02 \x01(\t\"2\n\x04Type\x12\x08\n\x04TEXT\x10\x00\x12\x0f\n\x0bJSON_OBJECT\x10\x01\x12\x0f\n\x0bJSON_SCHEMA\x10\x02\"\xdb\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12(\n\x04\x63hat\x18\x03 \x01(\x0b\x32\x18.pdserve.v1.ChatMessagesH\x00\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\r\n\x05model\x18\x06 \x01(\t\x12\t\n\x01n\x18\x07 \x01(\rB\x07\n\x05input\"f\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\x12\x15\n\rcached_tokens\x18\x04 \x01(\r\"\xb4\x01\n\x0cPhaseTimings\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x16\n\x0eprefill_worker\x18\x02 \x01(\t\x12\x15\n\rdecode_worker\x18\x03 \x01(\t\x12\x0f\n\x07queue_s\x18\x04 \x01(\x01\x12\x11\n\tprefill_s\x18\x05 \x01(\x01\x12\x12\n\ntransfer_s\x18\x06 \x01(\x01\x12\x10\n\x08\x64\x65\x63ode_s\x18\x07 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x08 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\t \x01(\x01\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"_\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12,\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"\xe6\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12)\n\x07timings\x18\x06 \x01(\x0b\x32\x18.pdserve.v1.PhaseTimings\x12*\n\x08logprobs\x18\x07 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\r\n\x05index\x18\x08 \x01(\r\"\x13\n\x11ListModelsRequest\"Q\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07\x63reated\x18\x02 \x01(\x03\x12\x10\n\x08owned_by\x18\x03 \x01(\t\x12\x15\n\rmax_model_len\x18\x04 \x01(\r\";\n\x12ListModelsResponse\x12%\n\x06models\x18\x01 \x03(\x0b\x32\x15.pdserve.v1.ModelCard2\xa9\x01\n\x11GenerationService\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12K\n\nListModels\x12\x1d.pdserve.v1.ListModelsRequest\x1a\x1e.pdserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.pdserve.v1.pdserve_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_TOKENIDS']._serialized_start=47
   _globals['_TOKENIDS']._serialized_end=70
   _globals['_CHATMESSAGE']._serialized_start=72
@@ -38,29 +40,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_start=118
   _globals['_CHATMESSAGES']._serialized_end=175
   _globals['_SAMPLINGPARAMS']._serialized_start=178
-  _globals['_SAMPLINGPARAMS']._serialized_end=708
-  _globals['_RESPONSEFORMAT']._serialized_start=711
-  _globals['_RESPONSEFORMAT']._serialized_end=847
-  _globals['_RESPONSEFORMAT_TYPE']._serialized_start=797
-  _globals['_RESPONSEFORMAT_TYPE']._serialized_end=847
-  _globals['_GENERATEREQUEST']._serialized_start=850
-  _globals['_GENERATEREQUEST']._serialized_end=1058
-  _globals['_USAGE']._serialized_start=1060
-  _globals['_USAGE']._serialized_end=1162
-  _globals['_PHASETIMINGS']._serialized_start=1165
-  _globals['_PHASETIMINGS']._serialized_end=1345
-  _globals['_TOPLOGPROB']._serialized_start=1347
-  _globals['_TOPLOGPROB']._serialized_end=1394
-  _globals['_TOKENLOGPROB']._serialized_start=1396
-  _globals['_TOKENLOGPROB']._serialized_end=1491
-  _globals['_GENERATERESPONSE']._serialized_start=1494
-  _globals['_GENERATERESPONSE']._serialized_end=1709
-  _globals['_LISTMODELSREQUEST']._serialized_start=1711
-  _globals['_LISTMODELSREQUEST']._serialized_end=1730
-  _globals['_MODELCARD']._serialized_start=1732
-  _globals['_MODELCARD']._serialized_end=1813
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1815
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1874
-  _globals['_GENERATIONSERVICE']._serialized_start=1877
-  _globals['_GENERATIONSERVICE']._serialized_end=2046
+  _globals['_SAMPLINGPARAMS']._serialized_end=821
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=634
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=682
+  _globals['_RESPONSEFORMAT']._serialized_start=824
+  _globals['_RESPONSEFORMAT']._serialized_end=960
+  _globals['_RESPONSEFORMAT_TYPE']._serialized_start=910
+  _globals['_RESPONSEFORMAT_TYPE']._serialized_end=960
+  _globals['_GENERATEREQUEST']._serialized_start=963
+  _globals['_GENERATEREQUEST']._serialized_end=1182
+  _globals['_USAGE']._serialized_start=1184
+  _globals['_USAGE']._serialized_end=1286
+  _globals['_PHASETIMINGS']._serialized_start=1289
+  _globals['_PHASETIMINGS']._serialized_end=1469
+  _globals['_TOPLOGPROB']._serialized_start=1471
+  _globals['_TOPLOGPROB']._serialized_end=1518
+  _globals['_TOKENLOGPROB']._serialized_start=1520
+  _globals['_TOKENLOGPROB']._serialized_end=1615
+  _globals['_GENERATERESPONSE']._serialized_start=1618
+  _globals['_GENERATERESPONSE']._serialized_end=1848
+  _globals['_LISTMODELSREQUEST']._serialized_start=1850
+  _globals['_LISTMODELSREQUEST']._serialized_end=1869
+  _globals['_MODELCARD']._serialized_start=1871
+  _globals['_MODELCARD']._serialized_end=1952
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1954
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2013
+  _globals['_GENERATIONSERVICE']._serialized_start=2016
+  _globals['_GENERATIONSERVICE']._serialized_end=2185
 # @@protoc_insertion_point(module_scope)

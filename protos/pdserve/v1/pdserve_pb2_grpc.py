@@ -52,9 +52,9 @@ class GenerationServiceServicer:
     """
 
     def Generate(self, request, context):
-        """Generates a completion of one prompt and streams it back as it is produced: one response per
-        new piece of output; the last one has finish_reason, usage and timings set. Cancelling the
-        call aborts the request on the workers.
+        """Generates a completion of one prompt (or GenerateRequest.n of them) and streams it back as it is
+        produced: one response per new piece of output; a choice's last one has finish_reason, usage and
+        timings set. Cancelling the call aborts the request on the workers.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
