@@ -164,6 +164,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     except ConnectionError as e:
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 2
+    if args.router:
+        from pdserve.status import router_split
+
+        status["router"] = router_split(args.router, args.api_key)
     print(status_json(status) if args.json else format_status(status))
     return 0 if status["healthy"] else 1
 
@@ -229,6 +233,10 @@ def build_parser(serve_defaults: dict | None = None) -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="print the snapshot as JSON")
     st.add_argument("--timeout", type=float, default=5.0, help="seconds each worker gets to answer load()")
     st.add_argument("--all", action="store_true", help="also list dead workers of servers that have stopped")
+    st.add_argument("--router", default=None, metavar="URL", help="also show the role split of the router at "
+                    "http://HOST:PORT (how many prefill workers prefill, pinned or automatic)")
+    st.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY"),
+                    help="--router: its API key (default: $PDSERVE_API_KEY)")
     st.set_defaults(func=cmd_status)
 
     stop = sub.add_parser("stop", help="end the workers of a named deployment (`serve --deployment`)")

@@ -7,6 +7,8 @@
    actor after its worker id); an unnamed actor cannot be reached from another driver, so its load
    and health stay unknown.
 4. Read each node's pool, CPU and GPU resources (total and available).
+5. With a router's address (`--router`), read its role split (`GET /pdserve/split`, `router.split`):
+   how many prefill workers hold the prefill role, and whether an operator pinned it (`router_split`).
 Dead workers are listed when their server still runs (it may be replacing them); `include_dead`
 lists those of stopped servers too.
 """
@@ -89,6 +91,9 @@ def format_status(status: dict) -> str:
         rows.append((n["node_id"][:12], n["node_ip"], "yes" if n["alive"] else "no", "yes" if n["is_head"] else "",
                      *(_res_text(n["resources"].get(r)) for r in RESOURCES)))
     lines += ["", *_table(rows), ""]
+    if "router" in status:
+        r = status["router"]
+        lines.append(f"router {r['url']}: role split: {r['text']}")
     p = status["pools"]
     verdict = "healthy" if status["healthy"] else "UNHEALTHY"
     lines.append(f"pdserve: {verdict}: prefill {p['prefill']['healthy']}/{p['prefill']['alive']} and decode "
@@ -96,6 +101,18 @@ def format_status(status: dict) -> str:
     if not status["workers"]:
         lines.append("no pdserve workers on this cluster: is `pdserve serve --address ...` running against it?")
     return "\n".join(lines)
+
+
+def router_split(url: str, api_key: str | None) -> dict:
+    """The role split of the router at `url`: {"url", "split" (`RoleSplit.to_json`, or None when it could not
+    be read), "text" (its description, or why it could not be read)}."""
+    from planner.watch import read_split
+
+    try:
+        split = read_split(url, api_key)
+    except ValueError as e:
+        return {"url": url, "split": None, "text": f"unknown ({e})"}
+    return {"url": url, "split": split.to_json(), "text": split.describe()}
 
 
 # -- gathering -------------------------------------------------------------------------------------

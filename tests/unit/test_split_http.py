@@ -121,3 +121,18 @@ def test_watch_apply_pins_a_differing_appliable_recommendation_and_says_why_not_
     with pytest.raises(SplitRefused, match="HTTP 400: prefill: this server has 2 prefill workers"):
         send_split(base, 5, KEY)
     assert send_split(base, None, KEY).pinned is None
+
+
+def test_pdserve_status_shows_the_routers_split(flips) -> None:
+    from pdserve.status import format_status, router_split
+
+    base = f"http://127.0.0.1:{flips.port}"
+    call(flips, "POST", {"prefill": 1})
+    status = {"address": "127.0.0.1:6379", "workers": [], "nodes": [], "healthy": False,
+              "pools": {"prefill": {"alive": 0, "healthy": 0}, "decode": {"alive": 0, "healthy": 0}},
+              "router": router_split(base, KEY)}
+    assert status["router"]["split"]["pinned"] == 1
+    assert (f"router {base}: role split: 1 of 2 prefill workers prefill, 1 flipped to decode, beside 2 decode "
+            "workers (pinned)") in format_status(status)
+    unread = router_split(base, None)
+    assert unread["split"] is None and unread["text"].startswith("unknown (") and "401" in unread["text"]
