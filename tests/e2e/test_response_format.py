@@ -3,19 +3,25 @@ alternates the remote path (prefill worker, then decode worker) and the local on
 validates for several prompts on both paths, chat and completions, streamed and not; json_object parses;
 a bad response_format is a 400 naming it; gRPC's sampling.response_format gives the same. Tool calling rides the same grammar path: tool_choice required and a
 named function give tool_calls whose arguments validate against the tool's parameters, on both paths and
-streamed, and a follow-up with the assistant's tool_calls and a tool message is answered; bad tools are a 400."""
+streamed, and a follow-up with the assistant's tool_calls and a tool message is answered; bad tools are a 400.
+With logprobs, a call's tokens carry the model's log-softmax, whole and streamed; a call cut by max_tokens is
+"length" without a call either way. gRPC's `n` (choices on both paths, each under its index) and `logit_bias`
+through real stubs."""
 from __future__ import annotations
 
 import json
+import urllib.request
 
 import grpc
 import jsonschema
 import openai
 import pytest
+import torch
 
 from protos.pdserve.v1 import pdserve_pb2 as pb
 from protos.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-from tests.e2e.conftest import start_server, stop_server
+from tests.e2e.conftest import greedy_ids, start_server, stop_server
+from tests.e2e.test_openai_api import reference_logprobs
 from tests.integration.test_structured_output import PERSON
 
 pytestmark = pytest.mark.model
@@ -183,3 +189,121 @@ def test_bad_tools_are_a_400_naming_the_field(client, alternating, fields, param
         client.chat.completions.create(model=alternating.model, messages=ASK, max_tokens=5, **fields)
     assert info.value.body["param"] == param
     assert "Traceback" not in info.value.body["message"]
+
+
+def token_ids_of(oracle, entries) -> list[int]:
+    """The ids of logprobs entries, by their text: each token's text (its id decoded alone) names one id."""
+    tokenizer = oracle[1]
+    texts: dict[str, list[int]] = {}
+    for i, text in enumerate(tokenizer.batch_decode([[i] for i in range(len(tokenizer))])):
+        texts.setdefault(text, []).append(i)
+    ids = [texts[e.token] for e in entries]
+    assert all(len(c) == 1 for c in ids), [e.token for e, c in zip(entries, ids) if len(c) != 1]
+    return [c[0] for c in ids]
+
+
+def test_tool_call_logprobs_are_the_models_whole_and_streamed_on_both_paths(client, alternating, oracle):
+    """logprobs with a named call, greedy: one entry per generated token (the first one's included, whichever
+    path served it), the call's arguments text token by token, each the model's log-softmax; streamed equal."""
+    kw = {"model": alternating.model, "messages": ASK, "tools": TOOLS, "tool_choice": NAMED, "max_tokens": 60,
+          "temperature": 0, "logprobs": True, "top_logprobs": 2}
+    prompt = json.loads(urllib_post(alternating, "/tokenize", {"messages": ASK, "tools": TOOLS,
+                                                                "tool_choice": NAMED}))["tokens"]
+    paths, contents = set(), []
+    for _ in range(2):
+        resp = client.chat.completions.create(**kw)
+        choice = resp.choices[0]
+        content = choice.logprobs.content
+        assert choice.finish_reason == "tool_calls" and len(content) == resp.usage.completion_tokens
+        arguments = choice.message.tool_calls[0].function.arguments
+        assert "".join(e.token for e in content) in (arguments, arguments + oracle[1].eos_token)  # EOS: a token too
+        ids = token_ids_of(oracle, content)
+        ref = reference_logprobs(oracle, prompt, ids)
+        for i, (entry, token_id) in enumerate(zip(content, ids)):
+            assert abs(entry.logprob - float(ref[i, token_id])) < 1e-4
+            assert abs(entry.top_logprobs[0].logprob - float(ref[i].max())) < 1e-4  # the raw likeliest
+        paths.add(path_of(resp))
+        contents.append([(e.token, e.logprob) for e in content])
+    assert paths == {"remote", "local"}
+    streamed = [e for c in client.chat.completions.create(stream=True, **kw) if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [t for t, _ in contents[0]]
+    assert max(abs(e.logprob - lp) for e, (_, lp) in zip(streamed, contents[0])) < 1e-4
+
+
+def test_a_required_call_cut_by_max_tokens_is_length_without_a_call_streamed_and_whole(client, alternating):
+    """A call cut by max_tokens is no call: finish_reason "length", no tool_calls and no content, streamed
+    as whole; its tokens are still counted and, asked for, their logprobs given."""
+    kw = {"model": alternating.model, "messages": ASK, "tools": TOOLS, "tool_choice": "required",
+          "parallel_tool_calls": False, "max_tokens": 6, "temperature": 0, "logprobs": True}
+    whole = client.chat.completions.create(**kw)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "length" and whole.usage.completion_tokens == 6
+    assert choice.message.tool_calls is None and choice.message.content is None
+    assert len(choice.logprobs.content) == 6
+    finish, calls, text, tokens = None, [], "", []
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        calls += delta.tool_calls or []
+        text += delta.content or ""
+        tokens += chunk.choices[0].logprobs.content if chunk.choices[0].logprobs else []
+        finish = chunk.choices[0].finish_reason or finish
+    assert (finish, calls, text) == ("length", [], "")
+    assert [t.token for t in tokens] == [t.token for t in choice.logprobs.content]
+
+
+def biased_greedy_ids(oracle, prompt_ids: list[int], max_new_tokens: int, bias: dict[int, float]) -> list[int]:
+    """transformers' greedy tokens with `bias` added to the logits at every step (the fp32 reference)."""
+    ids = list(prompt_ids)
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            logits = oracle[0](torch.tensor([ids])).logits[0, -1].float()
+            for token, b in bias.items():
+                logits[token] += b
+            ids.append(int(logits.argmax()))
+    return ids[len(prompt_ids):]
+
+
+def test_grpc_n_choices_and_logit_bias_through_real_stubs(alternating, oracle):
+    """gRPC `n`: greedy choices, each under its index, all equal transformers' greedy tokens, on both paths;
+    seeded sampling is reproducible per index and its choices differ. `sampling.logit_bias`: the greedy
+    tokens of the biased logits; an id beyond the vocabulary and n over 16 are INVALID_ARGUMENT naming them."""
+    ids = oracle[1]("The capital of France is")["input_ids"]
+    prompt = pb.TokenIds(ids=ids)
+    with grpc.insecure_channel(alternating.grpc) as channel:
+        stub = pb_grpc.GenerationServiceStub(channel)
+
+        def by_index(**kw) -> dict[int, list]:
+            out: dict[int, list] = {}
+            for r in stub.Generate(pb.GenerateRequest(token_ids=prompt, **kw), timeout=120):
+                out.setdefault(r.index, []).append(r)
+            return out
+
+        greedy = by_index(n=3, sampling=pb.SamplingParams(max_tokens=8))
+        want = greedy_ids(oracle, ids, 8)
+        assert sorted(greedy) == [0, 1, 2]
+        assert all([t for r in rs for t in r.token_ids] == want for rs in greedy.values())
+        assert all(rs[-1].finish_reason and rs[-1].usage.completion_tokens == 8 for rs in greedy.values())
+        assert {rs[-1].timings.path for rs in greedy.values()} == {"remote", "local"}
+        seeded = [by_index(n=2, sampling=pb.SamplingParams(max_tokens=8, temperature=1.0, seed=11)) for _ in range(2)]
+        tokens = [{i: [t for r in rs for t in r.token_ids] for i, rs in s.items()} for s in seeded]
+        assert tokens[0] == tokens[1] and tokens[0][0] != tokens[0][1]
+        bias = {want[0]: -100.0}
+        bias.setdefault(want[2], 5.0)
+        biased = by_index(sampling=pb.SamplingParams(max_tokens=6, logit_bias=bias))
+        assert [t for r in biased[0] for t in r.token_ids] == biased_greedy_ids(oracle, ids, 6, bias)
+        beyond = pb.SamplingParams(logit_bias={oracle[0].config.vocab_size: 1.0})
+        for kw, field in (({"sampling": beyond}, "logit_bias"), ({"n": 17}, "n")):
+            with pytest.raises(grpc.RpcError) as info:
+                by_index(**kw)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert info.value.details().startswith(f"{field}:"), info.value.details()
+
+
+def urllib_post(server, path: str, body: dict) -> bytes:
+    request = urllib.request.Request(server.http + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as resp:
+        return resp.read()
