@@ -160,7 +160,7 @@ def decide(advice: Advice, split: RoleSplit) -> Decision:
         split.check(layout.prefill)
     except (SplitUnavailable, InvalidRequestError) as e:
         return Decision(None, f"cannot apply {layout.label}: {e}")
-    return Decision(layout.prefill, f"pin {layout.label}: {layout.prefill} prefill workers keep the prefill role")
+    return Decision(layout.prefill, f"pin {layout.label} (prefill role: {layout.prefill})")
 
 
 class SplitRefused(ValueError):
