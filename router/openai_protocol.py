@@ -4,7 +4,11 @@ Parsing checks every field the OpenAI API defines for /v1/completions and /v1/ch
 raising `InvalidRequestError(field, message)` that names the field and what is allowed; fields we
 cannot honour (functions, suffix, ...) are refused rather than silently ignored,
 and so are the sampling extensions of other OpenAI-compatible servers that pdserve does not implement
-(`UNSUPPORTED_EXTENSIONS`). Other unknown top-level fields are ignored, as such servers commonly do.
+(`UNSUPPORTED_EXTENSIONS`), and OpenAI's chat fields for what pdserve does not serve (`UNSUPPORTED_CHAT_FIELDS`:
+audio, web search, reasoning controls, predicted outputs, moderation; `modalities` other than ["text"]).
+OpenAI's fields that speak to the platform, not the output (`NO_EFFECT_FIELDS`: user, metadata, store,
+service_tier, ...) are taken without effect. Other unknown top-level fields are ignored, as such servers
+commonly do.
 
 Several choices (`ParsedRequest`; served by `router.choices`, a fan-out of one router request per
 sequence): `n` (both endpoints) in [1, `RequestLimits.max_choices`]; on completions `prompt` may be a
@@ -78,6 +82,13 @@ UNSUPPORTED_EXTENSIONS = ("use_beam_search", "length_penalty", "early_stopping",
                           "truncate_prompt_tokens", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
                           "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs",
                           "logits_processors", "return_tokens_as_token_ids", "min_new_tokens")
+# OpenAI chat fields pdserve cannot honour (audio output, web search, reasoning controls, predicted outputs,
+# moderation): refused naming the field unless null; `modalities` is taken when it is ["text"] only.
+UNSUPPORTED_CHAT_FIELDS = ("audio", "web_search_options", "reasoning_effort", "verbosity", "prediction", "moderation")
+# OpenAI fields that speak to the platform (who asks, storage, billing tier, prompt-cache hints), not to the
+# output: taken and without effect (pdserve stores nothing, has one tier, and caches prompt prefixes always).
+NO_EFFECT_FIELDS = ("user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
+                    "prompt_cache_retention", "prompt_cache_options")
 MAX_TOKEN_ID = 2**31 - 1
 CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
 FINISH_REASONS = ("stop", "length")
@@ -176,6 +187,10 @@ def parse_chat_request(body: Any, default_max_tokens: int = DEFAULT_MAX_TOKENS,
     calling = parse_tool_calling(body)
     _only_null_or(body, "functions", ([],), "function calling is not supported; leave functions out")
     _only_null_or(body, "function_call", ("none",), "function calling is not supported; use \"none\"")
+    for name in UNSUPPORTED_CHAT_FIELDS:
+        if body.get(name) is not None:
+            raise InvalidRequestError(name, "is not supported by pdserve; leave it out")
+    _only_null_or(body, "modalities", (["text"],), "only [\"text\"] is served (pdserve writes no audio)")
     messages = _messages(body.get("messages", _MISSING), limits.max_messages)
     if body.get("max_completion_tokens") is not None:
         max_tokens = _int_field(body, "max_completion_tokens", default_max_tokens)

@@ -5,11 +5,15 @@ import json
 import re
 
 import pytest
+from openai.types import completion_create_params
+from openai.types.chat import completion_create_params as chat_create_params
 
 from engine.errors import InvalidRequestError
 from engine.logprobs import TokenLogprob
 from router.limits import RequestLimits
 from router.openai_protocol import (
+    NO_EFFECT_FIELDS,
+    UNSUPPORTED_CHAT_FIELDS,
     ChoiceOutput,
     LogprobsBuilder,
     ResponseBuilder,
@@ -442,3 +446,76 @@ def test_finish_reasons(reason: str, want: str | None) -> None:
             openai_finish_reason(chunk, "r9")
     else:
         assert openai_finish_reason(chunk, "r9") == want
+
+
+# ---------------------------------------------------------------- every field of the OpenAI SDK's request types
+
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+# field → (the body's fields, what the parsed request shows of them); each check fails on the default request
+CHAT_HONOURED = {
+    "messages": ({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]},
+                 lambda p: [m["content"] for m in p.request.messages] == ["s", "u"]),
+    "model": ({"model": "m"}, lambda p: p.request.model == "m"),
+    "frequency_penalty": ({"frequency_penalty": 0.5}, lambda p: p.request.sampling.frequency_penalty == 0.5),
+    "presence_penalty": ({"presence_penalty": 0.5}, lambda p: p.request.sampling.presence_penalty == 0.5),
+    "logit_bias": ({"logit_bias": {"5": 1}}, lambda p: p.request.sampling.logit_bias == ((5, 1.0),)),
+    "logprobs": ({"logprobs": True}, lambda p: p.request.sampling.logprobs == 0),
+    "top_logprobs": ({"logprobs": True, "top_logprobs": 3}, lambda p: p.request.sampling.logprobs == 3),
+    "max_completion_tokens": ({"max_completion_tokens": 7}, lambda p: p.request.sampling.max_tokens == 7),
+    "max_tokens": ({"max_tokens": 7}, lambda p: p.request.sampling.max_tokens == 7),
+    "n": ({"n": 3}, lambda p: p.n == 3),
+    "parallel_tool_calls": ({"tools": [TOOL], "parallel_tool_calls": False}, lambda p: p.tools and not p.tools.parallel),
+    "response_format": ({"response_format": {"type": "json_object"}}, lambda p: p.request.sampling.json_schema),
+    "seed": ({"seed": 3}, lambda p: p.request.sampling.seed == 3),
+    "stop": ({"stop": "x"}, lambda p: p.request.sampling.stop == ("x",)),
+    "stream": ({"stream": True}, lambda p: p.stream),
+    "stream_options": ({"stream": True, "stream_options": {"include_usage": True}}, lambda p: p.include_usage),
+    "temperature": ({"temperature": 0.5}, lambda p: p.request.sampling.temperature == 0.5),
+    "tool_choice": ({"tools": [TOOL], "tool_choice": "required"}, lambda p: p.tools and p.tools.choice == "required"),
+    "tools": ({"tools": [TOOL]}, lambda p: [t.name for t in p.request.tools] == ["f"]),
+    "top_p": ({"top_p": 0.5}, lambda p: p.request.sampling.top_p == 0.5),
+}
+COMPLETION_HONOURED = {
+    "prompt": ({"prompt": ["a", "b"]}, lambda p: [r.prompt for r in p.requests] == ["a", "b"]),
+    "best_of": ({"best_of": 3}, lambda p: p.per_prompt == 3),
+    "echo": ({"echo": True}, lambda p: p.echo),
+    **{k: v for k, v in CHAT_HONOURED.items() if k in ("model", "frequency_penalty", "presence_penalty", "logit_bias",
+                                                        "max_tokens", "n", "seed", "stop", "stream", "stream_options",
+                                                        "temperature", "top_p")},
+    "logprobs": ({"logprobs": 2}, lambda p: p.request.sampling.logprobs == 2),
+}
+CHAT_REFUSED = {"audio": {"voice": "alloy", "format": "wav"}, "web_search_options": {}, "reasoning_effort": "low",
+                "verbosity": "low", "prediction": {"type": "content", "content": "x"}, "moderation": {},
+                "modalities": ["text", "audio"], "functions": [{"name": "f"}], "function_call": "auto"}
+COMPLETION_REFUSED = {"suffix": "x"}
+NO_EFFECT = {"user": "u", "metadata": {"k": "v"}, "store": True, "service_tier": "flex", "safety_identifier": "s",
+             "prompt_cache_key": "k", "prompt_cache_retention": "24h", "prompt_cache_options": {"mode": "implicit"}}
+
+
+def sdk_fields(module) -> set[str]:
+    """The fields of an openai SDK request type (its `stream` lives in the streaming variants)."""
+    return set(module.CompletionCreateParamsBase.__annotations__) | {"stream"}
+
+
+@pytest.mark.parametrize(("endpoint", "parse", "base", "honoured", "refused"), [
+    ("chat", parse_chat_request, M, CHAT_HONOURED, CHAT_REFUSED),
+    ("completions", parse_completion_request, P, COMPLETION_HONOURED, COMPLETION_REFUSED),
+])
+def test_every_field_of_the_openai_request_types_is_honoured_refused_or_without_effect(
+        endpoint, parse, base, honoured, refused) -> None:
+    """Table-driven over the official SDK's request types: no known field is silently ignored. A field the
+    SDK gains fails here until it is classified."""
+    fields = sdk_fields(chat_create_params if endpoint == "chat" else completion_create_params)
+    no_effect = fields & set(NO_EFFECT_FIELDS)
+    assert fields == set(honoured) | set(refused) | no_effect, fields ^ (set(honoured) | set(refused) | no_effect)
+    assert set(NO_EFFECT_FIELDS) == set(NO_EFFECT) and set(UNSUPPORTED_CHAT_FIELDS) < set(CHAT_REFUSED)
+    default = parse(dict(base))
+    for name, (body, shows) in honoured.items():
+        assert shows(parse({**base, **body})), name
+        assert not shows(default), name  # the check can fail: the default request does not show it
+    for name, value in refused.items():
+        with pytest.raises(InvalidRequestError) as info:
+            parse({**base, name: value})
+        assert info.value.field == name and str(info.value).startswith(f"{name}: ")
+    for name in no_effect:
+        assert parse({**base, name: NO_EFFECT[name]}) == default, name
