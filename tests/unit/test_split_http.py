@@ -136,3 +136,53 @@ def test_pdserve_status_shows_the_routers_split(flips) -> None:
             "workers (pinned)") in format_status(status)
     unread = router_split(base, None)
     assert unread["split"] is None and unread["text"].startswith("unknown (") and "401" in unread["text"]
+
+
+class TrafficRouter(SplitRouter):
+    """Its /metrics shows 2 prefill and 2 decode workers, and at every scrape `ended` more requests ended
+    (`prompt` and `output` tokens each); its cost model is the policy tests' one."""
+
+    def __init__(self, config: RouterConfig, ended: int, prompt: int, output: int) -> None:
+        super().__init__(config)
+        from worker_core.protocol import LoadReport
+
+        self.ended, self.prompt, self.output = ended, prompt, output
+        self.metrics = Metrics(model_name="m")
+        for pool in ("prefill", "decode"):
+            for i in range(2):
+                self.metrics.observe_worker(pool, f"{pool}-{i}", LoadReport(free_blocks=1000, num_blocks=1000))
+
+    def metrics_text(self) -> tuple[bytes, str]:
+        m = self.metrics
+        m.requests.labels("local", "length").inc(self.ended)
+        m.prompt_tokens.inc(self.ended * self.prompt)
+        m.output_tokens.inc(self.ended * self.output)
+        return m.exposition()
+
+    def cost_model(self) -> dict:
+        return COST.to_dict()
+
+
+@pytest.mark.parametrize("traffic,applied", [((20, 200, 20), "cannot apply 3P:1D: prefill: this server has 2 prefill "
+                                              "workers"), ((1, 20, 200), "applied: pin ")])
+def test_watch_with_apply_prints_the_advice_and_what_it_applied_or_why_not(traffic, applied) -> None:
+    """Prompt-heavy traffic wants a third prefill worker, which no flip gives; decode-heavy traffic wants
+    fewer, which one pins."""
+    from planner.plan import Slo
+    from planner.watch import watch
+
+    s = ServerThread(TrafficRouter(RouterConfig(flip_roles=True), *traffic), api_keys=frozenset({KEY}))
+    try:
+        lines: list[str] = []
+        watch(f"http://127.0.0.1:{s.port}", Slo(2.0, 0.2), ("always_local", "always_remote"), 8, interval_s=0.2,
+              rounds=1, out=lines.append, pin=True, api_key=KEY)
+        assert lines[0].startswith("traffic: ") and "now 2P:2D" in lines[0] and "recommend " in lines[0], lines
+        assert lines[1].startswith("  " + applied), lines
+        pinned = s.router.placer.split().pinned
+        if applied.startswith("applied"):
+            label = lines[0].split("recommend ")[1].split()[0]
+            assert pinned == int(label.split("P:")[0]) < 2 and f"pin {label}" in lines[1]
+        else:
+            assert pinned is None
+    finally:
+        s.stop()
