@@ -166,13 +166,17 @@ def _start_pools(cfg: ServeConfig):
         with tqdm(total=cfg.num_prefill + cfg.num_decode, desc="starting workers", unit="worker",
                   file=sys.stderr) as bar:
             pools = create_pools(cfg.num_prefill, cfg.num_decode, cfg.engine, cfg.transfer, cfg.cpus_per_worker,
-                                 on_started=bar.update, deployment=cfg.deployment)
+                                 on_started=bar.update, deployment=cfg.deployment,
+                                 prefill_decodes=cfg.router.flip_roles)
         transfer, kept = cfg.transfer, None
     else:
         pools, transfer, kept = adopted.pools, adopted.transfer_config, adopted.kept
         if pools.engine_config.model != cfg.engine.model:
             raise ValueError(f"deployment: {cfg.deployment!r} runs model {pools.engine_config.model!r}, not "
                              f"{cfg.engine.model!r}; end it first (`pdserve stop`) or give its model")
+        pools.prefill_decodes = cfg.router.flip_roles
+        if not pools.decode:  # its config came from a prefill worker, which may not compile (`role_config`)
+            pools.engine_config = replace(pools.engine_config, compile=cfg.engine.compile)
         print(f"[pdserve] adopted deployment {cfg.deployment!r}: {len(pools.prefill)} prefill + "
               f"{len(pools.decode)} decode workers running ({adopted.aborted} requests of the last router dropped)",
               file=sys.stderr, flush=True)

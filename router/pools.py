@@ -8,6 +8,10 @@ Pools of a named deployment (`deployment=NAME`) are detached actors named `NAME.
 `NAME.decode-1`, ... (slot names: a replacement takes its slot's name): they outlive the router
 that started them, and a router started again with the same name adopts them (`adopt_pools`)
 instead of starting new ones. `end_deployment` stops them for good.
+
+A prefill worker runs prompt passes only, unless the router flips roles (`prefill_decodes`): then it
+serves decode too. Only then does it compile a decode step (`role_config`); otherwise its start is
+its model load, and it takes no compile time from the decode workers starting beside it.
 """
 from __future__ import annotations
 
@@ -44,6 +48,7 @@ class Pools:
     decode_peers: list[PeerInfo] = field(default_factory=list)
     engine_config: EngineConfig = field(default_factory=EngineConfig)  # what the workers run (dtype settled)
     deployment: str | None = None  # its workers are detached, named after it (None: they die with the router)
+    prefill_decodes: bool = False  # prefill workers serve decode too (role flips): they compile decode steps
 
     def decoder(self, index: int) -> ray.actor.ActorHandle:
         """The actor at a placement's decode index: decode workers first, then prefill workers (their
@@ -62,6 +67,14 @@ class Pools:
 def slot_name(deployment: str, slot: str) -> str:
     """The actor name of a deployment's worker slot (`slot`: "prefill-0", "decode-1", ...)."""
     return f"{deployment}.{slot}"
+
+
+def role_config(pool: str, engine_config: EngineConfig, prefill_decodes: bool) -> EngineConfig:
+    """What a worker of `pool` runs: `engine_config`, except that a prefill worker that never runs
+    decode steps (`prefill_decodes` False) does not compile one."""
+    if pool == "prefill" and engine_config.compile and not prefill_decodes:
+        return replace(engine_config, compile=False)
+    return engine_config
 
 
 def _launch(cls: type, resource: str, name: str, engine_config: EngineConfig, transfer_config: TransferConfig,
@@ -115,7 +128,8 @@ def add_worker(pools: Pools, pool: str, engine_config: EngineConfig, transfer_co
     actors, peers = _lists(pools, pool)
     if pools.deployment is not None:  # a stray of an earlier router may be going away under that name
         _free_name(pools.deployment, f"{pool}-{len(actors)}")
-    actor, peer = _start(*_KINDS[pool], f"{pool}-{len(actors)}", engine_config, transfer_config, num_cpus,
+    actor, peer = _start(*_KINDS[pool], f"{pool}-{len(actors)}",
+                         role_config(pool, engine_config, pools.prefill_decodes), transfer_config, num_cpus,
                          pools.deployment)
     actors.append(actor)
     peers.append(peer)
@@ -134,7 +148,8 @@ def replace_worker(pools: Pools, pool: str, index: int, engine_config: EngineCon
         pass
     if pools.deployment is not None:
         _free_name(pools.deployment, f"{pool}-{index}")
-    actor, peer = _start(*_KINDS[pool], f"{pool}-{index}", engine_config, transfer_config, num_cpus,
+    actor, peer = _start(*_KINDS[pool], f"{pool}-{index}",
+                         role_config(pool, engine_config, pools.prefill_decodes), transfer_config, num_cpus,
                          pools.deployment)
     actors[index], peers[index] = actor, peer
     return ray.get(actor.info.remote())
@@ -142,14 +157,16 @@ def replace_worker(pools: Pools, pool: str, index: int, engine_config: EngineCon
 
 def create_pools(num_prefill: int, num_decode: int, engine_config: EngineConfig,
                  transfer_config: TransferConfig, num_cpus: float = 1,
-                 on_started: Callable[[], None] | None = None, deployment: str | None = None) -> Pools:
+                 on_started: Callable[[], None] | None = None, deployment: str | None = None,
+                 prefill_decodes: bool = False) -> Pools:
     """Start `num_prefill` prefill and `num_decode` decode actors on the connected Ray cluster
     (`on_started()` as each is up), all at once (a worker's start is mostly compiling, on its own
     cores). With `dtype="auto"` the first (a prefill worker where there are any) starts alone and
     settles it: the rest, and replacements started with `pools.engine_config`, run the dtype it chose,
     so that KV moves between any two of them. `deployment`: the workers are that deployment's
-    (detached, named after their slots)."""
-    pools = Pools(engine_config=engine_config, deployment=deployment)
+    (detached, named after their slots). `prefill_decodes`: the prefill workers serve decode too (role
+    flips), so they compile decode steps as well (`role_config`)."""
+    pools = Pools(engine_config=engine_config, deployment=deployment, prefill_decodes=prefill_decodes)
     kinds = ["prefill"] * num_prefill + ["decode"] * num_decode
     if kinds and engine_config.dtype == AUTO:
         actor = add_worker(pools, kinds.pop(0), engine_config, transfer_config, num_cpus)
@@ -159,7 +176,8 @@ def create_pools(num_prefill: int, num_decode: int, engine_config: EngineConfig,
     counts = {"prefill": len(pools.prefill), "decode": len(pools.decode)}
     launched = []
     for pool in kinds:
-        launched.append((pool, *_launch(*_KINDS[pool], f"{pool}-{counts[pool]}", pools.engine_config,
+        launched.append((pool, *_launch(*_KINDS[pool], f"{pool}-{counts[pool]}",
+                                        role_config(pool, pools.engine_config, prefill_decodes),
                                         transfer_config, num_cpus, deployment)))
         counts[pool] += 1
     waiting = [peer for _, _, peer in launched]
@@ -201,7 +219,8 @@ def adopt_pools(deployment: str) -> Adopted | None:
     workers = found["prefill"] + found["decode"]
     if not workers:
         return None
-    engine_config, transfer_config = ray.get(workers[0].configs.remote())
+    # a decode worker's config: a prefill worker's may leave compiling out (`role_config`)
+    engine_config, transfer_config = ray.get((found["decode"] or workers)[0].configs.remote())
     aborted = sum(ray.get([w.abort_all.remote() for w in workers]))
     ray.get([w.set_threads.remote(engine_config.num_threads or 1) for w in workers])
     kept = next((k for k in ray.get([w.kept.remote() for w in workers]) if k is not None), None)

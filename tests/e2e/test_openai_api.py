@@ -300,12 +300,15 @@ def test_metrics_scrape_has_ttft_samples(client, server):
 
 
 def test_start_up_shows_its_progress(server):
-    """Calibration's steps, and the workers' own lines (their decode step compiled graph by graph) in
-    the server's log, at its default level."""
+    """Calibration's steps, and the decode worker's own lines (its decode step compiled graph by graph)
+    in the server's log, at its default level."""
     log = "".join(server.log)
     assert re.search(r"calibrating \[1/6\] .*\(0 s so far\)", log), log[-3000:]
     assert "calibrating [6/6] KV transfer" in log
     assert re.search(r"decode step graph 2 of 2 \(batch > 1, \d+ threads\) compiled and checked in", log), log[-3000:]
+    # only the decode worker compiles one: the prefill worker runs prompt passes only (no role flips)
+    compiled_by = set(re.findall(r"\((\w+Worker) pid=\d+\)\S*\s+INFO engine\.model_runner: decode step graph", log))
+    assert compiled_by == {"DecodeWorker"}, log[-3000:]
 
 
 def post(server, path: str, body: bytes | dict) -> tuple[int, dict]:

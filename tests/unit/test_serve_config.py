@@ -172,3 +172,16 @@ def test_a_field_becomes_a_flag_only_with_help_and_a_plain_type():
         flags.add_flags(argparse.ArgumentParser(), [("silent",)], Odd())
     with pytest.raises(TypeError, match="cannot be a flag"):
         flags.add_flags(argparse.ArgumentParser(), [("listed",)], Odd())
+
+
+def test_only_a_prefill_worker_that_serves_decode_compiles_a_decode_step():
+    from engine import EngineConfig
+    from router.pools import role_config
+
+    compiled = EngineConfig(compile=True)
+    assert role_config("decode", compiled, prefill_decodes=False) is compiled
+    assert role_config("prefill", compiled, prefill_decodes=True) is compiled  # role flips: it decodes too
+    plain = role_config("prefill", compiled, prefill_decodes=False)
+    assert plain.compile is False and plain == EngineConfig(compile=False)  # nothing else changes
+    eager = EngineConfig(compile=False)
+    assert role_config("decode", eager, prefill_decodes=True) is eager
