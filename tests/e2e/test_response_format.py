@@ -6,9 +6,10 @@ named function give tool_calls whose arguments validate against the tool's param
 streamed, and a follow-up with the assistant's tool_calls and a tool message is answered; bad tools are a 400.
 With logprobs, a call's tokens carry the model's log-softmax, whole and streamed; a call cut by max_tokens is
 "length" without a call either way. gRPC's `n` (choices on both paths, each under its index) and `logit_bias`
-through real stubs."""
+through real stubs. The async SDK: n greedy choices and their logprobs equal the reference on both paths."""
 from __future__ import annotations
 
+import asyncio
 import json
 import urllib.request
 
@@ -20,7 +21,7 @@ import torch
 
 from protos.pdserve.v1 import pdserve_pb2 as pb
 from protos.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-from tests.e2e.conftest import greedy_ids, start_server, stop_server
+from tests.e2e.conftest import chat_ids, greedy_ids, start_server, stop_server, text_of
 from tests.e2e.test_openai_api import reference_logprobs
 from tests.integration.test_structured_output import PERSON
 
@@ -300,6 +301,50 @@ def test_grpc_n_choices_and_logit_bias_through_real_stubs(alternating, oracle):
                 by_index(**kw)
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert info.value.details().startswith(f"{field}:"), info.value.details()
+
+
+def test_async_sdk_n_choices_and_logprobs_equal_the_reference_on_both_paths(alternating, oracle):
+    """The async `openai` SDK, streamed and not: n=3 greedy chat choices (the round_robin policy sends them
+    down both paths: a streamed choice's finishing chunk names its path) each equal transformers' greedy
+    tokens, their logprobs the model's log-softmax (1e-4), the first token's included; n=3 seeded sampling
+    is reproducible and its choices differ."""
+    ask = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = chat_ids(oracle, ask)
+    want = greedy_ids(oracle, prompt, 8)
+    ref = reference_logprobs(oracle, prompt, want)
+    texts = [oracle[1].decode([t]) for t in want]
+
+    def assert_reference(content) -> None:
+        assert [e.token for e in content] == texts
+        assert max(abs(e.logprob - float(ref[i, t])) for i, (e, t) in enumerate(zip(content, want))) < 1e-4
+
+    async def run() -> None:
+        client = openai.AsyncOpenAI(base_url=alternating.http + "/v1", api_key="unused", max_retries=0, timeout=120)
+        kw = {"model": alternating.model, "messages": ask, "max_tokens": 8, "temperature": 0, "n": 3,
+              "logprobs": True, "top_logprobs": 1}
+        resp = await client.chat.completions.create(**kw)
+        assert [c.index for c in resp.choices] == [0, 1, 2]
+        for choice in resp.choices:
+            assert choice.message.content == text_of(oracle, want)
+            assert_reference(choice.logprobs.content)
+        parts: dict[int, list] = {0: [], 1: [], 2: []}
+        paths = set()
+        async for chunk in await client.chat.completions.create(stream=True, **kw):
+            for choice in chunk.choices:
+                parts[choice.index] += choice.logprobs.content if choice.logprobs else []
+                if choice.finish_reason is not None:
+                    paths.add(chunk.model_extra["pdserve_timings"]["path"])
+        for content in parts.values():
+            assert_reference(content)
+        assert paths == {"remote", "local"}
+        seeded = {"model": alternating.model, "messages": ask, "max_tokens": 12, "temperature": 1.0, "seed": 7,
+                  "n": 3}
+        first = [c.message.content for c in (await client.chat.completions.create(**seeded)).choices]
+        again = [c.message.content for c in (await client.chat.completions.create(**seeded)).choices]
+        assert first == again and len(set(first)) >= 2, first
+        await client.close()
+
+    asyncio.run(run())
 
 
 def urllib_post(server, path: str, body: dict) -> bytes:
