@@ -46,9 +46,9 @@ Threads change between engine steps only (a worker command), never inside one.
 An operator may pin the split instead (`pin`, from `POST /pdserve/split`, `router.split`): N prefill
 workers hold the prefill role, the others are flipped to decode at once and stay so (idle polls
 flip none, no prompt flips one back: the placer then prefills on the remaining prefill workers or
-locally); a replaced worker takes its pinned role. Those flipped first are the ones flipped
-already, then those with the fewest prompt tokens queued (what they queued is still prefilled
-there; only new prompts go elsewhere). `pin(None)` makes flips automatic again from the roles as
+locally); a replaced worker takes its pinned role. Those flipped first are the unhealthy ones
+(the healthy keep prefilling), then the ones flipped already, then those with the fewest prompt
+tokens queued (what they queued is still prefilled there; only new prompts go elsewhere). `pin(None)` makes flips automatic again from the roles as
 they stand.
 A flip is a change in the router's book only: instant, no worker call, no process started. On GPU
 pools it is the same mechanism (a device changes role), which threads cannot be.
@@ -304,7 +304,8 @@ class RoleFlipper:
         if not 0 <= prefill <= n:
             raise ValueError(f"prefill: must be between 0 and {n} prefill workers, got {prefill}")
         flex, queued = self._book.flex, self._book.prefill
-        order = sorted(range(n), key=lambda i: (not flex[i].accepting, queued[i].queued_tokens, -i))
+        order = sorted(range(n), key=lambda i: (queued[i].healthy, not flex[i].accepting, queued[i].queued_tokens,
+                                                -i))
         self._held = [False] * n
         for i in order[:n - prefill]:
             self._held[i] = True

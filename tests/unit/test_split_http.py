@@ -11,8 +11,17 @@ from fake_router import FakeRouter
 
 from planner.sim import Layout
 from planner.validate import ServerLayout
-from planner.watch import Advice, Decision, SplitRefused, Traffic, apply_decision, current_layout, decide, read_split, \
-    send_split
+from planner.watch import (
+    Advice,
+    Decision,
+    SplitRefused,
+    Traffic,
+    apply_decision,
+    current_layout,
+    decide,
+    read_split,
+    send_split,
+)
 from router.admission import ModelLimits
 from router.config import RouterConfig
 from router.metrics import Metrics
@@ -163,8 +172,10 @@ class TrafficRouter(SplitRouter):
         return COST.to_dict()
 
 
-@pytest.mark.parametrize("traffic,applied", [((20, 200, 20), "cannot apply 3P:1D: prefill: this server has 2 prefill "
-                                              "workers"), ((1, 20, 200), "applied: pin ")])
+TOO_MANY = "cannot apply 3P:1D: prefill: this server has 2 prefill workers"
+
+
+@pytest.mark.parametrize("traffic,applied", [((20, 200, 20), TOO_MANY), ((1, 20, 200), "applied: pin ")])
 def test_watch_with_apply_prints_the_advice_and_what_it_applied_or_why_not(traffic, applied) -> None:
     """Prompt-heavy traffic wants a third prefill worker, which no flip gives; decode-heavy traffic wants
     fewer, which one pins."""

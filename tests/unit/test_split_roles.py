@@ -95,6 +95,9 @@ def test_a_pin_flips_the_flipped_then_the_least_queued_and_holds_against_idle_po
     assert flipped(book) == [False, False, False] and flip.moved == 0 and flip.pinned == 3
     flip.pin(0)
     assert flipped(book) == [True, True, True] and flip.pinned == 0
+    book.prefill[1].healthy = False
+    flip.pin(2)  # the unhealthy worker is the one flipped: the healthy ones prefill
+    assert flipped(book) == [False, True, False]
     with pytest.raises(ValueError, match="between 0 and 3"):
         flip.pin(4)
 
