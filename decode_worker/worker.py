@@ -22,10 +22,14 @@ import threading
 import time
 from collections.abc import Iterator
 
+import torch
+
 from engine import EngineConfig, RequestOutput, SamplingParams
 from engine.command_loop import Round, Stopped
+from engine.errors import SamplingError
 from engine.logprobs import TokenLogprob
 from engine.profiling import time_decode_steps, time_mixed_step
+from engine.sequence import Sequence
 from kv_transfer import PeerInfo, TransferConfig, TransferState
 from worker_core import WorkerBase
 from worker_core.protocol import ErrorKind, FeedEntry, LoadReport, StreamItem
@@ -129,6 +133,13 @@ class DecodeWorker(WorkerBase):
             self._release_stream(request_id)
         return items
 
+    def inject_fault(self, kind: str | None) -> None:
+        """Fault injection for tests: "sample" (the next token this worker samples cannot be picked: its
+        request fails alone, as one whose logits hold no finite value would). None clears it."""
+        if kind not in (None, "sample"):
+            raise ValueError(f"kind must be sample or None; got {kind!r}")
+        self._owner.call(lambda: self._arm_sampling_fault(kind == "sample"))
+
     def abort(self, request_id: str) -> bool:
         """Drop the request wherever it is here; its blocks return to the pool. Returns whether it was found."""
         return self._owner.call(lambda: self._abort(request_id))
@@ -178,6 +189,21 @@ class DecodeWorker(WorkerBase):
         for out in outs:
             self._on_output(out)
         return Round.BUSY
+
+    def _arm_sampling_fault(self, armed: bool) -> None:
+        """The engine's sampler fails the first row of its next call (`armed`), or samples as it should."""
+        sampler = self.engine.sampler
+        sampler.__dict__.pop("sample", None)  # the class's own method again
+        if not armed:
+            return
+        real = sampler.sample
+
+        def once(logits: torch.Tensor, seqs: list[Sequence]) -> list[int | SamplingError]:
+            del sampler.sample
+            tokens = real(logits, seqs)
+            tokens[0] = SamplingError("injected fault: no token could be picked")
+            return tokens
+        sampler.sample = once
 
     def _on_output(self, out: RequestOutput) -> None:
         """A step's output for one request: its stream's next item (an error where its token could not be picked)."""

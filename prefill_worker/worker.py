@@ -48,10 +48,15 @@ class PrefillWorker(DecodeWorker):
         """Fault injection for tests, applied to the next request prefilled: "drop" (its KV is never
         sent: the receiver waits until its timeout), "bad_header" (a layer arrives with the wrong
         block count), "die" (this process exits halfway through its layers), "stall" (once its last
-        layer is sent, the engine thread is held for STALL_S, as by a very long prefill). None clears it."""
-        if kind not in (None, "drop", "bad_header", "die", "stall"):
-            raise ValueError(f"kind must be drop, bad_header, die, stall or None; got {kind!r}")
-        self._owner.call(lambda: setattr(self, "_fault", kind))
+        layer is sent, the engine thread is held for STALL_S, as by a very long prefill), "sample" (its
+        first token cannot be picked, `DecodeWorker.inject_fault`). None clears it."""
+        if kind not in (None, "drop", "bad_header", "die", "stall", "sample"):
+            raise ValueError(f"kind must be drop, bad_header, die, stall, sample or None; got {kind!r}")
+
+        def do() -> None:
+            self._fault = None if kind == "sample" else kind
+            self._arm_sampling_fault(kind == "sample")
+        self._owner.call(do)
 
     def probe_transfer(self, request_id: str, prompt: list[int], decode_peer: PeerInfo, timeout_s: float = 30.0) -> float:
         """Send the KV blocks of a `prompt`-sized reservation to `decode_peer` (which reserved the same

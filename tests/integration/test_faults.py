@@ -22,6 +22,7 @@ from router.service import Router
 from router.types import GenerateRequest, RequestFailed
 from tests.conftest import greedy_reference, random_prompt
 from tests.integration.conftest import saved_tiny_model
+from worker_core.protocol import ErrorKind
 
 pytestmark = pytest.mark.slow
 TRANSFER_TIMEOUT_S = 5.0
@@ -294,6 +295,41 @@ def test_transfer_faults_abort_free_and_recover_as_configured(cluster, fault, on
     # a lost transfer is counted apart from a prefill worker that died, by the error's kind
     kind = "prefill_failed" if fault == "die" else "transfer_failed"
     assert f'pdserve_request_attempt_failures_total{{kind="{kind}",model_name="{model}",pool="prefill"}}' in text, text
+    assert_all_free_eventually(pools)
+
+
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+def test_a_token_that_cannot_be_picked_fails_its_request_alone(cluster, side):
+    """A worker's sampler cannot pick a request's token (as for a row with no finite logit): on the
+    prefill worker (its first token) or the decode worker (a later one). That request ends with a clear
+    error of its kind, at once (no retry, no hang); the worker serves the next request exactly; every
+    block returns to its pool."""
+    ref, pools = cluster[0], cluster[1]
+    prompt, after = random_prompt(40, seed=620), random_prompt(30, seed=621)
+    armed = pools.prefill if side == "prefill" else pools.decode
+
+    async def main():
+        router = make_router(cluster, policy="always_remote", on_prefill_failure="fail")
+        await settle(router)
+        for w in armed:
+            await asyncio.wait_for(w.inject_fault.remote("sample"), 30)
+        try:
+            failed = await asyncio.wait_for(run_one(router, prompt, 10, {}, 0), 60)
+        finally:
+            for w in armed:
+                await asyncio.wait_for(w.inject_fault.remote(None), 30)
+        out = await asyncio.wait_for(run_one(router, after, 12, {}, 0), 60)
+        await router.stop_polling()
+        return failed, out, router
+
+    failed, out, router = asyncio.run(main())
+    assert isinstance(failed, RequestFailed), failed
+    assert "no token could be picked" in str(failed), failed
+    kind = ErrorKind.PREFILL_FAILED if side == "prefill" else ErrorKind.INTERNAL
+    assert failed.kind == kind, failed
+    assert out == greedy_reference(ref, after, 12)
+    text = router.metrics_text()[0].decode()
+    assert "pdserve_worker_failures_total{" not in text, text  # a request failed, not its worker
     assert_all_free_eventually(pools)
 
 
