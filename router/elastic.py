@@ -48,8 +48,8 @@ workers hold the prefill role, the others are flipped to decode at once and stay
 flip none, no prompt flips one back: the placer then prefills on the remaining prefill workers or
 locally); a replaced worker takes its pinned role. Those flipped first are the unhealthy ones
 (the healthy keep prefilling), then the ones flipped already, then those with the fewest prompt
-tokens queued (what they queued is still prefilled there; only new prompts go elsewhere). `pin(None)` makes flips automatic again from the roles as
-they stand.
+tokens queued (what they queued is still prefilled there; only new prompts go elsewhere).
+`pin(None)` makes flips automatic again from the roles as they stand.
 A flip is a change in the router's book only: instant, no worker call, no process started. On GPU
 pools it is the same mechanism (a device changes role), which threads cannot be.
 
