@@ -435,9 +435,9 @@ def _http_error(request: web.Request, exc: web.HTTPException) -> web.Response:
         message = f"method {request.method} is not allowed on {request.path}; allowed: {allowed}"
         headers["Allow"] = allowed
     elif isinstance(exc, web.HTTPNotFound):
-        message = (f"no route {request.method} {request.path}; this server serves POST /v1/completions, "
-                   "POST /v1/chat/completions, GET /v1/models, POST /tokenize, POST /detokenize, GET /version, "
-                   "GET /health, GET /ping, GET /metrics")
+        served = ", ".join(f"{r.method} {r.resource.canonical}" for r in request.app.router.routes()
+                           if r.method != "HEAD" and r.resource is not None)
+        message = f"no route {request.method} {request.path}; this server serves {served}"
     elif isinstance(exc, web.HTTPRequestEntityTooLarge):
         message = f"the request body is larger than the limit of {request.app[MAX_BODY_KEY]} bytes"
     else:

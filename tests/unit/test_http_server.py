@@ -402,7 +402,10 @@ def test_failure_mid_stream_is_an_error_event(server: ServerThread) -> None:
 
 def test_routes_methods_and_size(server: ServerThread) -> None:
     status, _, body = server.request("GET", "/v1/nope")
-    assert "/v1/completions" in assert_error(status, body, 404)["message"]
+    message = assert_error(status, body, 404)["message"]
+    for route in ("POST /v1/completions", "GET /v1/models", "POST /pdserve/split", "GET /metrics"):
+        assert route in message, message  # every route the app serves, from its own table
+    assert "HEAD" not in message
     status, headers, body = server.request("GET", C)
     assert_error(status, body, 405) and headers["allow"] == "POST"
     small = ServerThread(FakeRouter(), max_body_bytes=1000)
