@@ -208,6 +208,10 @@ proto_fields = {
              st.one_of(st.lists(small_text, min_size=1, max_size=6), big(["a"], 5000), big(["x" * 100], 1000).map(lambda xs: ["".join(xs)]))),
     "stop_token_ids": (st.lists(st.integers(0, VOCAB - 1), max_size=4), stop_id_lists),
     "ignore_eos": (st.booleans(), st.booleans()),
+    "n": (st.integers(0, 2), st.sampled_from([3, 16, 17, 2**32 - 1])),
+    "logit_bias": (st.dictionaries(st.integers(0, VOCAB - 1), st.floats(-100, 100), max_size=3),
+                   st.one_of(st.dictionaries(st.integers(0, 2**32 - 1), st.floats(), max_size=3),
+                             st.builds(lambda: {i: 1.0 for i in range(301)}))),
 }
 
 
@@ -215,7 +219,7 @@ proto_fields = {
 def proto_requests(draw: st.DrawFn) -> pb.GenerateRequest:
     extreme = set(draw(st.lists(st.sampled_from(sorted(proto_fields)), max_size=3, unique=True)))
     value = {name: draw(options[name in extreme]) for name, options in proto_fields.items()}
-    request = pb.GenerateRequest(model=value["model"], request_id=value["request_id"])
+    request = pb.GenerateRequest(model=value["model"], request_id=value["request_id"], n=value["n"])
     kind, *content = value["input"]
     if kind == "text":
         request.text = content[0]
@@ -231,6 +235,7 @@ def proto_requests(draw: st.DrawFn) -> pb.GenerateRequest:
             setattr(s, name, value[name])
     s.stop.extend(value["stop"])
     s.stop_token_ids.extend(value["stop_token_ids"])
+    s.logit_bias.update(value["logit_bias"])
     return request
 
 
@@ -253,8 +258,13 @@ def grpc_generate(generate: grpc.UnaryStreamMultiCallable, request: pb.GenerateR
     event("gRPC OK")
     if isinstance(request, bytes):
         responses = [pb.GenerateResponse.FromString(r) for r in responses]
-    assert responses and responses[-1].finish_reason in ("stop", "length"), (responses[-1:], str(request)[:1000])
-    assert all(not r.finish_reason for r in responses[:-1])
+    choices: dict[int, list[pb.GenerateResponse]] = {}
+    for r in responses:  # several choices (n) interleave: each ends once
+        choices.setdefault(r.index, []).append(r)
+    assert choices and sorted(choices) == list(range(len(choices))), (sorted(choices), str(request)[:1000])
+    for mine in choices.values():
+        assert mine[-1].finish_reason in ("stop", "length"), (mine[-1:], str(request)[:1000])
+        assert all(not r.finish_reason for r in mine[:-1])
 
 
 @pytest.fixture(scope="module")
@@ -298,6 +308,7 @@ GRPC_CASES = [
                        sampling=pb.SamplingParams(max_tokens=2)),
     pb.GenerateRequest(chat=pb.ChatMessages(), sampling=pb.SamplingParams(max_tokens=2)),
     pb.GenerateRequest(text="x" * (9 << 20), sampling=pb.SamplingParams(max_tokens=2)),
+    pb.GenerateRequest(text="Hi", n=16, sampling=pb.SamplingParams(max_tokens=2, logit_bias={0: 100.0})),
     SMALL_SAMPLING + b"\x0a\x02\xff\xfe",  # text that is not UTF-8
     SMALL_SAMPLING + b"\x0a\x10ab",  # truncated
 ]
