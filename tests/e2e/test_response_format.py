@@ -1,6 +1,6 @@
 """response_format through the official `openai` SDK against a real `pdserve serve` whose round_robin policy
 alternates the remote path (prefill worker, then decode worker) and the local one: json_schema output
-validates for several prompts on both paths, chat and completions, streamed and not; json_object parses;
+validates for 20 prompts on both paths, chat and completions, streamed and not; json_object parses;
 a bad response_format is a 400 naming it; gRPC's sampling.response_format gives the same. Tool calling rides the same grammar path: tool_choice required and a
 named function give tool_calls whose arguments validate against the tool's parameters, on both paths and
 streamed, and a follow-up with the assistant's tool_calls and a tool message is answered; bad tools are a 400.
@@ -24,6 +24,8 @@ from protos.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from tests.e2e.conftest import chat_ids, greedy_ids, start_server, stop_server, text_of
 from tests.e2e.test_openai_api import reference_logprobs
 from tests.integration.test_structured_output import PERSON
+from tests.integration.test_structured_output import PROMPTS as TWENTY_PROMPTS
+from tests.integration.test_structured_output import SCHEMAS as TWENTY_SCHEMAS
 
 pytestmark = pytest.mark.model
 
@@ -52,16 +54,19 @@ def path_of(resp) -> str:
 
 
 def test_json_schema_validates_on_both_paths(client, alternating):
+    """The engine tests' 20 prompts and schemas through the SDK, greedy and sampled (in pairs, so that each
+    goes down both paths: round_robin alternates them): each output parses and validates."""
     paths = set()
-    for prompt in PROMPTS:
-        for temperature in (0, 0.7):
-            resp = client.chat.completions.create(model=alternating.model, messages=[{"role": "user", "content": prompt}],
-                                                  max_tokens=150, temperature=temperature, seed=1, response_format=FORMAT)
-            choice = resp.choices[0]
-            assert choice.finish_reason == "stop", choice.message.content
-            jsonschema.validate(json.loads(choice.message.content), SCHEMA)
-            paths.add(path_of(resp))
-    assert paths == {"remote", "local"}
+    for i, (prompt, schema) in enumerate(zip(TWENTY_PROMPTS, TWENTY_SCHEMAS, strict=True)):
+        fmt = {"type": "json_schema", "json_schema": {"name": "record", "schema": schema, "strict": True}}
+        temperature = (0, 0.7)[i // 2 % 2]
+        resp = client.chat.completions.create(model=alternating.model, messages=[{"role": "user", "content": prompt}],
+                                              max_tokens=150, temperature=temperature, seed=1, response_format=fmt)
+        choice = resp.choices[0]
+        assert choice.finish_reason == "stop", choice.message.content
+        jsonschema.validate(json.loads(choice.message.content), schema)
+        paths.add((path_of(resp), temperature))
+    assert paths == {(p, t) for p in ("remote", "local") for t in (0, 0.7)}
 
 
 def test_json_schema_streamed_and_on_completions(client, alternating):
