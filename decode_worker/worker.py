@@ -174,7 +174,7 @@ class DecodeWorker(WorkerBase):
         """One round: start requests whose KV landed (their first tokens go to the feed at once, not
         after this round's step: a decode step would hold each remote request's first token back), then
         one engine step. Returns BUSY while requests run, WAITING while only transfers are under way
-        (they are polled), else IDLE."""
+        (they are polled; prompts may wait for the KV they bring), else IDLE."""
         if self._land():
             self._publish()
         if not self.engine.has_unfinished():
@@ -188,7 +188,9 @@ class DecodeWorker(WorkerBase):
             return Round.WAITING if self._landing else Round.IDLE
         for out in outs:
             self._on_output(out)
-        return Round.BUSY
+        if outs or self.engine.scheduler.running:
+            return Round.BUSY
+        return Round.WAITING if self._landing or self.engine.scheduler.waiting else Round.IDLE
 
     def _arm_sampling_fault(self, armed: bool) -> None:
         """The engine's sampler fails the first row of its next call (`armed`), or samples as it should."""

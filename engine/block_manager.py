@@ -7,10 +7,12 @@ freed first, so the prefix cache evicts least-recently-used blocks when free blo
 
 A block is keyed by `commit` once the KV of all its tokens has been computed (or has landed
 from a prefill worker), never before: a prompt prefilled in chunks over several steps offers
-only what it has finished. Until then a block this engine is computing is *pending* under the
-key it will get (`computing`): a prompt whose next uncached block another sequence is computing
-waits for it (`computing_prefix`) rather than computing the same KV again, so concurrent prompts
-that share a prefix (one system prompt, many first turns) compute it once.
+only what it has finished. Until then a block this engine is computing, or is receiving from a
+prefill worker, is *pending* under the key it will get (`computing`): a prompt whose next uncached
+block another sequence is computing or receiving waits for it (`computing_prefix`) rather than
+computing the same KV again, so concurrent prompts that share a prefix (one system prompt, many
+first turns, the `n` choices of one prompt) compute it once and, on a decode worker, receive it
+once.
 
 Every key that enters the cache (stored) or leaves it (evicted) goes to a `CacheEventLog`, which
 other threads read: the router learns from it which worker holds which prefix (`prefix_keys`
@@ -162,7 +164,7 @@ class BlockManager:
         return False
 
     def computing(self, seq: Sequence) -> None:
-        """`seq`'s prompt blocks past its cached prefix are computed here from now on (not received):
+        """`seq`'s prompt blocks past its cached prefix are computed here, or received here, from now on:
         each is pending under its key until `commit` keys it, or it is freed."""
         if not self.enable_prefix_caching:
             return

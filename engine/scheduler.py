@@ -13,8 +13,8 @@ decode step). Per step:
    (its cached prefix blocks usually survive);
 2. sequences part-way through their prompt get their next chunk;
 3. waiting sequences are admitted, in order, while a sequence slot, blocks and budget remain; one
-   whose next uncached prefix block another sequence is computing waits for it (its KV is reused
-   once computed) and the next ones are considered.
+   whose next uncached prefix block another sequence is computing, or is receiving from a prefill
+   worker, waits for it (its KV is reused once there) and the next ones are considered.
 Blocks are keyed for prefix reuse once their KV is computed, never before.
 """
 from __future__ import annotations
@@ -106,11 +106,13 @@ class Scheduler:
 
     def reserve(self, seq: Sequence, reuse: bool = True) -> bool:
         """Decode side of a remote prefill: blocks for the prompt's incoming KV, its cached prefix reused
-        (`seq.num_cached_tokens` of it: only the rest comes over; none without `reuse`). False if full."""
+        (`seq.num_cached_tokens` of it: only the rest comes over; none without `reuse`). False if full.
+        The blocks coming over are pending until they land: a prompt sharing them waits and reuses them."""
         assert seq.status is SequenceStatus.WAITING and not seq.prefill_only
         if len(self.running) + len(self.receiving) >= self.max_num_seqs or not self.block_manager.can_allocate(seq):
             return False
         self.block_manager.allocate(seq, use_cache=reuse)
+        self.block_manager.computing(seq)
         seq.status = SequenceStatus.RECEIVING
         self.receiving[seq.request_id] = seq
         return True

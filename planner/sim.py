@@ -389,9 +389,8 @@ class Simulator:
             return True
         req.booking = booking = self.book.admit(placement, spec.prompt_tokens, spec.max_tokens)
         req.placed_at = self.now
-        if req.keys:
-            pool, index = ("prefill", placement.prefill) if placement.path == "remote" else ("decode", placement.decode)
-            booking.promise = self.prefix.promise(pool, index, req.keys)
+        if req.keys:  # as the placer promises: to the worker computing the prompt and to D
+            booking.promise = self.prefix.promise_placed(placement.prefill, ("decode", placement.decode), req.keys)
         sampling = SamplingParams(max_tokens=spec.output_tokens, ignore_eos=True)
         rid, d = str(req.index), self.decode[placement.decode]
         if placement.path == "local":

@@ -57,7 +57,7 @@ class Booking:
     computed_tokens: int  # the prompt tokens queued on the worker that prefills it (its cache holds the rest)
     prefill_open: bool = True
     open: bool = True
-    promise: Promise | None = None  # its prompt's prefix keys, promised to the worker computing it
+    promise: Promise | None = None  # its prompt's prefix keys, promised to the workers computing and receiving it
 
 
 class PoolBook:

@@ -10,11 +10,13 @@ Every choice is a request of its own. For each prompt the API server submits `pe
   client asked none; they are then left out of the response); the n with the highest cumulative
   log-probability of their tokens (the model's raw log-softmax, `engine.logprobs`) are returned, best
   first, ties to the earlier sequence.
-- Sharing the prompt: the router's prefix-aware placement steers requests with the same prompt to
-  the worker that computes (or holds) it, so when the choices land on one worker the prompt's full
-  blocks are computed once and reused by the others from its prefix cache. Each choice is still its
-  own request: it is placed, booked and, on the remote path, transferred on its own; a fork of one
-  prefilled sequence into n is not implemented.
+- Sharing the prompt: the router promises a placed prompt's prefix to the workers that will hold
+  its KV (the prefill worker computing it, the decode worker receiving it), so prefix-aware placement
+  steers the next choices there, and an engine never computes a prompt block that another request is
+  computing or receiving there: the choice waits and reuses it (`engine.block_manager`). So a request
+  whose first choice goes remote is prefilled once and shipped once, and the choices placed locally on
+  its decode worker compute only the prompt's last partial block. Each choice is still its own request
+  (placed, booked, moved on a failure on its own); one the policy sends remote is shipped on its own.
 - Usage: prompt_tokens (and cached_tokens) count each prompt once, as its first sequence saw it;
   completion_tokens add up every sequence generated (with best_of the unreturned ones too: they ran,
   and OpenAI bills them as well). The usage's `pdserve_timings` are those of the sequence behind

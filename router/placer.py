@@ -144,19 +144,26 @@ class Placer:
         n = len(self.book.decode)
         return ("decode", decode) if decode < n else ("prefill", decode - n)
 
+    def _arriving(self, decode: int, keys: list[int]) -> bool:
+        """Whether a prompt placed locally on engine `decode` waits there for its prefix: the blocks promised
+        to it reach past those its cache holds (another request's KV being received or computed there, the
+        `n` choices of one prompt). Its threads come back when that KV has landed (`prefilled`), not now:
+        the prompt computes nothing until then."""
+        pool, index = self._engine(decode)
+        return bool(keys) and self.prefix.matched(pool, index, keys) > self.prefix.matched(pool, index, keys,
+                                                                                              promises=False)
+
     def _admit(self, placement: Placement, prompt_tokens: int, max_tokens: int, keys: list[int]) -> Booking:
         if self.elastic is not None:
             if placement.prefill is not None:
                 self.elastic.reclaim(placement.prefill)  # back to prefill (its threads, its role) before its prompt
-            else:
+            elif not self._arriving(placement.decode, keys):
                 self.elastic.occupy(placement.decode)  # D prefills it: its threads come back first
         booking = self.book.admit(placement, prompt_tokens, max_tokens)
         if self.elastic is not None and placement.prefill is not None:
             self.elastic.nudge(*self.computing())
-        if keys:  # the worker computing the prompt holds its prefix from now on, as the next prompt sees it
-            pool, index = (("prefill", placement.prefill) if placement.prefill is not None
-                           else self._engine(placement.decode))
-            booking.promise = self.prefix.promise(pool, index, keys)
+        if keys:  # the workers computing and receiving the prompt hold its prefix from now on, as the next prompt sees it
+            booking.promise = self.prefix.promise_placed(placement.prefill, self._engine(placement.decode), keys)
         self._metrics.in_flight.inc()
         return booking
 

@@ -3,10 +3,11 @@
 Lifecycle: the health poll asks each worker for its cache events after the last one it applied
 (`acked`) and `apply`s them (a worker that was asked from 0, or whose log no longer reaches back
 that far, sends all it holds and the copy is replaced). The placer `promise`s each booked prompt's
-keys to the worker that will compute it, until the request ends (`Promise.withdraw`): a prompt
-that shares the prefix and arrives before the worker has reported those blocks (concurrent first
-turns over one system prompt) is placed where the prefix is being computed, and the worker's engine
-waits for it there instead of computing it again. `matched` tells the placer how many leading
+keys to the workers that will hold its KV (the one computing it and, on the remote path, the decode
+worker receiving it), until the request ends (`Promise.withdraw`): a prompt that shares the prefix
+and arrives before a worker has reported those blocks (concurrent first turns over one system
+prompt, the `n` choices of one prompt) is placed where the prefix is being computed or received,
+and the worker's engine waits for it there instead of computing it again. `matched` tells the placer how many leading
 blocks of a prompt (`engine.block_manager.prefix_keys`) a worker holds or is promised. A replaced
 worker starts empty (`reset`; promises made to the old one no longer count). A copy is at most one
 poll behind its worker: the policy prices what it shows, and the decode worker's own reservation
@@ -20,6 +21,7 @@ torch.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from engine.block_manager import CacheDelta
@@ -35,19 +37,21 @@ class _Copy:
 
 @dataclass(eq=False)
 class Promise:
-    """A booked prompt's keys counted as held by the worker computing it, until `withdraw` (idempotent)."""
+    """A booked prompt's keys counted as held by the workers that will hold its KV, until `withdraw`
+    (idempotent)."""
 
-    held: Counter[int]  # the worker's promised keys (a replaced worker's are dropped with their counter)
+    held: tuple[Counter[int], ...]  # each worker's promised keys (a replaced worker's go with its counter)
     keys: tuple[int, ...]
     open: bool = True
 
     def withdraw(self) -> None:
         if self.open:
             self.open = False
-            self.held.subtract(self.keys)
-            for key in self.keys:
-                if self.held[key] <= 0:
-                    del self.held[key]
+            for held in self.held:
+                held.subtract(self.keys)
+                for key in self.keys:
+                    if held[key] <= 0:
+                        del held[key]
 
 
 class PrefixIndex:
@@ -77,16 +81,24 @@ class PrefixIndex:
         self._copies.pop((pool, index), None)
         self._promised.pop((pool, index), None)
 
-    def promise(self, pool: str, index: int, keys: list[int]) -> Promise:
-        """`keys` (a booked prompt's `prefix_keys`) count as held by the worker that computes the prompt
-        until the returned promise is withdrawn."""
-        held = self._promised.setdefault((pool, index), Counter())
-        held.update(keys)
+    def promise(self, workers: Iterable[tuple[str, int]], keys: list[int]) -> Promise:
+        """`keys` (a booked prompt's `prefix_keys`) count as held by `workers` (pool, index: those that
+        compute or receive the prompt's KV) until the returned promise is withdrawn."""
+        held = tuple(self._promised.setdefault(worker, Counter()) for worker in dict.fromkeys(workers))
+        for counter in held:
+            counter.update(keys)
         return Promise(held, tuple(keys))
 
-    def matched(self, pool: str, index: int, keys: list[int]) -> int:
-        """How many leading blocks of `keys` (a prompt's `prefix_keys`) the worker holds or is promised."""
-        copy, promised = self._copies.get((pool, index)), self._promised.get((pool, index))
+    def promise_placed(self, prefill: int | None, decode: tuple[str, int], keys: list[int]) -> Promise:
+        """A placed prompt's promise: to prefill worker `prefill` (remote; None: local) and to the engine
+        `decode` names (pool, index), which computes the prompt (local) or receives its KV (remote)."""
+        return self.promise(([("prefill", prefill)] if prefill is not None else []) + [decode], keys)
+
+    def matched(self, pool: str, index: int, keys: list[int], promises: bool = True) -> int:
+        """How many leading blocks of `keys` (a prompt's `prefix_keys`) the worker holds or is promised
+        (held only: not `promises`)."""
+        copy = self._copies.get((pool, index))
+        promised = self._promised.get((pool, index)) if promises else None
         held = copy.keys if copy is not None else frozenset()
         n = 0
         for key in keys:

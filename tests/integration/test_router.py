@@ -308,6 +308,37 @@ def test_an_idle_prefill_worker_flips_to_decode_and_back_while_its_requests_run(
     assert_all_free(pools)
 
 
+def test_choices_of_one_prompt_share_the_kv_that_one_of_them_receives(cluster):
+    """Four requests of one prompt (the `n` choices of a request) submitted one after the other; round_robin
+    sends the 1st and 3rd remote, the 2nd and 4th local. The local ones reach the decode worker while the
+    1st's KV is in flight: they wait for it and compute only the prompt's last partial block on the
+    received blocks (usage says the rest came from the cache); every output equals `generate`, every
+    block returns."""
+    ref, pools, infos = cluster[0], cluster[1], cluster[2]
+    bs = infos[1].block_size
+    prompt = random_prompt(7 * bs + 5, seed=990)
+
+    async def main():
+        router = make_router(cluster, policy="round_robin")
+        streams = [await router.submit(GenerateRequest(prompt=prompt, sampling=SamplingParams(max_tokens=8)))
+                   for _ in range(4)]
+
+        async def drain(stream):
+            tokens, last = [], None
+            async for chunk in stream:
+                tokens, last = tokens + chunk.token_ids, chunk
+            return tokens, last
+        return await asyncio.gather(*(drain(s) for s in streams))
+
+    results = asyncio.run(main())
+    expected = greedy_reference(ref, prompt, 8)
+    assert [tokens for tokens, _ in results] == [expected] * 4
+    assert [last.timings.path for _, last in results] == ["remote", "local", "remote", "local"]
+    for _, last in results[1::2]:
+        assert last.usage.cached_tokens == 7 * bs, last.usage
+    assert_all_free(pools)
+
+
 @pytest.mark.parametrize("policy", ["always_remote", "always_local"])
 def test_the_next_turn_of_a_conversation_reuses_what_the_workers_hold(cluster, policy):
     """Turn 2's prompt is turn 1's and more. After one poll the router knows the decode worker holds turn

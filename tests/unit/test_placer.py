@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+from engine.block_manager import prefix_keys
 from router.admission import ModelLimits
 from router.config import RouterConfig
 from router.metrics import Metrics
@@ -65,4 +66,36 @@ def test_the_mechanism_hears_of_every_prompt_booked_and_every_request_gone() -> 
         assert elastic.calls == [("occupy", 0), ("occupy", 0), ("nudge", [102], [1])]
         placer.release(bookings[1], 8, "length")
         assert elastic.calls[-1] == ("nudge", [102], [0])  # d0 computes nothing; the third's prompt waits
+    asyncio.run(main())
+
+
+def test_a_remote_prompt_is_promised_to_its_decode_worker_and_a_local_one_waiting_for_it_takes_no_threads() -> None:
+    """The n choices of one prompt: the first goes remote and its prefix is promised to the prefill worker
+    computing it and to the decode worker receiving it; the second, placed local on that decode worker,
+    waits there for the KV in flight, so it takes no threads back from the prefill worker computing it
+    (they come back when the first is prefilled); an unrelated local prompt takes them back at once. The
+    promises end with the requests."""
+    async def main():
+        prefill, decode = [info("p0")], [info("d0")]
+        elastic = Recorder()
+        placer = Placer(prefill, decode, ModelLimits.from_infos(prefill, decode), RouterConfig(policy="round_robin"),
+                        COST, Metrics(model_name="m"), OutputLengthEstimator(), lender=elastic)
+        prompt = list(range(200))
+        keys = prefix_keys(prompt, 16)
+        first = await placer.place(RequestFeatures(200, 8, 8), None, prompt)
+        assert first.placement.path == "remote"
+        assert placer.prefix.matched("prefill", 0, keys) == placer.prefix.matched("decode", 0, keys) == len(keys)
+        elastic.calls.clear()
+        second = await placer.place(RequestFeatures(200, 8, 8), None, prompt)
+        assert second.placement.path == "local" and ("occupy", 0) not in elastic.calls
+        third = await placer.place(RequestFeatures(50, 8, 8), None, list(range(500, 550)))
+        assert third.placement.path == "remote"
+        elastic.calls.clear()
+        fourth = await placer.place(RequestFeatures(40, 8, 8), None, list(range(900, 940)))
+        assert fourth.placement.path == "local" and elastic.calls == [("occupy", 0)]
+        placer.prefilled(first)
+        assert elastic.calls[-1] == ("occupy", 0)
+        for b in (first, second, third, fourth):
+            placer.release(b, 8, "length")
+        assert placer.prefix.matched("decode", 0, keys) == placer.prefix.matched("prefill", 0, keys) == 0
     asyncio.run(main())

@@ -112,17 +112,17 @@ def test_a_prompt_booked_on_a_worker_promises_it_the_prefix_until_the_request_en
     index = PrefixIndex()
     system = list(range(100))
     first, second = prefix_keys(system + [7] * 20, 16), prefix_keys(system + [9] * 20, 16)
-    promise = index.promise("prefill", 0, first)
+    promise = index.promise([("prefill", 0)], first)
     assert index.matched("prefill", 0, second) == 6 and index.matched("decode", 0, second) == 0
-    again = index.promise("prefill", 0, first)  # two requests, one prefix
+    again = index.promise([("prefill", 0)], first)  # two requests, one prefix
     promise.withdraw()
     promise.withdraw()  # idempotent
     assert index.matched("prefill", 0, second) == 6
     again.withdraw()
     assert index.matched("prefill", 0, second) == 0
-    stale = index.promise("decode", 1, first)
+    stale = index.promise([("decode", 1)], first)
     index.reset("decode", 1)
-    fresh = index.promise("decode", 1, second)
+    fresh = index.promise([("decode", 1)], second)
     stale.withdraw()  # the old worker's request ends after its replacement took new work
     assert index.matched("decode", 1, second) == 7
     fresh.withdraw()

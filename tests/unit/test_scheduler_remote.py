@@ -63,3 +63,37 @@ def test_prefill_only_is_held_until_released():
     assert sched.block_manager.num_free_blocks == 13  # blocks kept while the KV is sent
     sched.release("a")
     assert a.status is SequenceStatus.FINISHED and sched.block_manager.num_free_blocks == 16
+
+
+def test_a_prompt_sharing_a_prefix_that_is_arriving_waits_for_it_and_reuses_it():
+    """The n choices of one prompt on a decode worker: the first is reserved for KV coming from a
+    prefill worker; a local prompt with the same 2 full blocks waits (the next one, not sharing them,
+    goes ahead) and, once the KV landed, computes only its own tokens on the received blocks, which both
+    then hold."""
+    sched = make()
+    a, b, other = seq("a"), seq("b", n=10), Sequence("o", [50, 51, 52], SamplingParams(max_tokens=3))
+    assert sched.reserve(a)
+    sched.add(b)
+    sched.add(other)
+    batch = sched.schedule()
+    assert [c.seq for c in batch.prefill] == [other] and list(sched.waiting) == [b]
+    sched.update(batch, [5])
+    assert sched.schedule().seqs == [other]  # b still waits: the blocks are not there yet
+    sched.activate("a", first_token=7)
+    batch = sched.schedule()
+    chunk = next(c for c in batch.prefill if c.seq is b)
+    assert (chunk.start, chunk.end) == (8, 10) and b.num_cached_tokens == 8
+    assert b.block_table[:2] == a.block_table[:2] and b.block_table[2] != a.block_table[2]
+    assert sched.block_manager.blocks[a.block_table[0]].ref_count == 2
+
+
+def test_a_prompt_waiting_for_arriving_blocks_computes_them_when_the_transfer_is_aborted():
+    sched = make()
+    a, b = seq("a"), seq("b")
+    assert sched.reserve(a)
+    sched.add(b)
+    assert sched.schedule() is None and list(sched.waiting) == [b]
+    sched.abort("a")  # the transfer failed: nothing it promised is keyed, the wait ends
+    assert not sched.block_manager.pending and sched.block_manager.num_free_blocks == 16
+    batch = sched.schedule()
+    assert [(c.seq, c.start, c.end) for c in batch.prefill] == [(b, 0, 10)] and b.num_cached_tokens == 0
