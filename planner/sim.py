@@ -387,7 +387,8 @@ class Simulator:
                 -(-spec.prompt_tokens // self.prefill_worker.block_size) > self.prefill_worker.num_blocks:
             req.error = "invalid"  # the router refuses it: longer than a prefill worker's KV pool
             return True
-        req.booking = booking = self.book.admit(placement, spec.prompt_tokens, spec.max_tokens)
+        arriving = placement.prefill is None and self.prefix.arriving("decode", placement.decode, req.keys)
+        req.booking = booking = self.book.admit(placement, spec.prompt_tokens, spec.max_tokens, arriving)
         req.placed_at = self.now
         if req.keys:  # as the placer promises: to the worker computing the prompt and to D
             booking.promise = self.prefix.promise_placed(placement.prefill, ("decode", placement.decode), req.keys)

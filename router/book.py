@@ -55,6 +55,7 @@ class Booking:
     max_tokens: int
     blocks: int
     computed_tokens: int  # the prompt tokens queued on the worker that prefills it (its cache holds the rest)
+    awaits_kv: bool = False  # its KV (or, local, its prefix) comes from a prefill worker: D computes nothing yet
     prefill_open: bool = True
     open: bool = True
     promise: Promise | None = None  # its prompt's prefix keys, promised to the workers computing and receiving it
@@ -94,18 +95,20 @@ class PoolBook:
                        d.block_size, queued, healthy, local_only=d.flex, awaiting_kv=d.awaiting_kv)
             for d, queued, healthy in decode))
 
-    def admit(self, placement: Placement, prompt_tokens: int, max_tokens: int) -> Booking:
-        """Book a placed request on its workers."""
+    def admit(self, placement: Placement, prompt_tokens: int, max_tokens: int, arriving: bool = False) -> Booking:
+        """Book a placed request on its workers. `arriving`: placed local, it waits on D for its prefix,
+        which another request's remote prefill is bringing there; until its first token it awaits KV as
+        a remote request does."""
         d = self.decode_slot(placement.decode)
         p = self.prefill[placement.prefill] if placement.path == "remote" else None
         computed = min(prompt_tokens, placement.computed_tokens or prompt_tokens)
         booking = Booking(placement, p, d, prompt_tokens, max_tokens, d.blocks_for(prompt_tokens + max_tokens),
-                          computed)
+                          computed, awaits_kv=p is not None or arriving)
         d.running += 1
         d.reserved_blocks += booking.blocks
+        d.awaiting_kv += booking.awaits_kv
         if p is not None:
             p.queued_tokens += computed
-            d.awaiting_kv += 1
         else:
             d.queued_prefill_tokens += computed
         return booking
@@ -115,9 +118,9 @@ class PoolBook:
         """The request's prefill is over (first token known, or it ended before). Idempotent."""
         if booking.prefill_open:
             booking.prefill_open = False
+            booking.decode.awaiting_kv -= booking.awaits_kv
             if booking.prefill is not None:
                 booking.prefill.queued_tokens -= booking.computed_tokens
-                booking.decode.awaiting_kv -= 1
             else:
                 booking.decode.queued_prefill_tokens -= booking.computed_tokens
 

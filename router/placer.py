@@ -144,22 +144,16 @@ class Placer:
         n = len(self.book.decode)
         return ("decode", decode) if decode < n else ("prefill", decode - n)
 
-    def _arriving(self, decode: int, keys: list[int]) -> bool:
-        """Whether a prompt placed locally on engine `decode` waits there for its prefix: the blocks promised
-        to it reach past those its cache holds (another request's KV being received or computed there, the
-        `n` choices of one prompt). Its threads come back when that KV has landed (`prefilled`), not now:
-        the prompt computes nothing until then."""
-        pool, index = self._engine(decode)
-        return bool(keys) and self.prefix.matched(pool, index, keys) > self.prefix.matched(pool, index, keys,
-                                                                                              promises=False)
-
     def _admit(self, placement: Placement, prompt_tokens: int, max_tokens: int, keys: list[int]) -> Booking:
+        # A local prompt whose prefix is on its way to D (the `n` choices of one prompt) computes nothing until
+        # that KV lands: it awaits KV like a remote one, and D's threads come back then (`prefilled`), not now.
+        arriving = placement.prefill is None and self.prefix.arriving(*self._engine(placement.decode), keys)
         if self.elastic is not None:
             if placement.prefill is not None:
                 self.elastic.reclaim(placement.prefill)  # back to prefill (its threads, its role) before its prompt
-            elif not self._arriving(placement.decode, keys):
+            elif not arriving:
                 self.elastic.occupy(placement.decode)  # D prefills it: its threads come back first
-        booking = self.book.admit(placement, prompt_tokens, max_tokens)
+        booking = self.book.admit(placement, prompt_tokens, max_tokens, arriving)
         if self.elastic is not None and placement.prefill is not None:
             self.elastic.nudge(*self.computing())
         if keys:  # the workers computing and receiving the prompt hold its prefix from now on, as the next prompt sees it
@@ -175,7 +169,7 @@ class Placer:
 
     def prefilled(self, booking: Booking) -> None:
         """Its prefill is over (first token known, or it ended before). Idempotent."""
-        if booking.prefill_open and booking.prefill is not None and booking.open and self.elastic is not None:
+        if booking.prefill_open and booking.awaits_kv and booking.open and self.elastic is not None:
             self.elastic.occupy(booking.placement.decode)  # it decodes on D now: D's threads come back
         self.book.prefilled(booking)
 

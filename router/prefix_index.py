@@ -7,8 +7,9 @@ keys to the workers that will hold its KV (the one computing it and, on the remo
 worker receiving it), until the request ends (`Promise.withdraw`): a prompt that shares the prefix
 and arrives before a worker has reported those blocks (concurrent first turns over one system
 prompt, the `n` choices of one prompt) is placed where the prefix is being computed or received,
-and the worker's engine waits for it there instead of computing it again. `matched` tells the placer how many leading
-blocks of a prompt (`engine.block_manager.prefix_keys`) a worker holds or is promised. A replaced
+and the worker's engine waits for it there instead of computing it again. `matched` tells the
+placer how many leading blocks of a prompt (`engine.block_manager.prefix_keys`) a worker holds or is
+promised, and `arriving` whether a prompt placed there would wait for KV shipped to it. A replaced
 worker starts empty (`reset`; promises made to the old one no longer count). A copy is at most one
 poll behind its worker: the policy prices what it shows, and the decode worker's own reservation
 decides what is really reused, so a stale entry costs a misjudged placement, never a wrong token.
@@ -60,6 +61,7 @@ class PrefixIndex:
     def __init__(self) -> None:
         self._copies: dict[tuple[str, int], _Copy] = {}
         self._promised: dict[tuple[str, int], Counter[int]] = {}
+        self._receiving: dict[tuple[str, int], Counter[int]] = {}  # of those, the keys whose KV is shipped there
 
     def acked(self, pool: str, index: int) -> int:
         """The last event number applied for the worker (0: none; ask for everything)."""
@@ -80,6 +82,7 @@ class PrefixIndex:
         """The worker was replaced: its successor's cache starts empty."""
         self._copies.pop((pool, index), None)
         self._promised.pop((pool, index), None)
+        self._receiving.pop((pool, index), None)
 
     def promise(self, workers: Iterable[tuple[str, int]], keys: list[int]) -> Promise:
         """`keys` (a booked prompt's `prefix_keys`) count as held by `workers` (pool, index: those that
@@ -91,8 +94,14 @@ class PrefixIndex:
 
     def promise_placed(self, prefill: int | None, decode: tuple[str, int], keys: list[int]) -> Promise:
         """A placed prompt's promise: to prefill worker `prefill` (remote; None: local) and to the engine
-        `decode` names (pool, index), which computes the prompt (local) or receives its KV (remote)."""
-        return self.promise(([("prefill", prefill)] if prefill is not None else []) + [decode], keys)
+        `decode` names (pool, index), which computes the prompt (local) or receives its KV (remote: those
+        keys are `arriving` there too)."""
+        promise = self.promise(([("prefill", prefill)] if prefill is not None else []) + [decode], keys)
+        if prefill is not None:
+            receiving = self._receiving.setdefault(decode, Counter())
+            receiving.update(keys)
+            promise.held += (receiving,)
+        return promise
 
     def matched(self, pool: str, index: int, keys: list[int], promises: bool = True) -> int:
         """How many leading blocks of `keys` (a prompt's `prefix_keys`) the worker holds or is promised
@@ -106,6 +115,12 @@ class PrefixIndex:
                 break
             n += 1
         return n
+
+    def arriving(self, pool: str, index: int, keys: list[int]) -> bool:
+        """Whether a prompt (its `prefix_keys`) placed on the worker would wait there for KV on its way: the
+        first of its blocks the worker's cache lacks is one another request's remote prefill ships there."""
+        held, receiving = self.matched(pool, index, keys, promises=False), self._receiving.get((pool, index))
+        return held < len(keys) and bool(receiving) and keys[held] in receiving
 
     def keys(self, pool: str, index: int) -> frozenset[int]:
         """The keys held for the worker (a copy)."""

@@ -88,13 +88,17 @@ def test_a_remote_prompt_is_promised_to_its_decode_worker_and_a_local_one_waitin
         elastic.calls.clear()
         second = await placer.place(RequestFeatures(200, 8, 8), None, prompt)
         assert second.placement.path == "local" and ("occupy", 0) not in elastic.calls
+        assert second.awaits_kv and placer.computing() == ([200], [0])  # d0 computes nothing before the KV lands
         third = await placer.place(RequestFeatures(50, 8, 8), None, list(range(500, 550)))
         assert third.placement.path == "remote"
         elastic.calls.clear()
         fourth = await placer.place(RequestFeatures(40, 8, 8), None, list(range(900, 940)))
         assert fourth.placement.path == "local" and elastic.calls == [("occupy", 0)]
+        assert not fourth.awaits_kv
         placer.prefilled(first)
         assert elastic.calls[-1] == ("occupy", 0)
+        placer.prefilled(second)
+        assert placer.book.decode[0].awaiting_kv == 1  # the third's KV alone is on its way
         for b in (first, second, third, fourth):
             placer.release(b, 8, "length")
         assert placer.prefix.matched("decode", 0, keys) == placer.prefix.matched("prefill", 0, keys) == 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.block_manager import BlockManager, CacheEventLog, prefix_keys
+from engine.block_manager import BlockManager, CacheDelta, CacheEventLog, prefix_keys
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 from router.policy import DecodeLoad, PoolState, PrefillLoad, RatioPolicy, RequestFeatures
@@ -88,7 +88,6 @@ def test_the_index_of_100k_distinct_prefixes_stays_within_its_stated_bound() -> 
     import random
     import tracemalloc
 
-    from engine.block_manager import CacheDelta
     from router.prefix_index import KEY_BYTES
 
     rng = random.Random(0)
@@ -142,3 +141,24 @@ def test_the_book_queues_only_what_the_prefilling_worker_computes() -> None:
     assert book.state().prefill[0].queued_tokens == 80 and booking.computed_tokens == 80
     book.prefilled(booking)
     assert book.state().prefill[0].queued_tokens == 0
+
+
+def test_a_prompt_is_arriving_where_a_remote_prefill_ships_its_next_block() -> None:
+    """Remote: the decode worker is promised the prompt and receives it (arriving); the prefill worker and a
+    local placement's worker are promised it but compute it (not arriving). A block the cache holds
+    already is not arriving; the next one is. Withdrawn or replaced, nothing arrives."""
+    index = PrefixIndex()
+    keys = prefix_keys(list(range(100)), 16)
+    remote = index.promise_placed(0, ("decode", 0), keys)
+    assert index.matched("prefill", 0, keys) == index.matched("decode", 0, keys) == 6
+    assert index.arriving("decode", 0, keys) and not index.arriving("prefill", 0, keys)
+    local = index.promise_placed(None, ("decode", 1), keys)
+    assert index.matched("decode", 1, keys) == 6 and not index.arriving("decode", 1, keys)
+    index.apply("decode", 0, CacheDelta(1, tuple(keys[:2]), (), True))  # it holds the first two already
+    assert index.arriving("decode", 0, keys) and not index.arriving("decode", 0, keys[:2])
+    remote.withdraw()
+    local.withdraw()
+    assert not index.arriving("decode", 0, keys) and index.matched("decode", 1, keys) == 0
+    index.promise_placed(0, ("decode", 0), keys)
+    index.reset("decode", 0)
+    assert not index.arriving("decode", 0, keys)
