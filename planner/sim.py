@@ -373,7 +373,8 @@ class Simulator:
         return PoolState(
             tuple(replace(p, cached_tokens=self.prefix.matched("prefill", i, keys) * bs)
                   for i, p in enumerate(state.prefill)),
-            tuple(replace(d, cached_tokens=self.prefix.matched("decode", i, keys) * bs)
+            tuple(replace(d, cached_tokens=self.prefix.matched("decode", i, keys) * bs,
+                          arriving=self.prefix.arriving("decode", i, keys))
                   for i, d in enumerate(state.decode)))
 
     def _place(self, req: _Req) -> bool:
@@ -426,7 +427,8 @@ class Simulator:
         spec = req.spec
         self.estimator.observe(req.output, spec.max_tokens, "length" if req.output >= spec.max_tokens else "stop")
         pl = booking.placement
-        self.correction.observe("ttft", pl.path, req.first_at - req.placed_at, pl.est_ttft_s)
+        if booking.own_ttft:
+            self.correction.observe("ttft", pl.path, req.first_at - req.placed_at, pl.est_ttft_s)
         if req.output > 1:
             self.correction.observe("tpot", pl.path, (req.end_at - req.first_at) / (req.output - 1), pl.est_tpot_s)
         if self.waiting:

@@ -60,6 +60,12 @@ class Booking:
     open: bool = True
     promise: Promise | None = None  # its prompt's prefix keys, promised to the workers computing and receiving it
 
+    @property
+    def own_ttft(self) -> bool:
+        """Whether its placement set its TTFT: not a local prompt that waited for another request's KV (that
+        request's prefill did), which the cost model's correction must not learn from."""
+        return self.prefill is not None or not self.awaits_kv
+
 
 class PoolBook:
     """Per-worker load as the router sees it. Args: prefill and decode slots, index-aligned with the pools;

@@ -135,7 +135,8 @@ class Placer:
         return PoolState(
             tuple(replace(p, healthy=p.healthy and p.worker_id not in avoid, cached_tokens=held("prefill", i),
                           loan=loans.get(i)) for i, p in enumerate(state.prefill)),
-            tuple(replace(d, healthy=d.healthy and d.worker_id not in avoid, cached_tokens=held(*self._engine(i)))
+            tuple(replace(d, healthy=d.healthy and d.worker_id not in avoid, cached_tokens=held(*self._engine(i)),
+                          arriving=self.prefix.arriving(*self._engine(i), keys))
                   for i, d in enumerate(state.decode)))
 
     def _engine(self, decode: int) -> tuple[str, int]:
@@ -193,7 +194,7 @@ class Placer:
         them and the prediction error is a metric."""
         pl, m = booking.placement, self._metrics
         for quantity, actual, predicted in (("ttft", ttft_s, pl.est_ttft_s), ("tpot", tpot_s, pl.est_tpot_s)):
-            if actual is None:
+            if actual is None or (quantity == "ttft" and not booking.own_ttft):
                 continue
             ratio = self.correction.observe(quantity, pl.path, actual, predicted)
             if ratio is not None:

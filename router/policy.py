@@ -103,7 +103,9 @@ class DecodeLoad:
     local_only: a prefill worker flipped to decode: it runs whole requests and never receives KV.
     awaiting_kv: of `running`, the requests whose remote prefill is not done yet (not decoding).
     cached_tokens: leading tokens of the request's prompt its prefix cache holds: a local prefill computes
-    only the rest, and a remote one ships only the rest."""
+    only the rest, and a remote one ships only the rest.
+    arriving: the first of those blocks it lacks is on its way to it (another request's remote prefill):
+    a local prefill waits there for it and takes no lent threads back meanwhile."""
 
     worker_id: str
     running: int
@@ -114,6 +116,7 @@ class DecodeLoad:
     local_only: bool = False
     awaiting_kv: int = 0
     cached_tokens: int = 0
+    arriving: bool = False
 
     def __post_init__(self) -> None:
         for name in ("running", "free_blocks", "queued_prefill_tokens", "awaiting_kv", "cached_tokens"):
@@ -257,7 +260,8 @@ def _local(cost: CostModel, req: RequestFeatures, state: PoolState, d: int) -> _
     stall = cost.local_stall_s(n, decoding) / speedup
     slowdown = 1.0 + (decoding + 1) * stall / (req.expected_output_tokens * step)
     delay = 0.0
-    if (p := state.lending(d)) is not None:  # D takes its threads back: P's queue computes 1 / speedup as fast
+    if (p := state.lending(d)) is not None and not load.arriving:  # D takes its threads back: P's queue computes
+        # 1 / speedup as fast
         delay = state.prefill[p].queued_tokens * cost.prefill.per_unit_s * (1 - 1 / state.prefill[p].loan.speedup)
     return _Option("local", None, d, ttft, step * slowdown, slowdown, n, _crowding(cost, load.running), delay)
 

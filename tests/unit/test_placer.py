@@ -99,6 +99,12 @@ def test_a_remote_prompt_is_promised_to_its_decode_worker_and_a_local_one_waitin
         assert elastic.calls[-1] == ("occupy", 0)
         placer.prefilled(second)
         assert placer.book.decode[0].awaiting_kv == 1  # the third's KV alone is on its way
+        for _ in range(50):  # its TTFT was the first's prefill: the correction learns nothing of it
+            placer.observed(second, 10 * second.placement.est_ttft_s, None)
+        assert placer.correction.factor("ttft", "local") == 1.0
+        for _ in range(50):
+            placer.observed(fourth, 10 * fourth.placement.est_ttft_s, None)
+        assert placer.correction.factor("ttft", "local") > 1.0
         for b in (first, second, third, fourth):
             placer.release(b, 8, "length")
         assert placer.prefix.matched("decode", 0, keys) == placer.prefix.matched("prefill", 0, keys) == 0

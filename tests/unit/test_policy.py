@@ -543,3 +543,14 @@ def test_a_prefill_worker_with_the_decode_worker_s_threads_prefills_faster_and_l
         2000 * COST.prefill.per_unit_s * (1 - 1 / 1.6))
     assert _local(COST, req(1024, 16), pools([PrefillLoad("p", 2000)], [dec()]), 0).delay_s == 0.0
     assert RatioPolicy(COST, *TARGETS).place(req(1024, 16), state).path == "remote"
+
+
+def test_a_local_prompt_waiting_for_kv_on_its_way_to_d_takes_no_lent_threads_back() -> None:
+    """The n choices of one prompt: the first's KV is on its way to D (arriving) while P prefills it with
+    D's threads. A local choice there waits for that KV and computes only the rest, and it takes no
+    threads back: no delay is charged to P's queue, and the ratio policy keeps it on D."""
+    borrowing = PrefillLoad("p", 2000, loan=Loan(0, 1.6, 2.0, to_decode=False), cached_tokens=1008)
+    arriving, held = dec(cached_tokens=1008, arriving=True), dec(cached_tokens=1008)
+    assert _local(COST, req(1024, 16), pools([borrowing], [arriving]), 0).delay_s == 0.0
+    assert _local(COST, req(1024, 16), pools([borrowing], [held]), 0).delay_s > 0
+    assert RatioPolicy(COST, *TARGETS).place(req(1024, 16), pools([borrowing], [arriving])).path == "local"
