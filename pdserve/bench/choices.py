@@ -19,6 +19,7 @@ import statistics
 import subprocess
 import time
 import urllib.parse
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -68,6 +69,13 @@ def _stream(base: str, body: dict, timeout_s: float) -> tuple[float, float, int]
     return first if first is not None else float("nan"), time.perf_counter() - t0, tokens
 
 
+def _growth(before: dict[str, float] | None, after: dict[str, float] | None) -> Callable[[str], float | None]:
+    """How much a counter grew between two reads of pdserve's metrics (None: the server has none)."""
+    if before is None or after is None:
+        return lambda name: None
+    return lambda name: after.get(name, 0.0) - before.get(name, 0.0)
+
+
 def measure(base: str, kind: str, args: argparse.Namespace) -> list[Sample]:
     """Every request of the run on the server at `base`, one at a time."""
     rng, out = random.Random(args.seed), []
@@ -76,12 +84,9 @@ def measure(base: str, kind: str, args: argparse.Namespace) -> list[Sample]:
             body = {"model": "model", "prompt": _prompt(rng, length, args.vocab_size), "n": args.n,
                     "max_tokens": args.output, "temperature": 1.0, "seed": args.seed + r, "ignore_eos": True,
                     "stream": True, "stream_options": {"include_usage": True}}
-            before = server_metrics(base) if kind != PEER else {}
+            before = server_metrics(base) if kind != PEER else None
             ttft, e2e, tokens = _stream(base, body, args.request_timeout)
-            after = server_metrics(base) if kind != PEER else {}
-
-            def grew(name: str) -> float | None:
-                return after.get(name, 0.0) - before.get(name, 0.0) if kind != PEER else None
+            grew = _growth(before, server_metrics(base) if before is not None else None)
             out.append(Sample(length, ttft, e2e, tokens, grew(BYTES), grew(HITS)))
             print(f"[bench] {kind} prompt {length}: ttft {ttft:.3f}s e2e {e2e:.3f}s", flush=True)
     return out
@@ -107,10 +112,10 @@ def run_choices(args: argparse.Namespace) -> int:
     out = Path(args.out_dir)
     if PEER in args.servers:
         subprocess.run(["bash", "bench/setup_vllm.sh", args.vllm_venv], check=True)
-    table = [f"`n` = {args.n} sampled choices per request, {args.output} tokens each (`ignore_eos`), one request at "
-             f"a time, {args.rounds} fresh prompts per length, {args.dtype}. Medians.", "",
-             "| server | prompt tokens | requests | TTFT (s) | end to end (s) | KV moved per request (MB) | "
-             "prompt tokens from a cache per request |", "|---|---:|---:|---:|---:|---:|---:|"]
+    table = [(f"`n` = {args.n} sampled choices per request, {args.output} tokens each (`ignore_eos`), one request "
+              f"at a time, {args.rounds} fresh prompts per length, {args.dtype}. Medians."), "",
+             ("| server | prompt tokens | requests | TTFT (s) | end to end (s) | KV moved per request (MB) | "
+              "prompt tokens from a cache per request |"), "|---|---:|---:|---:|---:|---:|---:|"]
     for kind in args.servers:
         with served(kind, args, out) as (base, cmd):
             samples = measure(base, kind, args)
