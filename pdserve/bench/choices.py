@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pdserve.bench.serving import PDSERVE_LAYOUTS, PEER, add_server_arguments, resolve_model_and_dtype, served
+from pdserve.bench.serving import PEER, add_server_arguments, resolve_model_and_dtype, served
 from pdserve.bench.turns import server_metrics
 
 BYTES, HITS = "pdserve_kv_transfer_bytes_sum", "pdserve_prefix_cache_hit_tokens_total"
@@ -129,9 +129,7 @@ def run_choices(args: argparse.Namespace) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_server_arguments(p)
-    p.add_argument("--servers", default=f"ratio,{PEER}", type=lambda s: [x for x in s.split(",") if x],
-                   help=f"any of {', '.join([*PDSERVE_LAYOUTS, PEER])} (default: ratio,{PEER})")
+    add_server_arguments(p, servers=f"ratio,{PEER}")
     p.add_argument("--n", type=int, default=4, help="choices per request (default: 4)")
     p.add_argument("--prompt-tokens", type=lambda s: [int(x) for x in s.split(",")], default=[512, 1536],
                    help="prompt lengths, comma-separated (default: 512,1536)")

@@ -290,8 +290,12 @@ def _scales(text: str) -> tuple[float, float]:
     return ttft, tpot
 
 
-def add_server_arguments(p: argparse.ArgumentParser) -> None:
-    """The flags of the servers a benchmark starts (`served`) and of the prompts it sends them."""
+def add_server_arguments(p: argparse.ArgumentParser, servers: str | None = None) -> None:
+    """The flags of the servers a benchmark starts (`served`) and of the prompts it sends them; with
+    `servers`, also `--servers` (those it starts, one after the other), that its default."""
+    if servers is not None:
+        p.add_argument("--servers", default=servers, type=lambda s: [x for x in s.split(",") if x],
+                       help=f"any of {', '.join([*PDSERVE_LAYOUTS, PEER])} (default: {servers})")
     p.add_argument("--model", default=None, help="model directory (default: the embedded model)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                    help="every server's dtype; auto: what pdserve chooses on this machine (default: auto)")

