@@ -1,0 +1,24 @@
+#!/bin/bash
+# usage: bench/validate_planner.sh RESULTS_DIR LABEL [serve flags...]: start `pdserve serve --no-lend-threads`
+# with those flags, measure its serving factors on a light run, then `pdserve plan --validate` three workloads
+# (decode-heavy, prompt-heavy, RESULTS_DIR/mixed.jsonl) with them; every result into RESULTS_DIR/LABEL.
+# Scaled to the machine through the environment: TTFT, TPOT (the SLO, s), CALIB_RATE, DECODE_RATE,
+# PROMPT_RATE (req/s), PROMPT_REQUESTS.
+set -u
+cd "$(dirname "$0")/.."  # the repository
+DIR=$1; L=$2; shift 2
+OUT=$DIR/$L; mkdir -p "$OUT"
+SLO="--ttft-target ${TTFT:-1.2} --tpot-target ${TPOT:-0.06}"
+.venv/bin/python -m pdserve serve --http-port 8011 --grpc-port 50111 --no-lend-threads $SLO "$@" > "$OUT/server.log" 2>&1 &
+SP=$!
+for _ in $(seq 1 400); do grep -q READY "$OUT/server.log" && break; sleep 1; done
+grep READY "$OUT/server.log" || { echo "server did not start"; tail -20 "$OUT/server.log"; kill $SP; exit 1; }
+P=".venv/bin/python -m pdserve plan --validate http://127.0.0.1:8011 $SLO"
+$P --trace fixed:256:64 --rate "${CALIB_RATE:-0.5}" --num-requests 16 --seed 5 --out "$OUT/calib.json" > "$OUT/calib.txt" 2>&1
+F=$(.venv/bin/python -c "import json; f=json.load(open('$OUT/calib.json'))['measured_factors']; print(f'decode={f[\"decode\"]:.3f},latency_s={f[\"latency_s\"]:.4f}')")
+echo "factors $F" > "$OUT/factors.txt"
+$P --factors "$F" --trace fixed:128:128 --rate "${DECODE_RATE:-1.0}" --num-requests 40 --out "$OUT/decode.json" > "$OUT/decode.txt" 2>&1
+$P --factors "$F" --trace fixed:1024:16 --rate "${PROMPT_RATE:-0.6}" --num-requests "${PROMPT_REQUESTS:-40}" --out "$OUT/prompt.json" > "$OUT/prompt.txt" 2>&1
+$P --factors "$F" --trace "$DIR/mixed.jsonl" --out "$OUT/mixed.json" > "$OUT/mixed.txt" 2>&1
+kill -INT $SP; wait $SP
+cat "$OUT/factors.txt"; tail -n 12 "$OUT"/*.txt
