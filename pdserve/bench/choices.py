@@ -42,11 +42,12 @@ class Sample:
     cache_hit_tokens: float | None
 
 
-def _prompt(rng: random.Random, length: int, vocab_size: int) -> list[int]:
+def random_prompt(rng: random.Random, length: int, vocab_size: int) -> list[int]:
+    """`length` random token ids, clear of the vocabulary's first and last 100 (special tokens)."""
     return [rng.randrange(100, vocab_size - 100) for _ in range(length)]
 
 
-def _stream(base: str, body: dict, timeout_s: float) -> tuple[float, float, int]:
+def stream_completion(base: str, body: dict, timeout_s: float) -> tuple[float, float, int]:
     """POST a streamed completion; returns (TTFT s, end-to-end s, completion tokens of every choice, as its
     usage says)."""
     url = urllib.parse.urlsplit(base)
@@ -69,7 +70,7 @@ def _stream(base: str, body: dict, timeout_s: float) -> tuple[float, float, int]
     return first if first is not None else float("nan"), time.perf_counter() - t0, tokens
 
 
-def _growth(before: dict[str, float] | None, after: dict[str, float] | None) -> Callable[[str], float | None]:
+def counter_growth(before: dict[str, float] | None, after: dict[str, float] | None) -> Callable[[str], float | None]:
     """How much a counter grew between two reads of pdserve's metrics (None: the server has none)."""
     if before is None or after is None:
         return lambda name: None
@@ -81,12 +82,12 @@ def measure(base: str, kind: str, args: argparse.Namespace) -> list[Sample]:
     rng, out = random.Random(args.seed), []
     for length in args.prompt_tokens:
         for r in range(args.rounds):
-            body = {"model": "model", "prompt": _prompt(rng, length, args.vocab_size), "n": args.n,
+            body = {"model": "model", "prompt": random_prompt(rng, length, args.vocab_size), "n": args.n,
                     "max_tokens": args.output, "temperature": 1.0, "seed": args.seed + r, "ignore_eos": True,
                     "stream": True, "stream_options": {"include_usage": True}}
             before = server_metrics(base) if kind != PEER else None
-            ttft, e2e, tokens = _stream(base, body, args.request_timeout)
-            grew = _growth(before, server_metrics(base) if before is not None else None)
+            ttft, e2e, tokens = stream_completion(base, body, args.request_timeout)
+            grew = counter_growth(before, server_metrics(base) if before is not None else None)
             out.append(Sample(length, ttft, e2e, tokens, grew(BYTES), grew(HITS)))
             print(f"[bench] {kind} prompt {length}: ttft {ttft:.3f}s e2e {e2e:.3f}s", flush=True)
     return out

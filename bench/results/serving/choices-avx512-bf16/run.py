@@ -8,7 +8,7 @@ import json
 import random
 import statistics
 
-from pdserve.bench.choices import BYTES, HITS, _growth, _prompt, _stream
+from pdserve.bench.choices import BYTES, HITS, counter_growth, random_prompt, stream_completion
 from pdserve.bench.turns import server_metrics
 
 
@@ -29,13 +29,13 @@ servers = [s.split("=", 1) for s in a.servers]
 rng, rows = random.Random(a.seed), []
 for length in map(int, a.lengths.split(",")):
     for r in range(a.rounds):
-        prompt = _prompt(rng, length, 49152)
+        prompt = random_prompt(rng, length, 49152)
         for label, url in servers[r % len(servers):] + servers[:r % len(servers)]:  # each goes first in turn
             body = {"model": "model", "prompt": prompt, "n": a.n, "max_tokens": a.output, "temperature": 1.0,
                     "seed": r, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
             before = server_metrics(url) if label != "vllm" else None
-            ttft, e2e, tokens = _stream(url, body, 600)
-            grew = _growth(before, server_metrics(url) if before is not None else None)
+            ttft, e2e, tokens = stream_completion(url, body, 600)
+            grew = counter_growth(before, server_metrics(url) if before is not None else None)
             rows.append({"server": label, "prompt_tokens": length, "round": r, "ttft_s": ttft, "e2e_s": e2e,
                          "output_tokens": tokens, "kv_bytes": grew(BYTES), "cache_hit_tokens": grew(HITS)})
             print(rows[-1], flush=True)
