@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from enum import IntEnum
@@ -106,6 +107,7 @@ class OwnerThread:
         self._work = work
         self._after = None if after is None else self._kept_alive(after, name)
         self._waits = {Round.BUSY: 0.0, Round.WAITING: poll_s, Round.IDLE: None}
+        self.busy_s = 0.0  # seconds of busy rounds and the command drains between them (owner writes)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -130,9 +132,13 @@ class OwnerThread:
         return run
 
     def _run(self) -> None:
-        left = Round.BUSY
+        left, began = Round.BUSY, time.perf_counter()
         while not self._stop.is_set():
             self.commands.drain(self._waits[left], self._after)
+            now = time.perf_counter()
+            if left is Round.BUSY:  # a busy round, and what ran between it and this one
+                self.busy_s += now - began
+            began = now
             if self._stop.is_set():
                 break
             try:

@@ -77,6 +77,7 @@ class EngineStats:
     decode_seconds: float = 0.0
     prefill_tokens: int = 0  # prompt tokens computed (cached prefix tokens excluded)
     decode_tokens: int = 0  # in decode and mixed steps
+    ride_tokens: int = 0  # decode tokens of mixed steps (they rode along a prompt chunk)
     prefill_steps: int = 0  # steps that computed prompt chunks
     decode_steps: int = 0  # steps of decode tokens only
     mixed_steps: int = 0  # prefill steps that also decoded running sequences
@@ -271,6 +272,7 @@ class LLMEngine:
             s.prefill_seconds += seconds
             s.prefill_steps += 1
             s.mixed_steps += bool(batch.decode)
+            s.ride_tokens += len(batch.decode)
         else:
             s.decode_seconds += seconds
             s.decode_steps += 1

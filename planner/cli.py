@@ -230,6 +230,9 @@ def _validate(args: argparse.Namespace, trace: Trace, slo: Slo, factors: Serving
                                                       "measured": asdict(cmp.measured),
                                                       "factors": asdict(cmp.factors),
                                                       "simulated_factors_1": asdict(cmp.plain) if cmp.plain else None,
+                                                      "served_steps": asdict(cmp.served) if cmp.served else None,
+                                                      "simulated_served_steps": asdict(cmp.at_served) if (
+                                                          cmp.at_served) else None,
                                                       "measured_factors": asdict(fitted) if (
                                                           fitted := cmp.measured_factors()) else None}),
                                         indent=1) + "\n")

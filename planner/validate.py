@@ -76,10 +76,63 @@ def server_layout(metrics_text: str) -> ServerLayout:
                         policy or None)
 
 
+def engine_totals(metrics_text: str, pool: str = "decode") -> dict[str, float]:
+    """A /metrics page's `pdserve_engine_*` series of one pool, summed over its workers, by series and kind:
+    e.g. {"step_seconds:decode": ..., "steps:mixed": ..., "busy_seconds": ...}."""
+    out: dict[str, float] = {}
+    for name, labels, value in metric_samples(metrics_text):
+        if name.startswith("pdserve_engine_") and name.endswith("_total") and labels.get("pool") == pool:
+            key = name[len("pdserve_engine_"):-len("_total")] + (f":{labels['kind']}" if "kind" in labels else "")
+            out[key] = out.get(key, 0.0) + value
+    return out
+
+
+@dataclass(frozen=True)
+class ServedSteps:
+    """The decode workers' engine steps during a run (what `pdserve_engine_*` grew by), beside the cost
+    model: decode-only steps, their mean batch, seconds each took in the engine and what the cost model
+    gives for that batch (`CostModel.step_s`); steps that computed prompt chunks; the engine loop's seconds
+    per step beyond the steps themselves (scheduling, outputs, the feed, commands)."""
+
+    decode_steps: int
+    mean_batch: float
+    step_s: float
+    model_step_s: float
+    prefill_steps: int
+    between_steps_s: float
+
+    @staticmethod
+    def of(before: dict[str, float], after: dict[str, float], cost: CostModel) -> ServedSteps | None:
+        """None when the decode workers ran no decode-only step (or report no step totals)."""
+        grew = {k: v - before.get(k, 0.0) for k, v in after.items()}
+        steps, prefill_steps = int(grew.get("steps:decode", 0)), int(grew.get("steps:prefill", 0))
+        if steps <= 0:
+            return None
+        batch = grew.get("step_tokens:decode", 0.0) / steps
+        seconds = grew.get("step_seconds:decode", 0.0)
+        between = grew.get("busy_seconds", 0.0) - seconds - grew.get("step_seconds:prefill", 0.0)
+        return ServedSteps(steps, batch, seconds / steps, cost.step_s(batch), prefill_steps,
+                           max(0.0, between) / (steps + prefill_steps))
+
+    @property
+    def factor(self) -> float:
+        """What a served decode step took, the loop's time between steps included, over the cost model's:
+        the serving factor `decode` of this run, measured step by step."""
+        return (self.step_s + self.between_steps_s) / self.model_step_s
+
+    def describe(self) -> str:
+        return (f"decode workers' steps: {self.decode_steps} decode-only at mean batch {self.mean_batch:.1f}, "
+                f"{self.step_s * 1e3:.1f} ms each in the engine and {self.between_steps_s * 1e3:.1f} ms between "
+                f"steps (cost model {self.model_step_s * 1e3:.1f} ms: x{self.factor:.2f}), {self.prefill_steps} "
+                f"with prompt chunks")
+
+
 @dataclass(frozen=True)
 class Comparison:
     """Args: simulated / measured: the two summaries; layout; policy; factors: the serving factors the
-    simulation ran with; plain: the same simulation with none (when `factors` are not 1)."""
+    simulation ran with; plain: the same simulation with none (when `factors` are not 1); served: the
+    decode workers' steps during the run; at_served: the simulation with the `decode` factor those steps
+    measured (what is left between it and the measured run is the simulator's, not the cost model's)."""
 
     simulated: Summary
     measured: Summary
@@ -87,11 +140,14 @@ class Comparison:
     policy: str
     factors: ServingFactors = AS_CALIBRATED
     plain: Summary | None = None
+    served: ServedSteps | None = None
+    at_served: Summary | None = None
 
     def measured_factors(self) -> ServingFactors | None:
         """The serving factors that would have matched this run: the simulation's, with `latency_s` grown
-        by measured minus simulated TTFT p50 (at least 0) and `decode` times measured / simulated TPOT p50
-        (a quantity without values keeps its factor). Measure them on one run (a light load, where TTFT is
+        by measured minus simulated TTFT p50 (at least 0) and `decode` the served steps' factor
+        (`ServedSteps.factor`; without step totals: the simulation's times measured / simulated TPOT p50;
+        a quantity without values keeps its factor). Measure them on one run (a light load, where TTFT is
         mostly the prompt's own prefill) and plan or validate others with them. None when the run had no
         served request."""
         sim, meas, f = self.simulated, self.measured, self.factors
@@ -100,26 +156,35 @@ class Comparison:
         latency = f.latency_s
         if sim.ttft_p50_s is not None and meas.ttft_p50_s is not None:
             latency = max(0.0, latency + meas.ttft_p50_s - sim.ttft_p50_s)
-        decode = f.decode * meas.tpot_p50_s / sim.tpot_p50_s if sim.tpot_p50_s and meas.tpot_p50_s else f.decode
+        if self.served is not None:
+            decode = self.served.factor
+        elif sim.tpot_p50_s and meas.tpot_p50_s:
+            decode = f.decode * meas.tpot_p50_s / sim.tpot_p50_s
+        else:
+            decode = f.decode
         return replace(f, decode=decode, latency_s=latency)
 
     def table(self) -> str:
         rows = [("TTFT p50 (ms)", "ttft_p50_s", 1e3), ("TTFT p99 (ms)", "ttft_p99_s", 1e3),
                 ("TPOT p50 (ms)", "tpot_p50_s", 1e3), ("goodput (req/s)", "goodput_rps", 1.0),
                 ("within SLO", "good_fraction", 100.0)]
+        others = [(name, other) for name, other in (("factors 1", self.plain), ("served steps", self.at_served))
+                  if other is not None]
         lines = [f"validation on {self.layout.label}, policy {self.policy}",
                  f"{'':<18}{'simulated':>12}{'measured':>12}{'sim/meas':>10}"
-                 + (f"{'factors 1':>12}{'sim/meas':>10}" if self.plain else "")]
+                 + "".join(f"{name:>14}{'sim/meas':>10}" for name, _ in others)]
         for label, field, scale in rows:
             sim, meas = getattr(self.simulated, field), getattr(self.measured, field)
             line = f"{label:<18}{_fmt(sim, scale):>12}{_fmt(meas, scale):>12}{_ratio(sim, meas):>10}"
-            if self.plain:
-                plain = getattr(self.plain, field)
-                line += f"{_fmt(plain, scale):>12}{_ratio(plain, meas):>10}"
+            for _, other in others:
+                value = getattr(other, field)
+                line += f"{_fmt(value, scale):>14}{_ratio(value, meas):>10}"
             lines.append(line)
         fitted = self.measured_factors()
         lines.append(f"serving factors simulated: {self.factors.describe()}; matching this run: "
                      f"{fitted.describe() if fitted else '-'}")
+        if self.served is not None:
+            lines.append(self.served.describe())
         return "\n".join(lines)
 
 
@@ -200,24 +265,29 @@ def validate(base: str, trace: Trace, slo: Slo, max_num_seqs: int, vocab_size: i
     server's metrics name none (the server placed nothing yet). factors: the simulation's serving factors
     (`ServingFactors`; the comparison also gives the ones that would have matched the run)."""
     cost = CostModel.from_dict(json.loads(fetch_text(base.rstrip("/") + "/pdserve/cost_model")))
-    before = server_layout(fetch_text(base.rstrip("/") + "/metrics"))
+    metrics_before = fetch_text(base.rstrip("/") + "/metrics")
+    before = server_layout(metrics_before)
     if workload is not None:
         records, wall = asyncio.run(_workload_run(base, workload.name, workload.num_requests, workload.rate,
                                                   workload.seed, vocab_size, request_timeout_s))
     else:
         records, wall = asyncio.run(_replay(base, trace_specs(trace, vocab_size),
                                             [r.arrival_s for r in trace.requests], request_timeout_s))
-    after = server_layout(fetch_text(base.rstrip("/") + "/metrics"))
+    metrics_after = fetch_text(base.rstrip("/") + "/metrics")
+    after = server_layout(metrics_after)
+    served = ServedSteps.of(engine_totals(metrics_before), engine_totals(metrics_after), cost)
     policy = after.policy or before.policy or fallback_policy
     decode = WorkerSpec(before.decode_blocks, max_num_seqs=max_num_seqs,
                         prefill_chunk_tokens=cost.prefill_chunk_tokens or WorkerSpec.prefill_chunk_tokens)
     prefill = WorkerSpec(before.prefill_blocks, max_num_seqs=max_num_seqs,
                          prefill_chunk_tokens=decode.prefill_chunk_tokens) if before.prefill_blocks else None
     router = RouterConfig(policy=policy, ttft_target_s=slo.ttft_s, tpot_target_s=slo.tpot_s)
-    sim = simulate(trace, cost, before.layout, decode, router, prefill_worker=prefill, factors=factors)
-    plain = None
-    if factors != AS_CALIBRATED:
-        plain = simulate(trace, cost, before.layout, decode, router, prefill_worker=prefill).summary(slo.ttft_s,
-                                                                                                     slo.tpot_s)
-    return Comparison(sim.summary(slo.ttft_s, slo.tpot_s), Summary.of(records, wall, slo.ttft_s, slo.tpot_s),
-                      before.layout, policy, factors, plain)
+
+    def simulated(with_factors: ServingFactors) -> Summary:
+        return simulate(trace, cost, before.layout, decode, router, prefill_worker=prefill,
+                        factors=with_factors).summary(slo.ttft_s, slo.tpot_s)
+
+    plain = simulated(AS_CALIBRATED) if factors != AS_CALIBRATED else None
+    at_served = simulated(replace(factors, decode=served.factor)) if served is not None else None
+    return Comparison(simulated(factors), Summary.of(records, wall, slo.ttft_s, slo.tpot_s), before.layout, policy,
+                      factors, plain, served, at_served)

@@ -163,11 +163,11 @@ class CostModel:
         saved = len(self.chunks(tokens)) * step * (1 - self.decode_ride)
         return max(0.0, self.local_prefill_s(tokens) - saved)
 
-    def step_s(self, batch: int) -> float:
+    def step_s(self, batch: float) -> float:
         """Seconds per decode step, piecewise linear over `decode_step`.
 
         Args:
-            batch: sequences in the step.
+            batch: sequences in the step (a mean batch too).
         Returns:
             Below the first point: its value; beyond the last: the last segment's slope (clamped
             at >= 0, so noise never makes bigger batches cheaper), constant with one point.

@@ -25,6 +25,10 @@ Besides the latencies, the series a dashboard reads most (vLLM's counterpart in 
 - `pdserve_request_recoveries_total{action}`: what the router did next (retry: another prefill
   worker; local: prefill on the decode worker, by `--on-prefill-failure local` or as the fallback
   when no prefill worker is left; migrate: continued on another decode worker);
+- `pdserve_engine_step_seconds_total{pool,worker,kind}`, `pdserve_engine_steps_total`,
+  `pdserve_engine_step_tokens_total` and `pdserve_engine_busy_seconds_total{pool,worker}`: each
+  worker's engine steps by kind (`worker_core.protocol.StepTotals`), from its load reports; a served
+  step's time beside the calibrated cost model's (`pdserve plan --validate` prints both);
 - `pdserve_role_split_prefill_workers` and `pdserve_role_split_pinned`: the prefill workers holding
   the prefill role, and whether an operator pinned that split (`router.split`);
 - `pdserve_request_errors_total{kind}`: requests refused (`model_not_found`, `invalid_request`,
@@ -186,7 +190,19 @@ class Metrics:
                                   "/pdserve/split), 0 while roles flip automatically or never", registry=r)
         self.prefix_index = Gauge("pdserve_prefix_index_keys", "Cached block keys the router knows of, all workers",
                                   registry=r)
-        self._preemptions_seen: dict[str, int] = {}  # worker id -> its engine's count at the last poll
+        self.step_seconds = Counter("pdserve_engine_step_seconds", "Seconds a worker's engine spent in its steps "
+                                    "(the model's pass and sampling), by kind: decode (decode-only steps) or prefill "
+                                    "(steps computing prompt chunks, decode rows riding along)",
+                                    ["pool", "worker", "kind"], registry=r)
+        self.steps = Counter("pdserve_engine_steps", "A worker's engine steps, by kind: decode, prefill, and mixed "
+                             "(the prefill steps that also decoded)", ["pool", "worker", "kind"], registry=r)
+        self.step_tokens = Counter("pdserve_engine_step_tokens", "Tokens a worker's engine steps computed, by kind: "
+                                   "decode (rows of decode-only steps), ride (decode rows of mixed steps), prompt",
+                                   ["pool", "worker", "kind"], registry=r)
+        self.busy_seconds = Counter("pdserve_engine_busy_seconds", "Wall seconds a worker's engine loop had work: its "
+                                    "steps and what ran between them (scheduling, outputs, the feed, commands)",
+                                    ["pool", "worker"], registry=r)
+        self._seen: dict[tuple[Counter, str, str], float] = {}  # (series, worker, kind) -> the total last polled
         ProcessCollector(namespace="pdserve_router", registry=r)  # the router's own CPU seconds, memory
 
     def observe_worker(self, pool: str, worker: str, load: LoadReport) -> None:
@@ -195,16 +211,31 @@ class Metrics:
         self.kv_total.labels(pool, worker).set(load.num_blocks)
         self.kv_used.labels(pool, worker).set(used)
         self.kv_usage.labels(pool, worker).set(used / load.num_blocks if load.num_blocks else 0.0)
-        seen = self._preemptions_seen.get(worker, 0)
-        # the engine's count since it started; one lower than last time is a new engine under the same id
-        new = load.preemptions - seen if load.preemptions >= seen else load.preemptions
-        self._preemptions_seen[worker] = load.preemptions
-        self.preemptions.labels(pool, worker).inc(new)  # 0 too: the series exists from the first poll
+        t = load.steps
+        for series, kind, total in ((self.preemptions, "", load.preemptions),
+                                    (self.step_seconds, "decode", t.decode_seconds),
+                                    (self.step_seconds, "prefill", t.prefill_seconds),
+                                    (self.steps, "decode", t.decode_steps), (self.steps, "prefill", t.prefill_steps),
+                                    (self.steps, "mixed", t.mixed_steps),
+                                    (self.step_tokens, "decode", t.decode_rows),
+                                    (self.step_tokens, "ride", t.ride_rows),
+                                    (self.step_tokens, "prompt", t.prefill_tokens),
+                                    (self.busy_seconds, "", t.busy_seconds)):
+            self._advance(series, pool, worker, kind, total)
         if pool == "decode":
             self.running.labels(worker).set(load.running + load.receiving)
         else:
             self.prefill_queued.labels(worker).set(load.queued_tokens)
             self.running.labels(worker).set(load.running)  # the requests it runs whole (flipped to decode)
+
+    def _advance(self, series: Counter, pool: str, worker: str, kind: str, total: float) -> None:
+        """Count what a worker's running total (its engine's since it started) grew by since the last poll;
+        a total lower than the last one is a new engine under the same id, counted from 0. 0 too: the
+        series exists from the first poll."""
+        key = (series, worker, kind)
+        seen = self._seen.get(key, 0)
+        self._seen[key] = total
+        series.labels(pool, worker, *([kind] if kind else [])).inc(total - seen if total >= seen else total)
 
     def observe_split(self, split: RoleSplit) -> None:
         """Refresh the role split's gauges (and the count of prefill workers flipped to decode)."""

@@ -24,7 +24,7 @@ from engine.block_manager import CacheDelta
 from engine.command_loop import OwnerThread, Round, Stopped
 from engine.profiling import time_prefill, time_threads_speedup
 from kv_transfer import PeerInfo, TransferConfig, make_connector
-from worker_core.protocol import LoadReport, WorkerInfo
+from worker_core.protocol import LoadReport, StepTotals, WorkerInfo
 
 LOG_LEVEL_ENV = "PDSERVE_WORKER_LOG_LEVEL"  # set by `pdserve serve` (its --log-level) for its workers' processes
 _LOGGERS = ("engine", "worker_core", "prefill_worker", "decode_worker", "kv_transfer")
@@ -103,6 +103,7 @@ class WorkerBase:
         self.connector.register(self.engine.runner.kv, model_fingerprint(self.engine.runner.model.config))
         self._info = WorkerInfo(worker_id=worker_id, **self.engine.describe())  # static: answered off the engine thread
         self._threads = ThreadCount()
+        self._owner: OwnerThread | None = None  # the engine loop, from `_start_loop` on
 
     def _start_loop(self) -> None:
         """Start the engine loop; call last in the subclass's `__init__` (it starts running at once)."""
@@ -135,8 +136,13 @@ class WorkerBase:
     def _publish_load(self) -> None:
         """Engine thread: the report `load()` hands out."""
         # one reference swap: never half-built
+        st = self.engine.stats
+        steps = StepTotals(st.decode_seconds, st.decode_steps, st.decode_tokens - st.ride_tokens, st.prefill_seconds,
+                           st.prefill_steps, st.mixed_steps, st.ride_tokens, st.prefill_tokens,
+                           self._owner.busy_s if self._owner is not None else 0.0)
         self._load: LoadReport | None = dataclasses.replace(self._load_now(), threads=torch.get_num_threads(),
-                                                            preemptions=self.engine.scheduler.num_preemptions)
+                                                            preemptions=self.engine.scheduler.num_preemptions,
+                                                            steps=steps)
 
     def _after(self) -> None:
         """Engine thread, after every command and every round: publish the load and what else the role

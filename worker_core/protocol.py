@@ -69,11 +69,33 @@ class WorkerInfo:
 
 
 @dataclass(frozen=True)
+class StepTotals:
+    """A worker's engine steps since its engine started (`LoadReport.steps`): the phase split of its
+    time that `pdserve_engine_*` shows, and what `pdserve plan --validate` sets beside the cost
+    model.
+    Decode-only steps: seconds, steps, rows. Steps that compute prompt chunks: seconds, steps, those of
+    them that also decoded (`mixed_steps`) and the decode rows riding in them, prompt tokens computed.
+    Step seconds are the model's pass and sampling (the cost model's calibration steps count too);
+    `busy_seconds` is the engine loop's wall time while it had work: the served steps plus what runs
+    between them (scheduling, outputs, the feed, commands)."""
+
+    decode_seconds: float = 0.0
+    decode_steps: int = 0
+    decode_rows: int = 0
+    prefill_seconds: float = 0.0
+    prefill_steps: int = 0
+    mixed_steps: int = 0
+    ride_rows: int = 0
+    prefill_tokens: int = 0
+    busy_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
 class LoadReport:
     """A worker's load right now. Both roles: free and total KV blocks, the threads its engine
-    computes with, and the sequences its engine preempted since it started (for lack of KV blocks;
-    they are recomputed). Decode: sequences running (or waiting to run) and receiving KV. Prefill:
-    prompt tokens queued and transfers still sending."""
+    computes with, the sequences its engine preempted since it started (for lack of KV blocks;
+    they are recomputed) and its engine's `StepTotals`. Decode: sequences running (or waiting to
+    run) and receiving KV. Prefill: prompt tokens queued and transfers still sending."""
 
     free_blocks: int
     num_blocks: int
@@ -83,6 +105,7 @@ class LoadReport:
     sending: int = 0
     threads: int = 0
     preemptions: int = 0
+    steps: StepTotals = StepTotals()
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 import urllib.error
 import urllib.request
 
@@ -297,6 +298,29 @@ def test_metrics_scrape_has_ttft_samples(client, server):
     assert usage and all(0 <= s.value <= 1 and {"pool", "worker"} <= set(s.labels) for s in usage)
     preemptions = [s for s in families["pdserve_preemptions"].samples if s.name.endswith("_total")]
     assert {s.labels["worker"] for s in preemptions} == {s.labels["worker"] for s in usage}
+
+
+def test_metrics_show_each_workers_engine_steps_from_its_load_reports(client, server):
+    """The decode worker's decode-only steps (with their rows and seconds) and the prefill worker's prompt
+    steps reach `pdserve_engine_*` through the load polls that follow a request."""
+    client.completions.create(model=server.model, prompt="Tell me about the sea", max_tokens=8)
+
+    def totals() -> dict[tuple[str, str, str], float]:
+        with urllib.request.urlopen(server.http + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        return {(s.name, s.labels["pool"], s.labels.get("kind", "")): s.value
+                for f in text_string_to_metric_families(text) if f.name.startswith("pdserve_engine_")
+                for s in f.samples}
+
+    deadline = time.monotonic() + 30
+    while (t := totals()).get(("pdserve_engine_steps_total", "decode", "decode"), 0) == 0:
+        assert time.monotonic() < deadline, t
+        time.sleep(0.5)
+    steps = t[("pdserve_engine_steps_total", "decode", "decode")]
+    assert t[("pdserve_engine_step_tokens_total", "decode", "decode")] >= steps  # a row or more a step
+    assert t[("pdserve_engine_step_seconds_total", "decode", "decode")] > 0
+    assert t[("pdserve_engine_busy_seconds_total", "decode", "")] > 0  # the request's rounds
+    assert t[("pdserve_engine_step_tokens_total", "prefill", "prompt")] > 0  # calibration's and requests' prompts
 
 
 def test_start_up_shows_its_progress(server):

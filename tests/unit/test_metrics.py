@@ -7,7 +7,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.metrics import Bound, Metrics
-from worker_core.protocol import ErrorKind, LoadReport
+from worker_core.protocol import ErrorKind, LoadReport, StepTotals
 
 MODEL = "SmolLM2-135M-Instruct"
 # per worker, or the router process's own: the only families without a model_name label
@@ -16,7 +16,8 @@ PER_WORKER = {"pdserve_worker_failures", "pdserve_worker_replacements", "pdserve
               "pdserve_preemptions", "pdserve_running_sequences", "pdserve_prefill_queued_tokens",
               "pdserve_cost_model_correction", "pdserve_decode_feed_items", "pdserve_elastic_prefill_workers",
               "pdserve_elastic_decode_workers", "pdserve_prefix_index_keys", "pdserve_role_split_prefill_workers",
-              "pdserve_role_split_pinned"}
+              "pdserve_role_split_pinned", "pdserve_engine_step_seconds", "pdserve_engine_steps",
+              "pdserve_engine_step_tokens", "pdserve_engine_busy_seconds"}
 
 
 def scrape(m: Metrics) -> dict:
@@ -103,6 +104,34 @@ def test_preemptions_count_what_each_poll_adds_and_survive_an_engine_restart():
     assert total("d0") == 6
     m.observe_worker("decode", "d1", LoadReport(free_blocks=1, num_blocks=4, preemptions=3))  # a replacement worker
     assert total("d1") == 3 and total("d0") == 6
+
+
+def test_engine_step_totals_count_what_each_poll_adds_by_kind_and_survive_an_engine_restart():
+    m = Metrics(model_name=MODEL)
+
+    def value(family: str, kind: str | None = None) -> float:
+        return sum(s.value for s in samples(m, family, "_total")
+                   if s.labels["worker"] == "d0" and s.labels["pool"] == "decode" and s.labels.get("kind") == kind)
+
+    def report(**totals: float) -> LoadReport:
+        return LoadReport(free_blocks=1, num_blocks=4, steps=StepTotals(**totals))
+
+    m.observe_worker("decode", "d0", report(decode_seconds=2.0, decode_steps=40, decode_rows=320, prefill_seconds=1.5,
+                                            prefill_steps=3, mixed_steps=2, ride_rows=16, prefill_tokens=700,
+                                            busy_seconds=4.0))
+    m.observe_worker("decode", "d0", report(decode_seconds=3.0, decode_steps=60, decode_rows=500, prefill_seconds=1.5,
+                                            prefill_steps=3, mixed_steps=2, ride_rows=16, prefill_tokens=700,
+                                            busy_seconds=5.5))
+    assert value("pdserve_engine_step_seconds", "decode") == 3.0
+    assert value("pdserve_engine_step_seconds", "prefill") == 1.5
+    assert (value("pdserve_engine_steps", "decode"), value("pdserve_engine_steps", "prefill"),
+            value("pdserve_engine_steps", "mixed")) == (60, 3, 2)
+    assert (value("pdserve_engine_step_tokens", "decode"), value("pdserve_engine_step_tokens", "ride"),
+            value("pdserve_engine_step_tokens", "prompt")) == (500, 16, 700)
+    assert value("pdserve_engine_busy_seconds") == 5.5
+    m.observe_worker("decode", "d0", report(decode_seconds=0.5, decode_steps=10, decode_rows=10, busy_seconds=0.6))
+    assert value("pdserve_engine_steps", "decode") == 70 and value("pdserve_engine_busy_seconds") == 6.1
+    assert value("pdserve_engine_steps", "prefill") == 3  # a new engine that has not prefilled yet adds nothing
 
 
 def test_a_load_report_without_preemptions_reads_as_none():

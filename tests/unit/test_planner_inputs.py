@@ -281,3 +281,50 @@ def test_a_validation_gives_the_serving_factors_that_would_have_matched_it():
     faster = Comparison(summary(0.5, 0.02), summary(0.4, 0.02), Layout(1, 1), "ratio", ServingFactors(latency_s=0.05))
     assert faster.measured_factors().latency_s == 0.0  # never below 0
     assert Comparison(summary(0.5, 0.02), summary(None, None, ok=0), Layout(1, 1), "ratio").measured_factors() is None
+
+
+ENGINE = """# TYPE pdserve_engine_step_seconds counter
+pdserve_engine_step_seconds_total{kind="decode",pool="decode",worker="d0"} %s
+pdserve_engine_step_seconds_total{kind="decode",pool="decode",worker="d1"} %s
+pdserve_engine_step_seconds_total{kind="prefill",pool="decode",worker="d0"} 1.0
+pdserve_engine_step_seconds_total{kind="decode",pool="prefill",worker="p0"} 99.0
+# TYPE pdserve_engine_steps counter
+pdserve_engine_steps_total{kind="decode",pool="decode",worker="d0"} %s
+pdserve_engine_steps_total{kind="prefill",pool="decode",worker="d0"} 2.0
+# TYPE pdserve_engine_step_tokens counter
+pdserve_engine_step_tokens_total{kind="decode",pool="decode",worker="d0"} %s
+# TYPE pdserve_engine_busy_seconds counter
+pdserve_engine_busy_seconds_total{pool="decode",worker="d0"} %s
+"""
+
+
+def test_a_validation_sets_the_decode_workers_served_steps_beside_the_cost_model():
+    from planner.validate import ServedSteps, engine_totals
+
+    before = engine_totals(ENGINE % (1.0, 1.0, 10, 40, 3.5))
+    assert before == {"step_seconds:decode": 2.0, "step_seconds:prefill": 1.0, "steps:decode": 10.0,
+                      "steps:prefill": 2.0, "step_tokens:decode": 40.0, "busy_seconds": 3.5}  # p0 left out
+    after = engine_totals(ENGINE % (3.0, 2.0, 60, 440, 7.5))  # 50 steps of 8 rows: 3 s in the engine, 4 s busy
+    served = ServedSteps.of(before, after, COST)
+    assert (served.decode_steps, served.mean_batch, served.prefill_steps) == (50, 8.0, 0)
+    assert served.step_s == pytest.approx(0.06) and served.model_step_s == pytest.approx(COST.step_s(8))
+    assert served.between_steps_s == pytest.approx(1.0 / 50)  # busy 4 s, of which 3 s in steps
+    assert served.factor == pytest.approx((0.06 + 0.02) / COST.step_s(8))  # the loop's time between steps too
+    assert "50 decode-only at mean batch 8.0" in served.describe()
+    assert ServedSteps.of(before, before, COST) is None  # no decode-only step ran
+
+
+def test_a_validation_with_served_steps_fits_decode_from_them_and_simulates_with_them():
+    from planner.sim import Summary
+    from planner.validate import Comparison, ServedSteps
+
+    def summary(ttft: float, tpot: float) -> Summary:
+        return Summary(10, 10, 20.0, ttft, ttft, tpot, tpot, 0.5, 1.0, 0.5)
+    served = ServedSteps(decode_steps=100, mean_batch=4.0, step_s=0.05, model_step_s=0.04, prefill_steps=2,
+                         between_steps_s=0.002)
+    cmp = Comparison(summary(0.5, 0.02), summary(0.6, 0.03), Layout(1, 1), "ratio", served=served,
+                     at_served=summary(0.55, 0.0255))
+    assert cmp.measured_factors().decode == pytest.approx(1.3)  # (50 + 2) / 40 ms, not the TPOT ratio 1.5
+    table = cmp.table()
+    assert "served steps" in table and "0.85" in table  # TPOT simulated with the served steps: 25.5 / 30 ms
+    assert "x1.30" in table
