@@ -76,23 +76,30 @@ def server_layout(metrics_text: str) -> ServerLayout:
                         policy or None)
 
 
-def engine_totals(metrics_text: str, pool: str = "decode") -> dict[str, float]:
-    """A /metrics page's `pdserve_engine_*` series of one pool, summed over its workers, by series and kind:
-    e.g. {"step_seconds:decode": ..., "steps:mixed": ..., "busy_seconds": ...}."""
-    out: dict[str, float] = {}
+def engine_totals(metrics_text: str) -> dict[str, dict[str, float]]:
+    """A /metrics page's `pdserve_engine_*` series, by pool, summed over its workers, by series and kind:
+    e.g. {"decode": {"step_seconds:decode": ..., "steps:mixed": ..., "busy_seconds": ...}, "prefill": ...}."""
+    out: dict[str, dict[str, float]] = {}
     for name, labels, value in metric_samples(metrics_text):
-        if name.startswith("pdserve_engine_") and name.endswith("_total") and labels.get("pool") == pool:
+        if name.startswith("pdserve_engine_") and name.endswith("_total") and "pool" in labels:
             key = name[len("pdserve_engine_"):-len("_total")] + (f":{labels['kind']}" if "kind" in labels else "")
-            out[key] = out.get(key, 0.0) + value
+            pool = out.setdefault(labels["pool"], {})
+            pool[key] = pool.get(key, 0.0) + value
     return out
+
+
+def _grown(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0.0) for k, v in after.items()}
 
 
 @dataclass(frozen=True)
 class ServedSteps:
-    """The decode workers' engine steps during a run (what `pdserve_engine_*` grew by), beside the cost
-    model: decode-only steps, their mean batch, seconds each took in the engine and what the cost model
-    gives for that batch (`CostModel.step_s`); steps that computed prompt chunks; the engine loop's seconds
-    per step beyond the steps themselves (scheduling, outputs, the feed, commands)."""
+    """The workers' engine steps during a run (what `pdserve_engine_*` grew by), beside the cost model.
+    Decode workers' decode-only steps: how many, their mean batch, seconds each took in the engine and what
+    the cost model gives for that batch (`CostModel.step_s`), and the engine loop's seconds per step beyond
+    the steps themselves (scheduling, outputs, the feed, commands). Steps that computed prompt chunks, on
+    either pool: how many, their seconds in all and the cost model's for the same steps (`prefill_s` of
+    each pool's mean chunk on a prefill worker, `local_prefill_s` on a decode worker)."""
 
     decode_steps: int
     mean_batch: float
@@ -100,19 +107,31 @@ class ServedSteps:
     model_step_s: float
     prefill_steps: int
     between_steps_s: float
+    prefill_s: float = 0.0
+    model_prefill_s: float = 0.0
 
     @staticmethod
-    def of(before: dict[str, float], after: dict[str, float], cost: CostModel) -> ServedSteps | None:
-        """None when the decode workers ran no decode-only step (or report no step totals)."""
-        grew = {k: v - before.get(k, 0.0) for k, v in after.items()}
-        steps, prefill_steps = int(grew.get("steps:decode", 0)), int(grew.get("steps:prefill", 0))
+    def of(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]],
+           cost: CostModel) -> ServedSteps | None:
+        """Args: before / after: `engine_totals` of each pool ("decode", "prefill"). None when the decode
+        workers ran no decode-only step (or report no step totals)."""
+        grew = _grown(before.get("decode", {}), after.get("decode", {}))
+        steps, local_steps = int(grew.get("steps:decode", 0)), int(grew.get("steps:prefill", 0))
         if steps <= 0:
             return None
         batch = grew.get("step_tokens:decode", 0.0) / steps
         seconds = grew.get("step_seconds:decode", 0.0)
         between = grew.get("busy_seconds", 0.0) - seconds - grew.get("step_seconds:prefill", 0.0)
+        remote = _grown(before.get("prefill", {}), after.get("prefill", {}))
+        prefill_steps, prefill_s, model_prefill_s = 0, 0.0, 0.0
+        for totals, time_of in ((grew, cost.local_prefill_s), (remote, cost.prefill_s)):
+            n = int(totals.get("steps:prefill", 0))
+            if n > 0:  # the fits are linear in tokens: n steps of the mean chunk cost what the steps cost
+                prefill_steps += n
+                prefill_s += totals.get("step_seconds:prefill", 0.0)
+                model_prefill_s += n * time_of(totals.get("step_tokens:prompt", 0.0) / n)
         return ServedSteps(steps, batch, seconds / steps, cost.step_s(batch), prefill_steps,
-                           max(0.0, between) / (steps + prefill_steps))
+                           max(0.0, between) / (steps + local_steps), prefill_s, model_prefill_s)
 
     @property
     def factor(self) -> float:
@@ -120,19 +139,31 @@ class ServedSteps:
         the serving factor `decode` of this run, measured step by step."""
         return (self.step_s + self.between_steps_s) / self.model_step_s
 
+    @property
+    def prefill_factor(self) -> float | None:
+        """What the served prompt steps took over the cost model's time for them: the serving factor
+        `prefill` of this run (None without prompt steps)."""
+        return self.prefill_s / self.model_prefill_s if self.model_prefill_s > 0 else None
+
+    def factors(self, base: ServingFactors) -> ServingFactors:
+        """`base` with this run's measured `decode` (and `prefill`, where prompts were computed)."""
+        return replace(base, decode=self.factor, prefill=self.prefill_factor or base.prefill)
+
     def describe(self) -> str:
-        return (f"decode workers' steps: {self.decode_steps} decode-only at mean batch {self.mean_batch:.1f}, "
+        prompt = (f"; {self.prefill_steps} steps with prompt chunks, {self.prefill_s:.1f} s (cost model "
+                  f"{self.model_prefill_s:.1f} s: x{self.prefill_factor:.2f})" if self.prefill_factor else "")
+        return (f"served steps: {self.decode_steps} decode-only at mean batch {self.mean_batch:.1f}, "
                 f"{self.step_s * 1e3:.1f} ms each in the engine and {self.between_steps_s * 1e3:.1f} ms between "
-                f"steps (cost model {self.model_step_s * 1e3:.1f} ms: x{self.factor:.2f}), {self.prefill_steps} "
-                f"with prompt chunks")
+                f"steps (cost model {self.model_step_s * 1e3:.1f} ms: x{self.factor:.2f})" + prompt)
 
 
 @dataclass(frozen=True)
 class Comparison:
     """Args: simulated / measured: the two summaries; layout; policy; factors: the serving factors the
     simulation ran with; plain: the same simulation with none (when `factors` are not 1); served: the
-    decode workers' steps during the run; at_served: the simulation with the `decode` factor those steps
-    measured (what is left between it and the measured run is the simulator's, not the cost model's)."""
+    workers' steps during the run; at_served: the simulation with the `decode` and `prefill` factors
+    those steps measured (what is left between it and the measured run is the simulator's and the
+    latency's, not the step times')."""
 
     simulated: Summary
     measured: Summary
@@ -144,25 +175,25 @@ class Comparison:
     at_served: Summary | None = None
 
     def measured_factors(self) -> ServingFactors | None:
-        """The serving factors that would have matched this run: the simulation's, with `latency_s` grown
-        by measured minus simulated TTFT p50 (at least 0) and `decode` the served steps' factor
-        (`ServedSteps.factor`; without step totals: the simulation's times measured / simulated TPOT p50;
-        a quantity without values keeps its factor). Measure them on one run (a light load, where TTFT is
-        mostly the prompt's own prefill) and plan or validate others with them. None when the run had no
-        served request."""
-        sim, meas, f = self.simulated, self.measured, self.factors
+        """The serving factors that would have matched this run. With the served steps (`served`, and the
+        simulation with their factors, `at_served`): their `decode` and `prefill` (`ServedSteps.factors`),
+        and `latency_s` grown by measured minus `at_served` TTFT p50. Without them: the simulation's, with
+        `latency_s` grown by measured minus simulated TTFT p50 and `decode` times measured / simulated
+        TPOT p50. `latency_s` stays >= 0; a quantity without values keeps its factor. Measure them on one
+        run (a light load) and plan or validate others with them. None when the run had no served request."""
+        meas, f = self.measured, self.factors
+        if self.served is not None and self.at_served is not None:
+            sim, fitted = self.at_served, self.served.factors(f)
+        else:
+            sim, fitted = self.simulated, f
+            if sim.tpot_p50_s and meas.tpot_p50_s:
+                fitted = replace(f, decode=f.decode * meas.tpot_p50_s / sim.tpot_p50_s)
         if not meas.ok or not sim.ok:
             return None
         latency = f.latency_s
         if sim.ttft_p50_s is not None and meas.ttft_p50_s is not None:
             latency = max(0.0, latency + meas.ttft_p50_s - sim.ttft_p50_s)
-        if self.served is not None:
-            decode = self.served.factor
-        elif sim.tpot_p50_s and meas.tpot_p50_s:
-            decode = f.decode * meas.tpot_p50_s / sim.tpot_p50_s
-        else:
-            decode = f.decode
-        return replace(f, decode=decode, latency_s=latency)
+        return replace(fitted, latency_s=latency)
 
     def table(self) -> str:
         rows = [("TTFT p50 (ms)", "ttft_p50_s", 1e3), ("TTFT p99 (ms)", "ttft_p99_s", 1e3),
@@ -288,6 +319,6 @@ def validate(base: str, trace: Trace, slo: Slo, max_num_seqs: int, vocab_size: i
                         factors=with_factors).summary(slo.ttft_s, slo.tpot_s)
 
     plain = simulated(AS_CALIBRATED) if factors != AS_CALIBRATED else None
-    at_served = simulated(replace(factors, decode=served.factor)) if served is not None else None
+    at_served = simulated(served.factors(factors)) if served is not None else None
     return Comparison(simulated(factors), Summary.of(records, wall, slo.ttft_s, slo.tpot_s), before.layout, policy,
                       factors, plain, served, at_served)

@@ -287,44 +287,58 @@ ENGINE = """# TYPE pdserve_engine_step_seconds counter
 pdserve_engine_step_seconds_total{kind="decode",pool="decode",worker="d0"} %s
 pdserve_engine_step_seconds_total{kind="decode",pool="decode",worker="d1"} %s
 pdserve_engine_step_seconds_total{kind="prefill",pool="decode",worker="d0"} 1.0
-pdserve_engine_step_seconds_total{kind="decode",pool="prefill",worker="p0"} 99.0
+pdserve_engine_step_seconds_total{kind="prefill",pool="prefill",worker="p0"} %s
 # TYPE pdserve_engine_steps counter
 pdserve_engine_steps_total{kind="decode",pool="decode",worker="d0"} %s
 pdserve_engine_steps_total{kind="prefill",pool="decode",worker="d0"} 2.0
+pdserve_engine_steps_total{kind="prefill",pool="prefill",worker="p0"} %s
 # TYPE pdserve_engine_step_tokens counter
 pdserve_engine_step_tokens_total{kind="decode",pool="decode",worker="d0"} %s
+pdserve_engine_step_tokens_total{kind="prompt",pool="prefill",worker="p0"} %s
 # TYPE pdserve_engine_busy_seconds counter
 pdserve_engine_busy_seconds_total{pool="decode",worker="d0"} %s
 """
 
 
-def test_a_validation_sets_the_decode_workers_served_steps_beside_the_cost_model():
+def test_a_validation_sets_the_workers_served_steps_beside_the_cost_model():
+    from planner.profiles import ServingFactors
     from planner.validate import ServedSteps, engine_totals
 
-    before = engine_totals(ENGINE % (1.0, 1.0, 10, 40, 3.5))
-    assert before == {"step_seconds:decode": 2.0, "step_seconds:prefill": 1.0, "steps:decode": 10.0,
-                      "steps:prefill": 2.0, "step_tokens:decode": 40.0, "busy_seconds": 3.5}  # p0 left out
-    after = engine_totals(ENGINE % (3.0, 2.0, 60, 440, 7.5))  # 50 steps of 8 rows: 3 s in the engine, 4 s busy
+    before = engine_totals(ENGINE % (1.0, 1.0, 2.0, 10, 4, 40, 400, 3.5))
+    assert before["decode"] == {"step_seconds:decode": 2.0, "step_seconds:prefill": 1.0, "steps:decode": 10.0,
+                                "steps:prefill": 2.0, "step_tokens:decode": 40.0, "busy_seconds": 3.5}
+    assert before["prefill"] == {"step_seconds:prefill": 2.0, "steps:prefill": 4.0, "step_tokens:prompt": 400.0}
+    # 50 decode steps of 8 rows: 3 s in the engine, 4 s busy; 10 prompt steps of 200 tokens on p0 in 6 s
+    after = engine_totals(ENGINE % (3.0, 2.0, 8.0, 60, 14, 440, 2400, 7.5))
     served = ServedSteps.of(before, after, COST)
-    assert (served.decode_steps, served.mean_batch, served.prefill_steps) == (50, 8.0, 0)
+    assert (served.decode_steps, served.mean_batch, served.prefill_steps) == (50, 8.0, 10)
     assert served.step_s == pytest.approx(0.06) and served.model_step_s == pytest.approx(COST.step_s(8))
     assert served.between_steps_s == pytest.approx(1.0 / 50)  # busy 4 s, of which 3 s in steps
     assert served.factor == pytest.approx((0.06 + 0.02) / COST.step_s(8))  # the loop's time between steps too
+    assert served.prefill_s == 6.0 and served.model_prefill_s == pytest.approx(10 * COST.prefill_s(200))
+    fitted = served.factors(ServingFactors(latency_s=0.2))
+    assert (fitted.decode, fitted.prefill, fitted.latency_s) == pytest.approx((served.factor, 6.0 / (10 * 0.21), 0.2))
     assert "50 decode-only at mean batch 8.0" in served.describe()
+    assert "10 steps with prompt chunks" in served.describe()
     assert ServedSteps.of(before, before, COST) is None  # no decode-only step ran
+    no_prompts = ServedSteps(10, 1.0, 0.05, 0.04, 0, 0.0)
+    assert no_prompts.prefill_factor is None and no_prompts.factors(ServingFactors(prefill=1.2)).prefill == 1.2
 
 
-def test_a_validation_with_served_steps_fits_decode_from_them_and_simulates_with_them():
+def test_a_validation_with_served_steps_fits_its_factors_from_them_and_simulates_with_them():
     from planner.sim import Summary
     from planner.validate import Comparison, ServedSteps
 
     def summary(ttft: float, tpot: float) -> Summary:
         return Summary(10, 10, 20.0, ttft, ttft, tpot, tpot, 0.5, 1.0, 0.5)
     served = ServedSteps(decode_steps=100, mean_batch=4.0, step_s=0.05, model_step_s=0.04, prefill_steps=2,
-                         between_steps_s=0.002)
+                         between_steps_s=0.002, prefill_s=3.0, model_prefill_s=2.5)
     cmp = Comparison(summary(0.5, 0.02), summary(0.6, 0.03), Layout(1, 1), "ratio", served=served,
                      at_served=summary(0.55, 0.0255))
-    assert cmp.measured_factors().decode == pytest.approx(1.3)  # (50 + 2) / 40 ms, not the TPOT ratio 1.5
+    fitted = cmp.measured_factors()
+    assert fitted.decode == pytest.approx(1.3)  # (50 + 2) / 40 ms, not the TPOT ratio 1.5
+    assert fitted.prefill == pytest.approx(1.2)
+    assert fitted.latency_s == pytest.approx(0.05)  # measured minus the simulation with the served steps' factors
     table = cmp.table()
     assert "served steps" in table and "0.85" in table  # TPOT simulated with the served steps: 25.5 / 30 ms
-    assert "x1.30" in table
+    assert "x1.30" in table and "x1.20" in table
