@@ -143,14 +143,16 @@ def _overridden(obj: object, text: str, what: str) -> object:
 class ServingFactors:
     """What serving adds to a measured cost model's times (all 1 / 0: as calibrated).
 
-    A measured cost model times each phase inside the engine at start-up; serving adds what that leaves
-    out: the worker's loop and the token feed make each decode step longer (`decode`, a factor on a
-    step's decode rows; `prefill` likewise on its prompt tokens), and the router, its hops to the workers
+    A measured cost model times each phase inside the engine at start-up, one engine at a time; serving
+    adds what that leaves out: engines computing side by side on one node slow each other down, and the
+    worker's loop and the token feed take their share (`decode`, a factor on a step's decode rows;
+    `prefill` likewise on its prompt tokens), and the router, its hops to the workers
     and the HTTP server put a latency between the engine and the client (`latency_s`, added to when each
     request's first and last token arrive; it holds no worker up). KV transfers stay as calibrated. The
     placement policy still prices with the plain cost model, as the server's does (its `Correction`
-    learns the rest in both). `pdserve plan --validate` measures them (`Comparison.measured_factors`:
-    measured minus simulated TTFT p50, measured over simulated TPOT p50); `--factors` applies them.
+    learns the rest in both). `pdserve plan --validate` measures them (`Comparison.measured_factors`: the
+    workers' served steps over the cost model's, `planner.validate.ServedSteps`, and measured minus
+    simulated TTFT p50); `--factors` applies them.
 
     Args: prefill, decode: finite numbers > 0. latency_s: seconds, finite, >= 0.
     """
