@@ -30,7 +30,7 @@ import yaml
 from pdserve.status import NAMESPACE, POOL_OF_CLASS, RESOURCES, _check_reachable, format_status, status_json
 from tests.conftest import greedy_reference, random_prompt, tiny_model
 from tests.integration.ray_nodes import ENV, free_port, start_node, stop_group
-from worker_core.protocol import LoadReport
+from worker_core.protocol import LoadReport, StepTotals
 
 ROOT = Path(__file__).parents[2]
 BASE = ROOT / "infra" / "k8s" / "base"
@@ -194,7 +194,8 @@ def test_format_status_flags_silent_and_dead_workers():
               "workers": [worker("prefill", "prefill-0-aaaaaa", "ALIVE", False,
                                  error="load() did not answer within 5 s"),
                           worker("decode", "decode-0-bbbbbb", "ALIVE", True,
-                                 LoadReport(free_blocks=60, num_blocks=100, running=3, receiving=1)),
+                                 LoadReport(free_blocks=60, num_blocks=100, running=3, receiving=1,
+                                            steps=StepTotals(decode_seconds=1.5, decode_steps=10, decode_rows=30))),
                           worker("decode", "decode-1-cccccc", "DEAD", None)],
               "nodes": [{"node_id": "h" * 56, "node_ip": "10.0.0.1", "alive": True, "is_head": True, "resources": {}},
                         {"node_id": "n1" * 28, "node_ip": "10.0.0.7", "alive": True, "is_head": False,
@@ -211,8 +212,11 @@ def test_format_status_flags_silent_and_dead_workers():
     assert "1/2" in node and "?/4" in node
     assert "pdserve: UNHEALTHY: prefill 0/1 and decode 1/1" in text
     as_json = json.loads(status_json(status))  # `pdserve status --json`: load reports as plain objects
+    steps = {"decode_seconds": 1.5, "decode_steps": 10, "decode_rows": 30, "prefill_seconds": 0.0, "prefill_steps": 0,
+             "mixed_steps": 0, "ride_rows": 0, "prefill_tokens": 0, "busy_seconds": 0.0}
     assert as_json["workers"][1]["load"] == {"free_blocks": 60, "num_blocks": 100, "running": 3, "receiving": 1,
-                                             "queued_tokens": 0, "sending": 0, "threads": 0, "preemptions": 0}
+                                             "queued_tokens": 0, "sending": 0, "threads": 0, "preemptions": 0,
+                                             "steps": steps}
 
 
 @pytest.mark.parametrize("address,says", [("127.0.0.1:{port}", "no Ray cluster at"), ("ray://127.0.0.1:{port}",
