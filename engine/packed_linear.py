@@ -10,7 +10,8 @@ with AVX-512 BF16, on AMX tiles where the CPU has them) streams each weight once
 with no fixed cost to speak of. So the choice is per
 group of layers (one name and shape: "gate_proj 1536x576", "lm_head 49152x576"):
 `EngineConfig(linear="auto")` times each group's own weights every way at start-up (`measure`,
-decided by `hardware.pick_linear`), and `pack` swaps the winners' `nn.Linear`s for
+decided by `hardware.pick_linear`) the first time this machine serves the model that way, and keeps
+the choice on disk for the starts after (`_measured_choice`); `pack` swaps the winners' `nn.Linear`s for
 `PackedLinear`s that hold only the reordered copy (the original is freed unless something else,
 such as tied input embeddings, still holds it) or `KernelLinear`s. Prefill runs through the same
 layers.
@@ -29,8 +30,12 @@ dtype, `kernel_available` whether the kernel runs); no Ray.
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
 import logging
+import os
+import tempfile
 import time
 import weakref
 from functools import partial
@@ -266,9 +271,50 @@ def apply(model: torch.nn.Module, setting: str, device: str) -> LinearChoice:
         return LinearChoice(packed if groups(model) or on_kernel else ALL_LAYERS,
                             "the given model was swapped already", kernel=on_kernel)
     if choice.groups is None:
-        t0 = time.perf_counter()
-        choice = hardware.pick_linear(measure(model, kernel=kernel_available(dtype)))
-        log.info("linear auto: probed plain, packed and kernel in %.2f s", time.perf_counter() - t0)
+        choice = _measured_choice(model, dtype)
     n = pack(model, choice)
     log.info("linear layers %s (%d swapped), because %s", choice.summary(), n, choice.reason)
+    return choice
+
+
+def _measured_choice(model: torch.nn.Module, dtype: torch.dtype) -> LinearChoice:
+    """The "auto" choice for `model`: the one this machine measured before for the same groups, dtype,
+    thread count, kernel build and torch, or a new measurement, kept for the next start.
+
+    Groups whose ways time within noise of each other flip between starts when measured every time,
+    and each flip is a different compiled decode graph: torch's compile cache misses and the start
+    pays the whole compile again (minutes on a small CPU). A kept choice makes a restart the same
+    engine as before. Kept under `cache_root()/linear/`, one small JSON per key; delete it to
+    measure again."""
+    from engine import kernels
+    from engine.model_store import cache_root
+
+    kernel = kernel_available(dtype)
+    cpu = hardware.this_cpu()
+    key = {"cpu": cpu.model, "flags": sorted(cpu.flags), "torch": torch.__version__, "dtype": str(dtype),
+           "threads": torch.get_num_threads(), "kernel": kernels.active().name if kernel else None,
+           "groups": sorted(groups(model)), "probe": [list(PROBE_BATCHES), BATCH_HINT]}
+    tag = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    path = cache_root() / "linear" / f"choice-{tag}.json"
+    try:
+        kept = json.loads(path.read_text())
+        choice = LinearChoice(frozenset(kept["packed"]), kept["reason"], kernel=frozenset(kept["kernel"]))
+        log.info("linear auto: the choice this machine measured before (%s; delete it to measure again)", path)
+        return choice
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError, KeyError, TypeError) as e:  # unreadable or from another version: measure again
+        log.warning("linear auto: ignoring the kept choice %s (%s)", path, e)
+    t0 = time.perf_counter()
+    choice = hardware.pick_linear(measure(model, kernel=kernel))
+    log.info("linear auto: probed plain, packed and kernel in %.2f s", time.perf_counter() - t0)
+    kept = {"key": key, "packed": sorted(choice.groups or ()), "kernel": sorted(choice.kernel),
+            "reason": choice.reason}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
+            json.dump(kept, f, indent=1)
+        os.replace(f.name, path)  # atomic: workers starting side by side never read half a file
+    except OSError as e:
+        log.warning("linear auto: could not keep the choice in %s (%s); the next start measures again", path, e)
     return choice

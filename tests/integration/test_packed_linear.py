@@ -102,6 +102,33 @@ def test_auto_measures_each_group_packs_the_winners_and_says_why():
     assert engine.generate([prompt], SamplingParams(max_tokens=12))[0].output_token_ids == greedy_reference(ref, prompt, 12)
 
 
+def test_auto_keeps_its_choice_so_a_restart_is_the_same_engine(tmp_path, monkeypatch):
+    """The first "auto" start measures and keeps its choice on disk; a later start with the same model,
+    dtype, threads and build reads it back (no probe, so timings within noise cannot flip a group and
+    with it the compiled graph); another thread count measures anew; an unreadable file is measured over."""
+    monkeypatch.setenv("PDSERVE_CACHE", str(tmp_path))
+    first = engine_for(tiny_model("llama", seed=8), linear="auto").linear_choice
+    kept = list((tmp_path / "linear").glob("choice-*.json"))
+    assert len(kept) == 1
+    probes = []
+    real = packed_linear.measure
+    monkeypatch.setattr(packed_linear, "measure", lambda *a, **kw: probes.append(1) or real(*a, **kw))
+    again = engine_for(tiny_model("llama", seed=8), linear="auto").linear_choice
+    assert (again.groups, again.kernel, again.reason) == (first.groups, first.kernel, first.reason) and not probes
+    before = torch.get_num_threads()
+    torch.set_num_threads(before + 1)
+    try:
+        engine_for(tiny_model("llama", seed=8), linear="auto")
+    finally:
+        torch.set_num_threads(before)
+    assert probes == [1] and len(list((tmp_path / "linear").glob("choice-*.json"))) == 2
+    kept[0].write_text("{not json")
+    redone = engine_for(tiny_model("llama", seed=8), linear="auto").linear_choice
+    assert probes == [1, 1] and redone.reason.startswith("measured on the model: ")
+    assert engine_for(tiny_model("llama", seed=8), linear="auto").linear_choice.groups == redone.groups
+    assert probes == [1, 1]  # the file written over the bad one serves again
+
+
 def test_plain_leaves_the_layers_alone():
     engine = engine_for(tiny_model("llama", seed=8), linear="plain")
     assert engine.describe()["linear"] == "plain"
