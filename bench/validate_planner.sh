@@ -3,7 +3,7 @@
 # with those flags, measure its serving factors on a light run, then `pdserve plan --validate` three workloads
 # (decode-heavy, prompt-heavy, RESULTS_DIR/mixed.jsonl) with them; every result into RESULTS_DIR/LABEL.
 # Scaled to the machine through the environment: TTFT, TPOT (the SLO, s), CALIB_RATE, DECODE_RATE,
-# PROMPT_RATE (req/s), PROMPT_REQUESTS.
+# PROMPT_RATE (req/s), PROMPT_REQUESTS; WORKLOADS (default "decode prompt mixed") to run fewer.
 set -u
 cd "$(dirname "$0")/.."  # the repository
 DIR=$1; L=$2; shift 2
@@ -21,8 +21,13 @@ get /pdserve/cost_model > "$OUT/cost_model.json"
 $P --trace fixed:256:64 --rate "${CALIB_RATE:-0.5}" --num-requests 16 --seed 5 --out "$OUT/calib.json" > "$OUT/calib.txt" 2>&1; get /metrics > "$OUT/calib.metrics"
 F=$(.venv/bin/python -c "import json; f=json.load(open('$OUT/calib.json'))['measured_factors']; print(f'prefill={f[\"prefill\"]:.3f},decode={f[\"decode\"]:.3f},latency_s={f[\"latency_s\"]:.4f}')")
 echo "factors $F" > "$OUT/factors.txt"
-$P --factors "$F" --trace fixed:128:128 --rate "${DECODE_RATE:-1.0}" --num-requests 40 --out "$OUT/decode.json" > "$OUT/decode.txt" 2>&1; get /metrics > "$OUT/decode.metrics"
-$P --factors "$F" --trace fixed:1024:16 --rate "${PROMPT_RATE:-0.6}" --num-requests "${PROMPT_REQUESTS:-40}" --out "$OUT/prompt.json" > "$OUT/prompt.txt" 2>&1; get /metrics > "$OUT/prompt.metrics"
-$P --factors "$F" --trace "$DIR/mixed.jsonl" --out "$OUT/mixed.json" > "$OUT/mixed.txt" 2>&1; get /metrics > "$OUT/mixed.metrics"
+workload() {  # NAME [plan flags...]: one workload validated with the light run's factors, if WORKLOADS names it
+    local name=$1; shift
+    case " ${WORKLOADS:-decode prompt mixed} " in *" $name "*) ;; *) return ;; esac
+    $P --factors "$F" "$@" --out "$OUT/$name.json" > "$OUT/$name.txt" 2>&1; get /metrics > "$OUT/$name.metrics"
+}
+workload decode --trace fixed:128:128 --rate "${DECODE_RATE:-1.0}" --num-requests 40
+workload prompt --trace fixed:1024:16 --rate "${PROMPT_RATE:-0.6}" --num-requests "${PROMPT_REQUESTS:-40}"
+workload mixed --trace "$DIR/mixed.jsonl"
 kill -INT $SP; wait $SP
 cat "$OUT/factors.txt"; tail -n 12 "$OUT"/*.txt
