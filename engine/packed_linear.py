@@ -279,7 +279,8 @@ def apply(model: torch.nn.Module, setting: str, device: str) -> LinearChoice:
 
 def _measured_choice(model: torch.nn.Module, dtype: torch.dtype) -> LinearChoice:
     """The "auto" choice for `model`: the one this machine measured before for the same groups, dtype,
-    thread count, kernel build and torch, or a new measurement, kept for the next start.
+    thread count, kernel build and source, decision rule and torch, or a new measurement, kept for the
+    next start.
 
     Groups whose ways time within noise of each other flip between starts when measured every time,
     and each flip is a different compiled decode graph: torch's compile cache misses and the start
@@ -292,8 +293,10 @@ def _measured_choice(model: torch.nn.Module, dtype: torch.dtype) -> LinearChoice
     kernel = kernel_available(dtype)
     cpu = hardware.this_cpu()
     key = {"cpu": cpu.model, "flags": sorted(cpu.flags), "torch": torch.__version__, "dtype": str(dtype),
-           "threads": torch.get_num_threads(), "kernel": kernels.active().name if kernel else None,
-           "groups": sorted(groups(model)), "probe": [list(PROBE_BATCHES), BATCH_HINT]}
+           "threads": torch.get_num_threads(),
+           "kernel": [kernels.active().name, kernels.source_tag()] if kernel else None,
+           "groups": sorted(groups(model)),
+           "rule": [list(PROBE_BATCHES), BATCH_HINT, hardware.PACKED_GAIN, hardware.PACKED_BATCH1_LOSS]}
     tag = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = cache_root() / "linear" / f"choice-{tag}.json"
     try:

@@ -37,6 +37,11 @@ _ENTRY = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"
 _LINEAR_ENTRY = {torch.float32: "pdserve_linear_f32", torch.bfloat16: "pdserve_linear_bf16"}
 
 
+def source_tag() -> str:
+    """A short hash of the kernels' C source: which kernels a measurement kept on disk timed."""
+    return hashlib.sha256(_SRC.read_bytes()).hexdigest()[:16]
+
+
 class KernelError(RuntimeError):
     """A kernel build did not compile, load or pass its check."""
 
