@@ -35,7 +35,6 @@ import itertools
 import json
 import logging
 import os
-import tempfile
 import time
 import weakref
 from functools import partial
@@ -313,11 +312,12 @@ def _measured_choice(model: torch.nn.Module, dtype: torch.dtype) -> LinearChoice
     log.info("linear auto: probed plain, packed and kernel in %.2f s", time.perf_counter() - t0)
     kept = {"key": key, "packed": sorted(choice.groups or ()), "kernel": sorted(choice.kernel),
             "reason": choice.reason}
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # one per process: workers starting side by side
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as f:
-            json.dump(kept, f, indent=1)
-        os.replace(f.name, path)  # atomic: workers starting side by side never read half a file
+        tmp.write_text(json.dumps(kept, indent=1))
+        os.replace(tmp, path)  # atomic: no start reads half a file
     except OSError as e:
+        tmp.unlink(missing_ok=True)
         log.warning("linear auto: could not keep the choice in %s (%s); the next start measures again", path, e)
     return choice
