@@ -5,6 +5,7 @@ import copy
 from dataclasses import replace
 
 import pytest
+import torch
 
 from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams
 from tests.conftest import greedy_reference, random_prompt
@@ -204,6 +205,31 @@ def test_compiled_decode_matches_generate(arch):
     for i in (0, 1):  # batch 1: a one-block context and a longer one
         assert engine.generate([prompts[i]], SamplingParams(max_tokens=16))[0].output_token_ids == expected[i]
     assert [o.output_token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=16))] == expected
+    assert_all_free(engine)
+
+
+@pytest.mark.slow
+def test_compiling_for_another_thread_count_mid_serving_leaves_live_kv_alone():
+    """`prepare_threads` compiles and checks the decode step again while sequences hold KV blocks (a
+    decode worker that joins a thread loan later); its check writes only the runner's own blocks."""
+    from engine import kernels
+    from tests.conftest import tiny_model
+
+    if kernels.active().kernel is None:
+        pytest.skip("compile mode needs the CPU kernel, which needs a C compiler")
+    ref = tiny_model("llama", seed=6)
+    prompts = [random_prompt(n, seed=n) for n in (40, 45)]
+    expected = [greedy_reference(ref, p, 12) for p in prompts]
+    engine = make_engine(copy.deepcopy(ref), compile=True)
+    ids = [engine.add_request(p, SamplingParams(max_tokens=12)) for p in prompts]
+    outs = {}
+    for _ in range(3):
+        outs.update((o.request_id, o) for o in engine.step())
+    assert 0 in {b for seq in engine.scheduler.running for b in seq.block_table}
+    engine.runner.prepare_threads(torch.get_num_threads())
+    while engine.has_unfinished():
+        outs.update((o.request_id, o) for o in engine.step())
+    assert [outs[i].output_token_ids for i in ids] == expected
     assert_all_free(engine)
 
 
