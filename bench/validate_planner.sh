@@ -19,7 +19,7 @@ P=".venv/bin/python -m pdserve plan --validate http://127.0.0.1:8011 $SLO"
 get() { .venv/bin/python -c "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen('http://127.0.0.1:8011$1').read().decode())"; }
 get /pdserve/cost_model > "$OUT/cost_model.json"
 $P --trace fixed:256:64 --rate "${CALIB_RATE:-0.5}" --num-requests 16 --seed 5 --out "$OUT/calib.json" > "$OUT/calib.txt" 2>&1; get /metrics > "$OUT/calib.metrics"
-F=$(.venv/bin/python -c "import json; f=json.load(open('$OUT/calib.json'))['measured_factors']; print(f'prefill={f[\"prefill\"]:.3f},decode={f[\"decode\"]:.3f},latency_s={f[\"latency_s\"]:.4f}')")
+F=$(.venv/bin/python -c "import json; f=json.load(open('$OUT/calib.json'))['measured_factors']; print(','.join(f'{k}={v:.4g}' for k, v in f.items()))")
 echo "factors $F" > "$OUT/factors.txt"
 workload() {  # NAME [plan flags...]: one workload validated with the light run's factors, if WORKLOADS names it
     local name=$1; shift

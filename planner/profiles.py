@@ -145,36 +145,42 @@ class ServingFactors:
 
     A measured cost model times each phase inside the engine at start-up, one engine at a time; serving
     adds what that leaves out: engines computing side by side on one node slow each other down, and the
-    worker's loop and the token feed take their share (`decode`, a factor on a step's decode rows;
-    `prefill` likewise on its prompt tokens), and the router, its hops to the workers
-    and the HTTP server put a latency between the engine and the client (`latency_s`, added to when each
-    request's first and last token arrive; it holds no worker up). KV transfers stay as calibrated. The
-    placement policy still prices with the plain cost model, as the server's does (its `Correction`
-    learns the rest in both). `pdserve plan --validate` measures them (`Comparison.measured_factors`: the
-    workers' served steps over the cost model's, `planner.validate.ServedSteps`, and measured minus
-    simulated TTFT p50); `--factors` applies them.
+    worker's loop and the token feed take their share (`decode`, a factor on a step's decode rows, and
+    `decode_step_s`, seconds each step with decode rows takes beyond that at any batch; `prefill`, a
+    factor on its prompt tokens), and the router, its hops to the workers and the HTTP server put a
+    latency between the engine and the client (`latency_s`, added to when each request's first and last
+    token arrive; it holds no worker up). KV transfers stay as calibrated. The placement policy still
+    prices with the plain cost model, as the server's does (its `Correction` learns the rest in both).
+    `pdserve plan --validate` measures them (`Comparison.measured_factors`: from the workers' served steps
+    over the cost model's, `planner.validate.ServedSteps`, and measured minus simulated TTFT p50);
+    `--factors` applies them.
 
-    Args: prefill, decode: finite numbers > 0. latency_s: seconds, finite, >= 0.
+    Args: prefill, decode: finite numbers > 0. decode_step_s, latency_s: seconds, finite, >= 0.
     """
 
     prefill: float = 1.0
     decode: float = 1.0
     latency_s: float = 0.0
+    decode_step_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("prefill", "decode"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"serving factor {name} must be a finite number > 0, got {value!r}")
-        if not (isinstance(self.latency_s, (int, float)) and math.isfinite(self.latency_s) and self.latency_s >= 0):
-            raise ValueError(f"serving factor latency_s must be a finite number >= 0 seconds, got {self.latency_s!r}")
+        for name in ("latency_s", "decode_step_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"serving factor {name} must be a finite number >= 0 seconds, got {value!r}")
 
     def with_overrides(self, text: str) -> ServingFactors:
-        """Args: "prefill=X,decode=Y,latency_s=Z" (any of them). Raises: ValueError naming a bad part."""
+        """Args: "prefill=X,decode=Y,decode_step_s=S,latency_s=Z" (any of them). Raises: ValueError naming a
+        bad part."""
         return _overridden(self, text, "serving factor")
 
     def describe(self) -> str:
-        return f"prefill={self.prefill:.3g},decode={self.decode:.3g},latency_s={self.latency_s:.3g}"
+        return (f"prefill={self.prefill:.3g},decode={self.decode:.3g},decode_step_s={self.decode_step_s:.3g},"
+                f"latency_s={self.latency_s:.3g}")
 
 
 AS_CALIBRATED = ServingFactors()  # served steps take the cost model's times

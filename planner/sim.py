@@ -32,8 +32,8 @@ any context length, and a prompt chunk the same wherever it sits in its prompt):
   chunk's step (`local_prefill_wall_s(1, B) - local_prefill_s(1)` = decode_ride x `step_s(B)`).
 Every step pays the fits' fixed cost, so a prompt prefilled in k chunks pays it k times. With
 `ServingFactors` (what serving adds to the engine's calibrated times, measured by `--validate`), a
-step's prompt tokens take `prefill` times those times and its decode rows `decode` times theirs, and
-each request's tokens reach the client `latency_s` later.
+step's prompt tokens take `prefill` times those times and its decode rows `decode` times theirs, a step
+with decode rows takes `decode_step_s` more, and each request's tokens reach the client `latency_s` later.
 
 Not simulated: threads lent between roles (`--lend-threads`), role flips, worker failures and
 retries, request deadlines, the network between clients and the router.
@@ -467,13 +467,13 @@ class Simulator:
         if w.pool == "prefill":
             return cost.prefill_s(n) * f.prefill
         if not n:
-            return cost.step_s(b) * f.decode
+            return cost.step_s(b) * f.decode + f.decode_step_s
         if not b:
             return cost.local_prefill_s(n) * f.prefill
         ride = self._ride.get(b)
         if ride is None:
             ride = self._ride[b] = cost.local_prefill_wall_s(1, b) - cost.local_prefill_s(1)
-        return cost.local_prefill_s(n) * f.prefill + ride * f.decode
+        return cost.local_prefill_s(n) * f.prefill + ride * f.decode + f.decode_step_s
 
     def _step_end(self, w: _Worker, batch: Batch) -> None:
         sampled = batch.sampled

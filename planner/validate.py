@@ -135,9 +135,13 @@ class ServedSteps:
 
     @property
     def factor(self) -> float:
-        """What a served decode step took, the loop's time between steps included, over the cost model's:
-        the serving factor `decode` of this run, measured step by step."""
+        """What a served decode step took, the loop's time between steps included, over the cost model's."""
         return (self.step_s + self.between_steps_s) / self.model_step_s
+
+    @property
+    def extra_step_s(self) -> float:
+        """What a served decode step took, the loop's time between steps included, beyond the cost model's."""
+        return self.step_s + self.between_steps_s - self.model_step_s
 
     @property
     def prefill_factor(self) -> float | None:
@@ -146,23 +150,30 @@ class ServedSteps:
         return self.prefill_s / self.model_prefill_s if self.model_prefill_s > 0 else None
 
     def factors(self, base: ServingFactors) -> ServingFactors:
-        """`base` with this run's measured `decode` (and `prefill`, where prompts were computed)."""
-        return replace(base, decode=self.factor, prefill=self.prefill_factor or base.prefill)
+        """`base` with this run's decode steps (and `prefill`, where prompts were computed). What a served
+        decode step adds is a time per step (`decode_step_s`, with `decode` 1): on a 2-core machine it
+        stayed within a few ms across loads whose mean batches differ, where a factor on the step spread
+        by a third. Served steps faster than the cost model's take a factor below 1 instead."""
+        prefill = self.prefill_factor or base.prefill
+        if self.extra_step_s >= 0:
+            return replace(base, decode=1.0, decode_step_s=self.extra_step_s, prefill=prefill)
+        return replace(base, decode=self.factor, decode_step_s=0.0, prefill=prefill)
 
     def describe(self) -> str:
         prompt = (f"; {self.prefill_steps} steps with prompt chunks, {self.prefill_s:.1f} s (cost model "
                   f"{self.model_prefill_s:.1f} s: x{self.prefill_factor:.2f})" if self.prefill_factor else "")
         return (f"served steps: {self.decode_steps} decode-only at mean batch {self.mean_batch:.1f}, "
                 f"{self.step_s * 1e3:.1f} ms each in the engine and {self.between_steps_s * 1e3:.1f} ms between "
-                f"steps (cost model {self.model_step_s * 1e3:.1f} ms: x{self.factor:.2f})" + prompt)
+                f"steps (cost model {self.model_step_s * 1e3:.1f} ms: {self.extra_step_s * 1e3:+.1f} ms, x{self.factor:.2f})"
+                + prompt)
 
 
 @dataclass(frozen=True)
 class Comparison:
     """Args: simulated / measured: the two summaries; layout; policy; factors: the serving factors the
     simulation ran with; plain: the same simulation with none (when `factors` are not 1); served: the
-    workers' steps during the run; at_served: the simulation with the `decode` and `prefill` factors
-    those steps measured (what is left between it and the measured run is the simulator's and the
+    workers' steps during the run; at_served: the simulation with the decode step time and `prefill`
+    factor those steps measured (`ServedSteps.factors`; what is left between it and the measured run is the simulator's and the
     latency's, not the step times')."""
 
     simulated: Summary
@@ -176,7 +187,7 @@ class Comparison:
 
     def measured_factors(self) -> ServingFactors | None:
         """The serving factors that would have matched this run. With the served steps (`served`, and the
-        simulation with their factors, `at_served`): their `decode` and `prefill` (`ServedSteps.factors`),
+        simulation with their factors, `at_served`): their decode step time and `prefill` (`ServedSteps.factors`),
         and `latency_s` grown by measured minus `at_served` TTFT p50. Without them: the simulation's, with
         `latency_s` grown by measured minus simulated TTFT p50 and `decode` times measured / simulated
         TPOT p50. `latency_s` stays >= 0; a quantity without values keeps its factor. Measure them on one

@@ -271,7 +271,7 @@ def test_a_validation_gives_the_serving_factors_that_would_have_matched_it():
     cmp = Comparison(summary(0.5, 0.02), summary(0.6, 0.03), Layout(1, 1), "ratio", ServingFactors(1.0, 2.0))
     fitted = cmp.measured_factors()  # latency: measured - simulated TTFT; decode: measured / simulated TPOT
     assert (fitted.prefill, fitted.decode, fitted.latency_s) == pytest.approx((1.0, 3.0, 0.1))
-    assert "matching this run: prefill=1,decode=3,latency_s=0.1" in cmp.table()
+    assert "matching this run: prefill=1,decode=3,decode_step_s=0,latency_s=0.1" in cmp.table()
     both = Comparison(summary(0.5, 0.02), summary(0.6, 0.03), Layout(1, 1), "ratio", ServingFactors(1.0, 2.0),
                       plain=summary(0.25, 0.01))
     assert "factors 1" in both.table() and "0.42" in both.table()  # the plain simulation's TTFT: 0.25 / 0.6
@@ -316,8 +316,14 @@ def test_a_validation_sets_the_workers_served_steps_beside_the_cost_model():
     assert served.between_steps_s == pytest.approx(1.0 / 50)  # busy 4 s, of which 3 s in steps
     assert served.factor == pytest.approx((0.06 + 0.02) / COST.step_s(8))  # the loop's time between steps too
     assert served.prefill_s == 6.0 and served.model_prefill_s == pytest.approx(10 * COST.prefill_s(200))
-    fitted = served.factors(ServingFactors(latency_s=0.2))
-    assert (fitted.decode, fitted.prefill, fitted.latency_s) == pytest.approx((served.factor, 6.0 / (10 * 0.21), 0.2))
+    fitted = served.factors(ServingFactors(decode=1.3, latency_s=0.2))  # a time per step, not a factor
+    extra = 0.06 + 0.02 - COST.step_s(8)
+    assert served.extra_step_s == pytest.approx(extra) and extra > 0
+    assert (fitted.decode, fitted.decode_step_s, fitted.prefill, fitted.latency_s) == pytest.approx(
+        (1.0, extra, 6.0 / (10 * 0.21), 0.2))
+    assert f"{extra * 1e3:+.1f} ms" in served.describe()
+    faster = ServedSteps(10, 8.0, 0.5 * COST.step_s(8), COST.step_s(8), 0, 0.0)  # served faster than calibrated
+    assert (faster.factors(fitted).decode, faster.factors(fitted).decode_step_s) == pytest.approx((0.5, 0.0))
     assert "50 decode-only at mean batch 8.0" in served.describe()
     assert "10 steps with prompt chunks" in served.describe()
     assert ServedSteps.of(before, before, COST) is None  # no decode-only step ran
@@ -336,9 +342,10 @@ def test_a_validation_with_served_steps_fits_its_factors_from_them_and_simulates
     cmp = Comparison(summary(0.5, 0.02), summary(0.6, 0.03), Layout(1, 1), "ratio", served=served,
                      at_served=summary(0.55, 0.0255))
     fitted = cmp.measured_factors()
-    assert fitted.decode == pytest.approx(1.3)  # (50 + 2) / 40 ms, not the TPOT ratio 1.5
+    # (50 + 2) - 40 ms per step, not the TPOT ratio 1.5
+    assert (fitted.decode, fitted.decode_step_s) == pytest.approx((1.0, 0.012))
     assert fitted.prefill == pytest.approx(1.2)
     assert fitted.latency_s == pytest.approx(0.05)  # measured minus the simulation with the served steps' factors
     table = cmp.table()
     assert "served steps" in table and "0.85" in table  # TPOT simulated with the served steps: 25.5 / 30 ms
-    assert "x1.30" in table and "x1.20" in table
+    assert "+12.0 ms, x1.30" in table and "x1.20" in table

@@ -77,6 +77,12 @@ def test_serving_factors_stretch_each_phase_of_the_hand_schedule():
     # a mixed step: the chunk at the prefill factor, the decode rows' ride at the decode factor
     b = run(trace((0.0, 100, 3), (0.05, 50, 2)), Layout(0, 1), "always_local", factors=f).outcomes[1]
     assert b.ttft_s == pytest.approx(0.33 + (0.02 + 0.1) * 1.5 + 0.5 * 0.01 * 2.0 - 0.05)
+    # a time per step: each step with decode rows, mixed ones too, takes 4 ms more; prompt-only steps do not
+    per_step = ServingFactors(decode_step_s=0.004)
+    a, b = run(trace((0.0, 100, 3), (0.05, 50, 2)), Layout(0, 1), "always_local", factors=per_step).outcomes
+    assert a.ttft_s == pytest.approx(0.22)  # its prompt alone
+    assert b.ttft_s == pytest.approx(0.22 + 0.125 + 0.004 - 0.05)  # the mixed step (see the next tests)
+    assert a.e2e_s == pytest.approx(0.357 + 2 * 0.004)  # then one decode step of both
     late = run(trace((0.0, 100, 3)), Layout(1, 1), "always_local", factors=ServingFactors(latency_s=0.07)).outcomes[0]
     assert (late.ttft_s, late.e2e_s) == pytest.approx((0.22 + 0.07, 0.24 + 0.07))  # every token 70 ms later
     assert late.tpot_s == pytest.approx(0.01)
@@ -84,9 +90,11 @@ def test_serving_factors_stretch_each_phase_of_the_hand_schedule():
 
 def test_serving_factors_are_checked_and_read_from_overrides():
     assert AS_CALIBRATED.with_overrides("decode=1.25") == ServingFactors(1.0, 1.25)
+    assert AS_CALIBRATED.with_overrides("decode_step_s=0.02").decode_step_s == 0.02
     assert AS_CALIBRATED.with_overrides("") == AS_CALIBRATED
     for bad, why in (("decode=0", "decode must be a finite number > 0"), ("speed=2", "NAME one of"),
                      ("latency_s=-1", "latency_s must be a finite number >= 0"),
+                     ("decode_step_s=nan", "decode_step_s must be a finite number >= 0"),
                      ("prefill=x", "is not a number"), ("prefill", "use NAME=VALUE")):
         with pytest.raises(ValueError, match=why):
             AS_CALIBRATED.with_overrides(bad)
