@@ -136,7 +136,7 @@ class ModelRunner:
         attend over real keys: repeated tokens over an empty cache make 16-bit rounding alone look like
         a different model. Their KV goes to the runner's own blocks past the pool's, never a sequence's."""
         bs, first = self.layout.block_size, self.layout.num_blocks
-        vocab = self.lm_head.weight.shape[0]
+        vocab = self.lm_head.out_features  # nn.Linear, PackedLinear and KernelLinear alike
         graphs = (1, 2)
         for n, batch in enumerate(graphs, 1):  # contexts over one block, so no dimension is specialised to 1
             t0 = time.perf_counter()
