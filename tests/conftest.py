@@ -29,6 +29,15 @@ TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_la
             pad_token_id=None, initializer_range=0.2)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_compiled_steps():
+    """Each test module starts without the compiled decode steps of the modules before it: torch keeps
+    every engine's compiled graphs on the one `step` function they share, and past 8 it stops compiling
+    it (a serving worker holds one engine, which compiles 4)."""
+    yield
+    torch.compiler.reset()
+
+
 def tiny_model(arch: str, seed: int = 0) -> PreTrainedModel:
     """A small randomly initialised decoder, fp32, with no EOS so lengths are exact."""
     torch.manual_seed(seed)
