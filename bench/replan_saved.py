@@ -12,12 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
+from engine.config import EngineConfig
+from planner.plan import Slo
 from planner.profiles import ServingFactors, load_cost_model
-from planner.sim import Summary, WorkerSpec, simulate
 from planner.traces import load_trace
-from planner.validate import ServedSteps, server_layout
+from planner.validate import ServedSteps, server_layout, simulate_server
 from router.config import RouterConfig
 
 FIELDS = ("ttft_p50_s", "tpot_p50_s", "goodput_rps")
@@ -39,7 +41,7 @@ def main() -> None:
                           ("prompt-rate", 0.6), ("prompt-requests", 40)):
         ap.add_argument(f"--{name}", type=type(default), default=default)
     args = ap.parse_args()
-    slo = (args.ttft, args.tpot)
+    slo = Slo(args.ttft, args.tpot)
     traces = {"calib": load_trace("fixed:256:64", num_requests=16, rate=args.calib_rate, seed=5),
               "decode": load_trace("fixed:128:128", num_requests=40, rate=args.decode_rate, seed=0),
               "prompt": load_trace("fixed:1024:16", num_requests=args.prompt_requests, rate=args.prompt_rate, seed=0),
@@ -49,18 +51,12 @@ def main() -> None:
         d = args.dir / layout
         cost = load_cost_model(str(d / "cost_model.json"))
         lay = server_layout((d / "calib.metrics").read_text())
-        chunk = cost.prefill_chunk_tokens or WorkerSpec.prefill_chunk_tokens
-        decode = WorkerSpec(lay.decode_blocks, max_num_seqs=64, prefill_chunk_tokens=chunk)
-        prefill = WorkerSpec(lay.prefill_blocks, max_num_seqs=64, prefill_chunk_tokens=chunk) if lay.prefill_blocks else None
-        router = RouterConfig(policy=lay.policy or "ratio", ttft_target_s=slo[0], tpot_target_s=slo[1])
-
-        def sim(name: str, factors: ServingFactors) -> Summary:
-            return simulate(traces[name], cost, lay.layout, decode, router, prefill_worker=prefill,
-                            factors=factors).summary(*slo)
+        sim = partial(simulate_server, cost=cost, server=lay, policy=lay.policy or RouterConfig().policy, slo=slo,
+                      max_num_seqs=EngineConfig.max_num_seqs)
         calib = json.loads((d / "calib.json").read_text())
         models = fits(ServedSteps(**calib["served_steps"]))
         for label, f in models.items():
-            late = calib["measured"]["ttft_p50_s"] - sim("calib", f).ttft_p50_s
+            late = calib["measured"]["ttft_p50_s"] - sim(traces["calib"], factors=f).ttft_p50_s
             models[label] = replace(f, latency_s=max(0.0, late))
             out.append(f"{layout}, {label}: {models[label].describe()}")
         for name in WORKLOADS:
@@ -69,7 +65,7 @@ def main() -> None:
             meas = json.loads((d / f"{name}.json").read_text())["measured"]
             row = []
             for label, f in models.items():
-                s = sim(name, f)
+                s = sim(traces[name], factors=f)
                 ratios = [getattr(s, k) / meas[k] if meas[k] else float(getattr(s, k) == meas[k]) for k in FIELDS]
                 within[label] = within.get(label, 0) + sum(abs(r - 1) <= 0.15 for r in ratios)
                 row.append(f"{label}: " + " ".join(f"{r:.2f}" for r in ratios))

@@ -296,6 +296,19 @@ class WorkloadRef:
     seed: int
 
 
+def simulate_server(trace: Trace, cost: CostModel, server: ServerLayout, policy: str, slo: Slo, max_num_seqs: int,
+                    factors: ServingFactors = AS_CALIBRATED) -> Summary:
+    """`trace` simulated on a server's own pools (`server`, from its /metrics), cost model and placement
+    policy, summarised against `slo`. max_num_seqs: the server's `--max-num-seqs`."""
+    decode = WorkerSpec(server.decode_blocks, max_num_seqs=max_num_seqs,
+                        prefill_chunk_tokens=cost.prefill_chunk_tokens or WorkerSpec.prefill_chunk_tokens)
+    prefill = WorkerSpec(server.prefill_blocks, max_num_seqs=max_num_seqs,
+                         prefill_chunk_tokens=decode.prefill_chunk_tokens) if server.prefill_blocks else None
+    router = RouterConfig(policy=policy, ttft_target_s=slo.ttft_s, tpot_target_s=slo.tpot_s)
+    return simulate(trace, cost, server.layout, decode, router, prefill_worker=prefill,
+                    factors=factors).summary(slo.ttft_s, slo.tpot_s)
+
+
 def validate(base: str, trace: Trace, slo: Slo, max_num_seqs: int, vocab_size: int = 49152,
              workload: WorkloadRef | None = None, request_timeout_s: float = 300.0,
              fallback_policy: str = RouterConfig().policy, factors: ServingFactors = AS_CALIBRATED) -> Comparison:
@@ -319,15 +332,9 @@ def validate(base: str, trace: Trace, slo: Slo, max_num_seqs: int, vocab_size: i
     after = server_layout(metrics_after)
     served = ServedSteps.of(engine_totals(metrics_before), engine_totals(metrics_after), cost)
     policy = after.policy or before.policy or fallback_policy
-    decode = WorkerSpec(before.decode_blocks, max_num_seqs=max_num_seqs,
-                        prefill_chunk_tokens=cost.prefill_chunk_tokens or WorkerSpec.prefill_chunk_tokens)
-    prefill = WorkerSpec(before.prefill_blocks, max_num_seqs=max_num_seqs,
-                         prefill_chunk_tokens=decode.prefill_chunk_tokens) if before.prefill_blocks else None
-    router = RouterConfig(policy=policy, ttft_target_s=slo.ttft_s, tpot_target_s=slo.tpot_s)
 
     def simulated(with_factors: ServingFactors) -> Summary:
-        return simulate(trace, cost, before.layout, decode, router, prefill_worker=prefill,
-                        factors=with_factors).summary(slo.ttft_s, slo.tpot_s)
+        return simulate_server(trace, cost, before, policy, slo, max_num_seqs, with_factors)
 
     plain = simulated(AS_CALIBRATED) if factors != AS_CALIBRATED else None
     at_served = simulated(served.factors(factors)) if served is not None else None

@@ -65,7 +65,7 @@ def test_messages_and_text_prompts(smol):
 @pytest.mark.slow
 def test_compiled_decode_is_kept_in_bfloat16():
     """In bfloat16 the compiled step rounds differently from the eager model; the start-up check
-    tells that from a different model and keeps the compiled step (on AMX machines it once fell back
+    tells that from a different model and keeps the compiled step (on an AMX-BF16 machine it once fell back
     to eager: 1.5x slower decode), and it serves what bf16 `generate` gives."""
     from engine import kernels
 
