@@ -27,7 +27,7 @@ class PrefillSlice:
     end: int
     num_cached: int  # keys before the first query that already sit in the pool
     blocks: torch.Tensor | None  # its block table, when num_cached > 0
-    mask: torch.Tensor | None  # [q, ctx] bool, when num_cached > 0
+    mask: torch.Tensor | None  # [q, ctx] additive (0 / -inf, the queries' dtype), when num_cached > 0
 
 
 @dataclass
