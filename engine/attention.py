@@ -42,6 +42,7 @@ class AttnMetadata:
     max_ctx: int = 0  # longest context in the decode batch
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_ctx] bool, None when lengths agree
     use_kernel: bool = False  # decode with the in-place kernel (CPU C build, CUDA Triton) instead of gather + SDPA
+    prefill_kernel: bool = False  # chunks over a cached context on the CPU prefill kernel (`kernels.supports_prefill`)
     layer_kv: bool = False  # `kv_cache` is already this layer's [2, KVH, blocks, block_size, D] (compiled decode)
 
 
@@ -72,7 +73,7 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     if nd and not written:
         outs.append(_decode(query[:, :, :nd], k_pool, v_pool, attn_meta, scaling))
     if attn_meta.prefill is not None:
-        outs.append(_prefill(query, key, value, k_pool, v_pool, attn_meta.prefill, scaling))
+        outs.append(_prefill(query, key, value, k_pool, v_pool, attn_meta.prefill, scaling, attn_meta.prefill_kernel))
     return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
 
 
@@ -90,11 +91,20 @@ def _kernel_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 
 
 def _prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_pool: torch.Tensor,
-             v_pool: torch.Tensor, slices: list[PrefillSlice], scaling: float | None) -> torch.Tensor:
+             v_pool: torch.Tensor, slices: list[PrefillSlice], scaling: float | None, use_kernel: bool) -> torch.Tensor:
+    """Each chunk's queries over its own keys alone (causal SDPA), or over its cached context too: on the
+    prefill kernel, in place, where `use_kernel` (and it takes the call), else gather + SDPA with the
+    chunk's mask. The chunks' K/V are in the pool already."""
     outs = []
     for s in slices:
         q = query[:, :, s.start:s.end]
-        if s.num_cached == 0:
+        o = None
+        if s.num_cached and use_kernel:
+            scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+            o = kernels.prefill_attention(q[0], k_pool, v_pool, s.blocks[0], s.num_cached, scale)
+        if o is not None:
+            o = o[None]
+        elif s.num_cached == 0:
             k, v = key[:, :, s.start:s.end], value[:, :, s.start:s.end]
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=True)
         else:
@@ -153,6 +163,18 @@ def reference_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
                                            enable_gqa=True)
         outs.append(o[0, :, 0])
     return torch.stack(outs)
+
+
+def reference_prefill(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
+                      start: int, scale: float) -> torch.Tensor:
+    """A prompt chunk's attention the plain way, in fp32: q [H, n, D] at positions [start, start + n), each
+    over the keys of the pool [KVH, blocks, block_size, D] (through `table`) up to its own → [H, n, D] fp32.
+    The yardstick the prefill kernel is checked against."""
+    n, ctx = q.shape[1], start + q.shape[1]
+    k, v = (_gather(pool, table[None])[0, :, :ctx].float() for pool in (k_pool, v_pool))
+    mask = torch.arange(ctx)[None, :] <= torch.arange(start, ctx)[:, None]
+    return F.scaled_dot_product_attention(q.float()[None], k[None], v[None], attn_mask=mask, scale=scale,
+                                          enable_gqa=True)[0]
 
 
 def _gather(pool: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:

@@ -69,6 +69,8 @@ class ModelRunner:
             self.use_kernel = triton_attention.available()
         else:
             self.use_kernel = kernels.supports(self.dtype, self.device, group)
+        # prompt chunks over a cached context on the CPU prefill kernel (AMX, bf16), else gather + SDPA
+        self.prefill_kernel = kernels.supports_prefill(self.dtype, self.device, layout.head_dim, layout.block_size)
         self._step: Callable[..., torch.Tensor] | None = None  # the compiled decode step
         self._step_ready = False  # its graphs are warm: only the guards that tell them apart are checked
         self._layer_hook: Callable[[int], None] | None = None
@@ -198,7 +200,8 @@ class ModelRunner:
         nd = len(decode)
         ids = [s.last_token_id for s in decode]
         positions, slots, slices = [], [], []
-        meta = AttnMetadata(slot_mapping=torch.empty(0, dtype=torch.long), num_decode=nd)
+        meta = AttnMetadata(slot_mapping=torch.empty(0, dtype=torch.long), num_decode=nd,
+                            prefill_kernel=self.prefill_kernel)
         if decode:
             table, ctx, decode_slots, mask = self._decode_inputs(decode)
             positions.append(ctx - 1)

@@ -35,6 +35,8 @@ MAX_GROUP = 64  # query heads per kv head the portable kernel's stack arrays hol
 # Entry points by dtype, in the order `pdserve_bind` takes them (fp32, then bf16).
 _ENTRY = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
 _LINEAR_ENTRY = {torch.float32: "pdserve_linear_f32", torch.bfloat16: "pdserve_linear_bf16"}
+_PREFILL_ENTRY = "pdserve_prefill_attn_bf16"  # the amx_bf16 build's: bf16, head dim 64
+PREFILL_HEAD_DIM, PREFILL_BLOCK_MULTIPLE = 64, 16
 
 
 def source_tag() -> str:
@@ -79,6 +81,40 @@ class Kernel:
             p(v_pool.data_ptr()), p(tables.data_ptr()), p(ctx.data_ptr()), p(out.data_ptr()), b, h, kvh, d, nb, bs,
             tables.shape[1], ctypes.c_float(scale), torch.get_num_threads())
         return out
+
+    @property
+    def has_prefill(self) -> bool:
+        """Whether this build holds the prefill attention kernel (the amx_bf16 build: AMX tiles, bf16)."""
+        return hasattr(self.lib, _PREFILL_ENTRY)
+
+    def prefill_attention(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
+                          start: int, scale: float) -> torch.Tensor | None:
+        """One layer's attention for a prompt chunk over the paged pool: each query at positions
+        [start, start + n) over the keys up to its own position, read in place (no gather).
+
+        Args:
+            q: [H, n, D] bf16 queries (D = `PREFILL_HEAD_DIM`, contiguous in D).
+            k_pool, v_pool: [KVH, blocks, block_size, D] one layer's cache (block_size a multiple of
+                `PREFILL_BLOCK_MULTIPLE`), the chunk's own K/V already written.
+            table: [>= ceil((start + n) / block_size)] int64 block ids of the sequence.
+            start: the chunk's first position (its cached context). scale: softmax scale.
+        Returns:
+            [H, n, D] bf16 (a view), or None where the kernel declined (no AMX tiles from the OS, or an
+            unsupported shape): the caller computes it another way.
+        """
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        h, n, d = q.shape
+        kvh, nb, bs, _ = k_pool.shape
+        assert k_pool.stride()[1:] == v_pool.stride()[1:] == (bs * d, d, 1) and k_pool.stride(0) == v_pool.stride(0)
+        table = table.to(torch.int64).contiguous()
+        out = torch.empty(n, h, d, dtype=q.dtype)
+        p, i64 = ctypes.c_void_p, ctypes.c_int64
+        rc = getattr(self.lib, _PREFILL_ENTRY)(
+            p(q.data_ptr()), i64(q.stride(1)), i64(q.stride(0)), p(k_pool.data_ptr()), p(v_pool.data_ptr()),
+            i64(k_pool.stride(0)), bs, p(table.data_ptr()), start, n, h, kvh, ctypes.c_float(scale),
+            p(out.data_ptr()), i64(h * d), torch.get_num_threads())
+        return out.transpose(0, 1) if rc == 0 else None
 
     def has_linear(self, dtype: torch.dtype) -> bool:
         """Whether this build holds the small-batch linear kernel for `dtype` (fp32: builds with AVX2 +
@@ -171,6 +207,8 @@ def _self_check(kernel: Kernel) -> None:
         err = float((out.float() - want).abs().max())
         if not err <= tol:
             raise KernelError(f"differs from the reference attention in {dtype} (max error {err:.3g})")
+    if kernel.has_prefill:  # prefill attention: partial tiles of rows and keys, a chunk starting mid-block
+        _check_prefill(kernel, g)
     # The linear kernel: every tile height, a tail of w's rows and of K, with and without bias; bf16 also
     # on AMX tiles (K a multiple of 32, rows of w past the last 32, two blocks of 16 rows of x and a part).
     for dtype, (n, k), rows, tol in ((torch.float32, (13, 20), range(1, 8), 1e-4),
@@ -186,6 +224,23 @@ def _self_check(kernel: Kernel) -> None:
                 err = float((kernel.linear(x, w, b).float() - want).abs().max() / want.abs().max())
                 if not err <= tol:
                     raise KernelError(f"its {dtype} linear kernel differs from torch's (relative error {err:.3g})")
+
+
+def _check_prefill(kernel: Kernel, g: torch.Generator) -> None:
+    from engine.attention import reference_prefill
+
+    kvh, heads, d, bs, blocks = 2, 6, PREFILL_HEAD_DIM, PREFILL_BLOCK_MULTIPLE, 12
+    tables = torch.randperm(blocks, generator=g)
+    k_pool, v_pool = (torch.randn(kvh, blocks, bs, d, generator=g).to(torch.bfloat16) for _ in range(2))
+    for start, n in ((0, 1), (21, 40), (70, 3)):
+        q = torch.randn(heads, n, d, generator=g).to(torch.bfloat16)
+        out = kernel.prefill_attention(q, k_pool, v_pool, tables, start, d ** -0.5)
+        if out is None:
+            return  # the OS gave no AMX tiles: the kernel declines every call, callers use SDPA
+        want = reference_prefill(q, k_pool, v_pool, tables, start, d ** -0.5)
+        err = float((out.float() - want).abs().max())
+        if not err <= 3e-2:
+            raise KernelError(f"its prefill attention differs from the reference (max error {err:.3g})")
 
 
 _loaded: dict[str, Kernel] = {}
@@ -344,6 +399,21 @@ def active() -> Selection:
 def supports(dtype: torch.dtype, device: torch.device, group: int) -> bool:
     """Whether decode attention for this dtype, device and GQA group runs on this process's kernel."""
     return device.type == "cpu" and dtype in _ENTRY and group <= MAX_GROUP and active().kernel is not None
+
+
+def supports_prefill(dtype: torch.dtype, device: torch.device, head_dim: int, block_size: int) -> bool:
+    """Whether prompt chunks over a cached context run on this process's prefill attention kernel."""
+    kernel = active().kernel if device.type == "cpu" else None
+    return (kernel is not None and kernel.has_prefill and dtype == torch.bfloat16 and head_dim == PREFILL_HEAD_DIM
+            and block_size % PREFILL_BLOCK_MULTIPLE == 0)
+
+
+def prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
+                      start: int, scale: float) -> torch.Tensor | None:
+    """`Kernel.prefill_attention` on this process's kernel (`supports_prefill` said yes)."""
+    kernel = active().kernel
+    assert kernel is not None
+    return kernel.prefill_attention(q, k_pool, v_pool, table, start, scale)
 
 
 def paged_decode(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, slots: torch.Tensor,

@@ -1,5 +1,6 @@
-/* pdserve's CPU kernels: paged decode attention (below), and small-batch linear layers
- * (`pdserve_linear_f32` and `pdserve_linear_bf16`, at the end).
+/* pdserve's CPU kernels: paged decode attention (below), small-batch linear layers
+ * (`pdserve_linear_f32` and `pdserve_linear_bf16`, at the end), and in the AMX build the attention
+ * of prompt chunks over their cached context (`pdserve_prefill_attn_bf16`).
  *
  * One layer of a decode step straight over the paged KV pool: write each sequence's new
  * key and value at its slot, then attend its one query token over its blocks, read in
@@ -691,6 +692,180 @@ static void linear_bf16_amx(const uint16_t* x, const uint16_t* w, const uint16_t
         }
     }
     free(xp);
+}
+
+/* Prefill attention over the paged pool on AMX tiles (bf16, head dim 64): the n queries of one prompt
+ * chunk, at positions start .. start + n - 1, each attend to the keys up to its own position, read in
+ * place through the chunk's block table (the block size a multiple of 16). Transposed, so that the
+ * softmax runs down the registers and needs no horizontal reduction: S^T = K Q^T (A: 16 keys as they
+ * lie in the pool; B: 16 query rows, pair-interleaved, in two tiles for the whole chunk) and O^T =
+ * V^T P^T (A: V transposed, once per call and kv head; B: P^T pair-interleaved; C: four tiles of
+ * O^T that stay in registers, stored only when a row's running maximum grows). fp32 scores, softmax
+ * and accumulation; P rounded to bf16 for the second product, as torch's flash attention does.
+ * Tiles: 0, 1: Q^T; 2-5: O^T by 16 dims; 6: A (K, then V^T); 7: S^T, then P^T. */
+#define PA_D 64
+/* Lanes of cvtne2ps_pbh(p1, p0) (p0 in 0-15, p1 in 16-31) in pair-interleaved order. */
+static const uint16_t PA_PAIRS[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+
+/* vt[d][t] = V[t][d] for the 32 keys from t0 (zero past ctx): 16 keys at a time, each gather taking one
+ * pair of dims of 16 keys, split into its two dims. */
+static void pa_pack_vt(const uint16_t* v_head, const int64_t* table, int bs, int ctx, int ctx_pad, int t0,
+                       uint16_t* vt) {
+    for (int t = t0; t < t0 + 32; t += 16) {
+        if (t >= ctx) {
+            for (int d = 0; d < PA_D; d++) memset(vt + (int64_t)d * ctx_pad + t, 0, 16 * sizeof(uint16_t));
+            continue;
+        }
+        int rows[16] __attribute__((aligned(64))); /* each key's row, in dwords from the block of t */
+        const uint16_t* base = v_head + table[t / bs] * bs * PA_D;
+        for (int j = 0; j < 16; j++) rows[j] = (t + j < ctx ? (t + j) % bs : t % bs) * (PA_D / 2);
+        const __m512i idx = _mm512_load_si512(rows);
+        const __mmask16 real = ctx - t >= 16 ? 0xffff : (__mmask16)((1u << (ctx - t)) - 1);
+        for (int k = 0; k < PA_D / 2; k++) {
+            const __m512i pair = _mm512_maskz_mov_epi32(real, _mm512_i32gather_epi32(idx, (const int*)base + k, 4));
+            _mm256_storeu_si256((__m256i*)(vt + (int64_t)(2 * k) * ctx_pad + t), _mm512_cvtepi32_epi16(pair));
+            _mm256_storeu_si256((__m256i*)(vt + (int64_t)(2 * k + 1) * ctx_pad + t),
+                                _mm512_cvtepi32_epi16(_mm512_srli_epi32(pair, 16)));
+        }
+    }
+}
+
+static void pa_rescale(float o[PA_D][16], __m512 alpha) {
+    _tile_stored(2, o[0], 64);
+    _tile_stored(3, o[16], 64);
+    _tile_stored(4, o[32], 64);
+    _tile_stored(5, o[48], 64);
+    for (int d = 0; d < PA_D; d++) _mm512_store_ps(o[d], _mm512_mul_ps(_mm512_load_ps(o[d]), alpha));
+    _tile_loadd(2, o[0], 64);
+    _tile_loadd(3, o[16], 64);
+    _tile_loadd(4, o[32], 64);
+    _tile_loadd(5, o[48], 64);
+}
+
+/* Rows i0 .. i0 + 15 of query head h (fewer at the chunk's end: the last row stands in for the rest). */
+static void pa_rows(const uint16_t* q, int64_t q_row, int64_t q_head, const uint16_t* k_head, const uint16_t* vt,
+                    int ctx_pad, int bs, const int64_t* table, int start, int n, int h, int i0, float scale,
+                    uint16_t* out, int64_t out_row) {
+    const int rows = n - i0 < 16 ? n - i0 : 16, last = start + i0 + rows - 1;
+    uint16_t qt[2][16][16][2] __attribute__((aligned(64))); /* [d half][d pair][row][pair member] */
+    int pos[16] __attribute__((aligned(64)));
+    for (int m = 0; m < 16; m++) {
+        const int i = i0 + (m < rows ? m : rows - 1);
+        const uint16_t* qr = q + (int64_t)i * q_row + (int64_t)h * q_head;
+        for (int d = 0; d < PA_D; d++) qt[d >> 5][(d & 31) >> 1][m][d & 1] = qr[d];
+        pos[m] = start + i;
+    }
+    const __m512i posv = _mm512_load_si512(pos);
+    const __m512 scv = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+    const __m512i pairs = _mm512_loadu_si512(PA_PAIRS);
+    float s[32][16] __attribute__((aligned(64)));
+    float o[PA_D][16] __attribute__((aligned(64)));
+    uint16_t pt[16][16][2] __attribute__((aligned(64)));
+    __m512 mref = ninf, l = _mm512_setzero_ps();
+    _tile_loadd(0, qt[0], 64);
+    _tile_loadd(1, qt[1], 64);
+    _tile_zero(2);
+    _tile_zero(3);
+    _tile_zero(4);
+    _tile_zero(5);
+    for (int t0 = 0; t0 <= last; t0 += 32) {
+        for (int half = 0; half < 2; half++) {
+            const int t = t0 + half * 16;
+            if (t > last) { /* past every row's position (and perhaps the table's end) */
+                for (int j = 0; j < 16; j++) _mm512_store_ps(s[half * 16 + j], ninf);
+                continue;
+            }
+            const uint16_t* kb = k_head + (table[t / bs] * bs + t % bs) * PA_D;
+            _tile_zero(7);
+            _tile_loadd(6, kb, PA_D * 2);
+            _tile_dpbf16ps(7, 6, 0);
+            _tile_loadd(6, kb + 32, PA_D * 2);
+            _tile_dpbf16ps(7, 6, 1);
+            _tile_stored(7, s[half * 16], 64);
+        }
+        const int masked = t0 + 31 > start + i0; /* a key past the first row's position */
+        __m512 cmax = ninf;
+        for (int j = 0; j < 32; j++) {
+            __m512 v = _mm512_mul_ps(_mm512_load_ps(s[j]), scv);
+            if (masked) v = _mm512_mask_blend_ps(_mm512_cmpge_epi32_mask(posv, _mm512_set1_epi32(t0 + j)), ninf, v);
+            _mm512_store_ps(s[j], v);
+            cmax = _mm512_max_ps(cmax, v);
+        }
+        const __m512 mnew = _mm512_max_ps(mref, cmax);
+        if (_mm512_cmp_ps_mask(mnew, mref, _CMP_GT_OQ)) {
+            const __m512 alpha = exp512(_mm512_sub_ps(mref, mnew));
+            pa_rescale(o, alpha);
+            l = _mm512_mul_ps(l, alpha);
+            mref = mnew;
+        }
+        for (int r = 0; r < 16; r++) {
+            const __m512 p0 = exp512(_mm512_sub_ps(_mm512_load_ps(s[2 * r]), mref));
+            const __m512 p1 = exp512(_mm512_sub_ps(_mm512_load_ps(s[2 * r + 1]), mref));
+            l = _mm512_add_ps(l, _mm512_add_ps(p0, p1));
+            _mm512_store_si512(pt[r], _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(p1, p0)));
+        }
+        _tile_loadd(7, pt, 64);
+        const int64_t stride = (int64_t)ctx_pad * 2;
+        _tile_loadd(6, vt + t0, stride);
+        _tile_dpbf16ps(2, 6, 7);
+        _tile_loadd(6, vt + (int64_t)16 * ctx_pad + t0, stride);
+        _tile_dpbf16ps(3, 6, 7);
+        _tile_loadd(6, vt + (int64_t)32 * ctx_pad + t0, stride);
+        _tile_dpbf16ps(4, 6, 7);
+        _tile_loadd(6, vt + (int64_t)48 * ctx_pad + t0, stride);
+        _tile_dpbf16ps(5, 6, 7);
+    }
+    _tile_stored(2, o[0], 64);
+    _tile_stored(3, o[16], 64);
+    _tile_stored(4, o[32], 64);
+    _tile_stored(5, o[48], 64);
+    float inv[16] __attribute__((aligned(64)));
+    _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), l));
+    const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                              _mm512_set1_epi32(16));
+    for (int m = 0; m < rows; m++) {
+        uint16_t* dst = out + (int64_t)(i0 + m) * out_row + (int64_t)h * PA_D;
+        const __m512 w = _mm512_set1_ps(inv[m]);
+        for (int d0 = 0; d0 < PA_D; d0 += 16) {
+            const __m512 v = _mm512_mul_ps(_mm512_i32gather_ps(column, &o[d0][m], 4), w);
+            _mm256_storeu_si256((__m256i*)(dst + d0), (__m256i)_mm512_cvtneps_pbh(v));
+        }
+    }
+}
+
+/* q: row i of head h at q[i * q_row + h * q_head], D contiguous; k_pool, v_pool: one layer's [KVH, blocks,
+ * bs, 64], kv head kh at kh * pool_head; table: the chunk's block ids up to position start + n - 1; out:
+ * row i of head h at out[i * out_row + h * 64]. Returns 0, or -1 where it cannot run (no AMX tiles from
+ * the OS, a block size that is not a multiple of 16, or H not a multiple of KVH): the caller computes it
+ * another way. */
+int pdserve_prefill_attn_bf16(const uint16_t* q, int64_t q_row, int64_t q_head, const uint16_t* k_pool,
+                              const uint16_t* v_pool, int64_t pool_head, int bs, const int64_t* table, int start,
+                              int n, int H, int KVH, float scale, uint16_t* out, int64_t out_row, int nthreads) {
+    if (!amx_request() || bs % 16 != 0 || n < 1 || KVH < 1 || H % KVH != 0) return -1;
+    const int ctx = start + n, ctx_pad = (ctx + 31) / 32 * 32, G = H / KVH;
+    const int tiles = (n + 15) / 16, chunks = ctx_pad / 32;
+    uint16_t* vt = aligned_alloc(64, (size_t)KVH * PA_D * ctx_pad * sizeof(uint16_t));
+    if (vt == NULL) return -1;
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+#pragma omp for schedule(static)
+        for (int c = 0; c < KVH * chunks; c++) {
+            const int kh = c / chunks;
+            pa_pack_vt(v_pool + kh * pool_head, table, bs, ctx, ctx_pad, (c % chunks) * 32,
+                       vt + (int64_t)kh * PA_D * ctx_pad);
+        }
+        amx_configure();
+#pragma omp for schedule(dynamic)
+        for (int task = 0; task < H * tiles; task++) {
+            const int h = task / tiles, kh = h / G;
+            pa_rows(q, q_row, q_head, k_pool + kh * pool_head, vt + (int64_t)kh * PA_D * ctx_pad, ctx_pad, bs, table,
+                    start, n, h, (task % tiles) * 16, scale, out, out_row);
+        }
+        _tile_release();
+    }
+    free(vt);
+    return 0;
 }
 #endif
 

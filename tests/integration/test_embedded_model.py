@@ -81,3 +81,36 @@ def test_compiled_decode_is_kept_in_bfloat16():
     for out, prompt in zip(outs, prompts):  # near-ties late in a sequence may break either way in bf16
         assert out.output_token_ids[:6] == reference(ref, prompt, 12, tokenizer.eos_token_id)[:6]
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_chunks_over_a_cached_prefix_run_on_the_amx_prefill_kernel_and_serve_what_generate_gives(monkeypatch):
+    """bf16 on an AMX machine: prompts that extend a cached system prompt are prefilled in chunks whose
+    attention over the cached context runs on the AMX prefill kernel (it is called, and never declines);
+    what they serve equals bf16 `generate` (the first tokens: near-ties later may break either way in bf16)."""
+    from engine import attention, kernels
+
+    if not kernels.supports_prefill(torch.bfloat16, torch.device("cpu"), 64, 16):
+        pytest.skip("the prefill kernel is the amx_bf16 build's: this CPU has no AMX (or no C compiler)")
+    model, tokenizer = load_model(None, "bfloat16", "cpu")
+    ref = copy.deepcopy(model)
+    engine = LLMEngine(EngineConfig(dtype="bfloat16", linear="plain", prefill_chunk_tokens=40,
+                                    cache=CacheConfig(memory_gib=0.25)), model=model, tokenizer=tokenizer)
+    assert engine.runner.prefill_kernel
+    calls: list[bool] = []
+    real = kernels.prefill_attention
+
+    def counted(*args: object) -> torch.Tensor | None:
+        out = real(*args)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(attention.kernels, "prefill_attention", counted)
+    system = encode_prompt(tokenizer, CHATS[2], chat=True)
+    engine.generate([system], SamplingParams(max_tokens=1))  # its full blocks are cached now
+    prompts = [system + encode_prompt(tokenizer, c, chat=True) for c in CHATS]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=10))
+    assert calls and all(calls)
+    assert all(o.num_cached_tokens >= len(system) // 16 * 16 for o in outs)
+    for out, prompt in zip(outs, prompts):
+        assert out.output_token_ids[:6] == reference(ref, prompt, 10, tokenizer.eos_token_id)[:6]
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from engine import hardware, kernels
-from engine.attention import reference_decode
+from engine.attention import reference_decode, reference_prefill
 
 CPU = hardware.this_cpu()
 BUILDS = hardware.runnable(CPU)
@@ -168,3 +168,49 @@ def test_every_build_binds_its_torch_operator(build):
             assert (kernel.linear_max_rows(dtype) > 0) == kernel.has_linear(dtype)
     finally:
         kernels._torch_op(sel.kernel)  # the process's operator serves its active build again
+
+
+PREFILL_BUILDS = [b for b in BUILDS if b.name == "amx_bf16"]
+
+
+@pytest.mark.parametrize("build", PREFILL_BUILDS, ids=[b.name for b in PREFILL_BUILDS])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1), (16, 2)])
+@pytest.mark.parametrize("bs", [16, 32])
+@pytest.mark.parametrize("start,n", [(0, 1), (1, 1), (5, 3), (16, 16), (17, 40), (31, 33), (100, 136), (700, 70)])
+def test_prefill_kernel_matches_reference(build, heads, kv_heads, bs, start, n):
+    """A prompt chunk over its cached context on the AMX prefill kernel: chunks of 1 row to several tiles
+    (partial ones), starting and ending inside blocks and tiles of 32 keys, scattered block tables, GQA
+    groups of 1 to 8; the pool past the context holds NaN, which must never be read into the answer."""
+    kernel = _loaded(build)
+    assert kernel.has_prefill
+    g = torch.Generator().manual_seed(start * 7 + n + heads + bs)
+    ctx = start + n
+    blocks = -(-ctx // bs)
+    k_pool, v_pool = (torch.randn(kv_heads, blocks + 5, bs, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+    table = torch.randperm(blocks + 5, generator=g)[:blocks]
+    for pool in (k_pool, v_pool):  # the rest of the last block, and every block outside the table
+        outside = torch.ones(blocks + 5, dtype=torch.bool)
+        outside[table] = False
+        pool[:, outside] = float("nan")
+        if ctx % bs:
+            pool[:, table[-1], ctx % bs:] = float("nan")
+    q = (torch.randn(heads, n, 64, generator=g) * 3).to(torch.bfloat16)
+    out = kernel.prefill_attention(q, k_pool, v_pool, table, start, 64 ** -0.5)
+    assert out is not None and out.dtype == torch.bfloat16 and out.shape == q.shape
+    want = reference_prefill(q, k_pool.nan_to_num(), v_pool.nan_to_num(), table, start, 64 ** -0.5)
+    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("build", PREFILL_BUILDS, ids=[b.name for b in PREFILL_BUILDS])
+def test_prefill_kernel_declines_what_it_cannot_run(build):
+    """A block size that is no multiple of 16: the kernel declines (None), so the caller gathers instead."""
+    kernel = _loaded(build)
+    pool = torch.zeros(1, 4, 8, 64, dtype=torch.bfloat16)
+    q = torch.zeros(1, 4, 64, dtype=torch.bfloat16)
+    assert kernel.prefill_attention(q, pool, pool, torch.arange(4), 10, 0.125) is None
+
+
+def test_only_the_amx_build_holds_the_prefill_kernel():
+    """The prefill kernel is the AMX build's alone; other builds serve chunks over a context with SDPA."""
+    for build in BUILDS:
+        assert _loaded(build).has_prefill == (build.name == "amx_bf16")
