@@ -170,7 +170,7 @@ def reference_prefill(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tenso
     """A prompt chunk's attention the plain way, in fp32: q [H, n, D] at positions [start, start + n), each
     over the keys of the pool [KVH, blocks, block_size, D] (through `table`) up to its own → [H, n, D] fp32.
     The yardstick the prefill kernel is checked against."""
-    n, ctx = q.shape[1], start + q.shape[1]
+    ctx = start + q.shape[1]
     k, v = (_gather(pool, table[None])[0, :, :ctx].float() for pool in (k_pool, v_pool))
     mask = torch.arange(ctx)[None, :] <= torch.arange(start, ctx)[:, None]
     return F.scaled_dot_product_attention(q.float()[None], k[None], v[None], attn_mask=mask, scale=scale,

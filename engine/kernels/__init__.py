@@ -105,7 +105,7 @@ class Kernel:
         if q.stride(-1) != 1:
             q = q.contiguous()
         h, n, d = q.shape
-        kvh, nb, bs, _ = k_pool.shape
+        kvh, _, bs, _ = k_pool.shape
         assert k_pool.stride()[1:] == v_pool.stride()[1:] == (bs * d, d, 1) and k_pool.stride(0) == v_pool.stride(0)
         table = table.to(torch.int64).contiguous()
         out = torch.empty(n, h, d, dtype=q.dtype)
