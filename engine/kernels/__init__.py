@@ -35,8 +35,8 @@ MAX_GROUP = 64  # query heads per kv head the portable kernel's stack arrays hol
 # Entry points by dtype, in the order `pdserve_bind` takes them (fp32, then bf16).
 _ENTRY = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
 _LINEAR_ENTRY = {torch.float32: "pdserve_linear_f32", torch.bfloat16: "pdserve_linear_bf16"}
-_PREFILL_ENTRY = "pdserve_prefill_attn_bf16"  # the amx_bf16 build's: bf16, head dim 64
-PREFILL_HEAD_DIM, PREFILL_BLOCK_MULTIPLE = 64, 16
+_PREFILL_ENTRY = "pdserve_prefill_attn_bf16"  # the amx_bf16 build's: bf16
+PREFILL_HEAD_DIMS, PREFILL_BLOCK_MULTIPLE = (64, 128), 16
 
 
 def source_tag() -> str:
@@ -93,7 +93,7 @@ class Kernel:
         [start, start + n) over the keys up to its own position, read in place (no gather).
 
         Args:
-            q: [H, n, D] bf16 queries (D = `PREFILL_HEAD_DIM`, contiguous in D).
+            q: [H, n, D] bf16 queries (D one of `PREFILL_HEAD_DIMS`, contiguous in D).
             k_pool, v_pool: [KVH, blocks, block_size, D] one layer's cache (block_size a multiple of
                 `PREFILL_BLOCK_MULTIPLE`), the chunk's own K/V already written.
             table: [>= ceil((start + n) / block_size)] int64 block ids of the sequence.
@@ -112,7 +112,7 @@ class Kernel:
         p, i64 = ctypes.c_void_p, ctypes.c_int64
         rc = getattr(self.lib, _PREFILL_ENTRY)(
             p(q.data_ptr()), i64(q.stride(1)), i64(q.stride(0)), p(k_pool.data_ptr()), p(v_pool.data_ptr()),
-            i64(k_pool.stride(0)), bs, p(table.data_ptr()), start, n, h, kvh, ctypes.c_float(scale),
+            i64(k_pool.stride(0)), bs, p(table.data_ptr()), start, n, h, kvh, d, ctypes.c_float(scale),
             p(out.data_ptr()), i64(h * d), torch.get_num_threads())
         return out.transpose(0, 1) if rc == 0 else None
 
@@ -229,10 +229,10 @@ def _self_check(kernel: Kernel) -> None:
 def _check_prefill(kernel: Kernel, g: torch.Generator) -> None:
     from engine.attention import reference_prefill
 
-    kvh, heads, d, bs, blocks = 2, 6, PREFILL_HEAD_DIM, PREFILL_BLOCK_MULTIPLE, 12
+    kvh, heads, bs, blocks = 2, 6, PREFILL_BLOCK_MULTIPLE, 12
     tables = torch.randperm(blocks, generator=g)
-    k_pool, v_pool = (torch.randn(kvh, blocks, bs, d, generator=g).to(torch.bfloat16) for _ in range(2))
-    for start, n in ((0, 1), (21, 40), (70, 3)):
+    for d, start, n in [(d, start, n) for d in PREFILL_HEAD_DIMS for start, n in ((0, 1), (21, 40), (70, 3))]:
+        k_pool, v_pool = (torch.randn(kvh, blocks, bs, d, generator=g).to(torch.bfloat16) for _ in range(2))
         q = torch.randn(heads, n, d, generator=g).to(torch.bfloat16)
         out = kernel.prefill_attention(q, k_pool, v_pool, tables, start, d ** -0.5)
         if out is None:
@@ -404,7 +404,7 @@ def supports(dtype: torch.dtype, device: torch.device, group: int) -> bool:
 def supports_prefill(dtype: torch.dtype, device: torch.device, head_dim: int, block_size: int) -> bool:
     """Whether prompt chunks over a cached context run on this process's prefill attention kernel."""
     kernel = active().kernel if device.type == "cpu" else None
-    return (kernel is not None and kernel.has_prefill and dtype == torch.bfloat16 and head_dim == PREFILL_HEAD_DIM
+    return (kernel is not None and kernel.has_prefill and dtype == torch.bfloat16 and head_dim in PREFILL_HEAD_DIMS
             and block_size % PREFILL_BLOCK_MULTIPLE == 0)
 
 

@@ -694,35 +694,36 @@ static void linear_bf16_amx(const uint16_t* x, const uint16_t* w, const uint16_t
     free(xp);
 }
 
-/* Prefill attention over the paged pool on AMX tiles (bf16, head dim 64): the n queries of one prompt
- * chunk, at positions start .. start + n - 1, each attend to the keys up to its own position, read in
- * place through the chunk's block table (the block size a multiple of 16). Transposed, so that the
- * softmax runs down the registers and needs no horizontal reduction: S^T = K Q^T (A: 16 keys as they
- * lie in the pool; B: 16 query rows, pair-interleaved, in two tiles for the whole chunk) and O^T =
- * V^T P^T (A: V transposed, once per call and kv head; B: P^T pair-interleaved; C: four tiles of
- * O^T that stay in registers, stored only when a row's running maximum grows). fp32 scores, softmax
- * and accumulation; P rounded to bf16 for the second product, as torch's flash attention does.
- * Tiles: 0, 1: Q^T; 2-5: O^T by 16 dims; 6: A (K, then V^T); 7: S^T, then P^T. */
-#define PA_D 64
+/* Prefill attention over the paged pool on AMX tiles (bf16, head dim 64 or 128): the n queries of one
+ * prompt chunk, at positions start .. start + n - 1, each attend to the keys up to its own position,
+ * read in place through the chunk's block table (the block size a multiple of 16). Transposed, so that
+ * the softmax runs down the registers and needs no horizontal reduction: S^T = K Q^T (A: 16 keys as
+ * they lie in the pool; B: 16 query rows, pair-interleaved, D / 32 tiles for the whole chunk) and
+ * O^T = V^T P^T (A: V transposed, once per call and kv head; B: P^T pair-interleaved; C: O^T by 16
+ * dims). fp32 scores, softmax and accumulation; P rounded to bf16 for the second product, as torch's
+ * flash attention does. At D = 64, tiles 0, 1: Q^T; 2-5: O^T, kept in tiles and stored only when a
+ * row's running maximum grows; at D = 128, tiles 0-3: Q^T, and O^T in memory, two tiles of it (4, 5)
+ * at a time. Tile 6: A (K, then V^T); 7: S^T, then P^T. */
+#define PA_MAX_D 128
 /* Lanes of cvtne2ps_pbh(p1, p0) (p0 in 0-15, p1 in 16-31) in pair-interleaved order. */
 static const uint16_t PA_PAIRS[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
 
 /* vt[d][t] = V[t][d] for the 32 keys from t0 (zero past ctx): 16 keys at a time, each gather taking one
  * pair of dims of 16 keys, split into its two dims. */
-static void pa_pack_vt(const uint16_t* v_head, const int64_t* table, int bs, int ctx, int ctx_pad, int t0,
+static void pa_pack_vt(const uint16_t* v_head, const int64_t* table, int bs, int D, int ctx, int ctx_pad, int t0,
                        uint16_t* vt) {
     for (int t = t0; t < t0 + 32; t += 16) {
         if (t >= ctx) {
-            for (int d = 0; d < PA_D; d++) memset(vt + (int64_t)d * ctx_pad + t, 0, 16 * sizeof(uint16_t));
+            for (int d = 0; d < D; d++) memset(vt + (int64_t)d * ctx_pad + t, 0, 16 * sizeof(uint16_t));
             continue;
         }
         int rows[16] __attribute__((aligned(64))); /* each key's row, in dwords from the block of t */
-        const uint16_t* base = v_head + table[t / bs] * bs * PA_D;
-        for (int j = 0; j < 16; j++) rows[j] = (t + j < ctx ? (t + j) % bs : t % bs) * (PA_D / 2);
+        const uint16_t* base = v_head + table[t / bs] * bs * D;
+        for (int j = 0; j < 16; j++) rows[j] = (t + j < ctx ? (t + j) % bs : t % bs) * (D / 2);
         const __m512i idx = _mm512_load_si512(rows);
         const __mmask16 real = ctx - t >= 16 ? 0xffff : (__mmask16)((1u << (ctx - t)) - 1);
-        for (int k = 0; k < PA_D / 2; k++) {
+        for (int k = 0; k < D / 2; k++) {
             const __m512i pair = _mm512_maskz_mov_epi32(real, _mm512_i32gather_epi32(idx, (const int*)base + k, 4));
             _mm256_storeu_si256((__m256i*)(vt + (int64_t)(2 * k) * ctx_pad + t), _mm512_cvtepi32_epi16(pair));
             _mm256_storeu_si256((__m256i*)(vt + (int64_t)(2 * k + 1) * ctx_pad + t),
@@ -731,136 +732,220 @@ static void pa_pack_vt(const uint16_t* v_head, const int64_t* table, int bs, int
     }
 }
 
-static void pa_rescale(float o[PA_D][16], __m512 alpha) {
-    _tile_stored(2, o[0], 64);
-    _tile_stored(3, o[16], 64);
-    _tile_stored(4, o[32], 64);
-    _tile_stored(5, o[48], 64);
-    for (int d = 0; d < PA_D; d++) _mm512_store_ps(o[d], _mm512_mul_ps(_mm512_load_ps(o[d]), alpha));
-    _tile_loadd(2, o[0], 64);
-    _tile_loadd(3, o[16], 64);
-    _tile_loadd(4, o[32], 64);
-    _tile_loadd(5, o[48], 64);
-}
+/* One task: rows i0 .. i0 + 15 of query head h (fewer at the chunk's end: the last row stands in for the
+ * rest, so every lane stays finite). */
+typedef struct {
+    const uint16_t* k_head; /* this kv head's keys [blocks][bs][D] */
+    const uint16_t* vt;     /* its values transposed [D][ctx_pad] */
+    const int64_t* table;
+    int bs, D, ctx_pad, start, first, last; /* first, last: the task's first and last row's positions */
+    __m512i pos;           /* each lane's position */
+    __m512 scale, mref, l; /* the running maximum and sum of each lane */
+} pa_task;
 
-/* Rows i0 .. i0 + 15 of query head h (fewer at the chunk's end: the last row stands in for the rest). */
-static void pa_rows(const uint16_t* q, int64_t q_row, int64_t q_head, const uint16_t* k_head, const uint16_t* vt,
-                    int ctx_pad, int bs, const int64_t* table, int start, int n, int h, int i0, float scale,
-                    uint16_t* out, int64_t out_row) {
-    const int rows = n - i0 < 16 ? n - i0 : 16, last = start + i0 + rows - 1;
-    uint16_t qt[2][16][16][2] __attribute__((aligned(64))); /* [d half][d pair][row][pair member] */
+/* Q^T pair-interleaved into qt [D/32][16 pairs][16 rows][2], and the lanes' positions. */
+static void pa_load_q(pa_task* t, const uint16_t* q, int64_t q_row, int64_t q_head, int n, int h, int i0,
+                      uint16_t* qt) {
+    const int rows = n - i0 < 16 ? n - i0 : 16;
     int pos[16] __attribute__((aligned(64)));
     for (int m = 0; m < 16; m++) {
         const int i = i0 + (m < rows ? m : rows - 1);
         const uint16_t* qr = q + (int64_t)i * q_row + (int64_t)h * q_head;
-        for (int d = 0; d < PA_D; d++) qt[d >> 5][(d & 31) >> 1][m][d & 1] = qr[d];
-        pos[m] = start + i;
+        for (int d = 0; d < t->D; d++) qt[(d >> 5) * 512 + ((d & 31) >> 1) * 32 + m * 2 + (d & 1)] = qr[d];
+        pos[m] = t->start + i;
     }
-    const __m512i posv = _mm512_load_si512(pos);
-    const __m512 scv = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+    t->pos = _mm512_load_si512(pos);
+    t->first = t->start + i0;
+    t->last = t->start + i0 + rows - 1;
+    t->mref = _mm512_set1_ps(-INFINITY);
+    t->l = _mm512_setzero_ps();
+}
+
+/* The scores s [32 keys from t0][16 lanes] (S^T, scaled here) become P^T, pair-interleaved in pt; returns
+ * 1 and the factor `alpha` the output so far must be scaled by when a lane's maximum grew. */
+static int pa_softmax(pa_task* t, int t0, float s[32][16], uint16_t pt[16][16][2], __m512* alpha) {
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    const int masked = t0 + 31 > t->first; /* a key past some lane's position */
+    __m512 cmax = ninf;
+    for (int j = 0; j < 32; j++) {
+        __m512 v = _mm512_mul_ps(_mm512_load_ps(s[j]), t->scale);
+        if (masked) v = _mm512_mask_blend_ps(_mm512_cmpge_epi32_mask(t->pos, _mm512_set1_epi32(t0 + j)), ninf, v);
+        _mm512_store_ps(s[j], v);
+        cmax = _mm512_max_ps(cmax, v);
+    }
+    const __m512 mnew = _mm512_max_ps(t->mref, cmax);
+    int grew = 0;
+    if (_mm512_cmp_ps_mask(mnew, t->mref, _CMP_GT_OQ)) {
+        *alpha = exp512(_mm512_sub_ps(t->mref, mnew));
+        t->l = _mm512_mul_ps(t->l, *alpha);
+        t->mref = mnew;
+        grew = 1;
+    }
     const __m512i pairs = _mm512_loadu_si512(PA_PAIRS);
-    float s[32][16] __attribute__((aligned(64)));
-    float o[PA_D][16] __attribute__((aligned(64)));
-    uint16_t pt[16][16][2] __attribute__((aligned(64)));
-    __m512 mref = ninf, l = _mm512_setzero_ps();
-    _tile_loadd(0, qt[0], 64);
-    _tile_loadd(1, qt[1], 64);
-    _tile_zero(2);
-    _tile_zero(3);
-    _tile_zero(4);
-    _tile_zero(5);
-    for (int t0 = 0; t0 <= last; t0 += 32) {
-        for (int half = 0; half < 2; half++) {
-            const int t = t0 + half * 16;
-            if (t > last) { /* past every row's position (and perhaps the table's end) */
-                for (int j = 0; j < 16; j++) _mm512_store_ps(s[half * 16 + j], ninf);
-                continue;
-            }
-            const uint16_t* kb = k_head + (table[t / bs] * bs + t % bs) * PA_D;
-            _tile_zero(7);
-            _tile_loadd(6, kb, PA_D * 2);
-            _tile_dpbf16ps(7, 6, 0);
-            _tile_loadd(6, kb + 32, PA_D * 2);
-            _tile_dpbf16ps(7, 6, 1);
-            _tile_stored(7, s[half * 16], 64);
-        }
-        const int masked = t0 + 31 > start + i0; /* a key past the first row's position */
-        __m512 cmax = ninf;
-        for (int j = 0; j < 32; j++) {
-            __m512 v = _mm512_mul_ps(_mm512_load_ps(s[j]), scv);
-            if (masked) v = _mm512_mask_blend_ps(_mm512_cmpge_epi32_mask(posv, _mm512_set1_epi32(t0 + j)), ninf, v);
-            _mm512_store_ps(s[j], v);
-            cmax = _mm512_max_ps(cmax, v);
-        }
-        const __m512 mnew = _mm512_max_ps(mref, cmax);
-        if (_mm512_cmp_ps_mask(mnew, mref, _CMP_GT_OQ)) {
-            const __m512 alpha = exp512(_mm512_sub_ps(mref, mnew));
-            pa_rescale(o, alpha);
-            l = _mm512_mul_ps(l, alpha);
-            mref = mnew;
-        }
-        for (int r = 0; r < 16; r++) {
-            const __m512 p0 = exp512(_mm512_sub_ps(_mm512_load_ps(s[2 * r]), mref));
-            const __m512 p1 = exp512(_mm512_sub_ps(_mm512_load_ps(s[2 * r + 1]), mref));
-            l = _mm512_add_ps(l, _mm512_add_ps(p0, p1));
-            _mm512_store_si512(pt[r], _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(p1, p0)));
-        }
-        _tile_loadd(7, pt, 64);
-        const int64_t stride = (int64_t)ctx_pad * 2;
-        _tile_loadd(6, vt + t0, stride);
-        _tile_dpbf16ps(2, 6, 7);
-        _tile_loadd(6, vt + (int64_t)16 * ctx_pad + t0, stride);
-        _tile_dpbf16ps(3, 6, 7);
-        _tile_loadd(6, vt + (int64_t)32 * ctx_pad + t0, stride);
-        _tile_dpbf16ps(4, 6, 7);
-        _tile_loadd(6, vt + (int64_t)48 * ctx_pad + t0, stride);
-        _tile_dpbf16ps(5, 6, 7);
+    for (int r = 0; r < 16; r++) {
+        const __m512 p0 = exp512(_mm512_sub_ps(_mm512_load_ps(s[2 * r]), t->mref));
+        const __m512 p1 = exp512(_mm512_sub_ps(_mm512_load_ps(s[2 * r + 1]), t->mref));
+        t->l = _mm512_add_ps(t->l, _mm512_add_ps(p0, p1));
+        _mm512_store_si512(pt[r], _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(p1, p0)));
     }
-    _tile_stored(2, o[0], 64);
-    _tile_stored(3, o[16], 64);
-    _tile_stored(4, o[32], 64);
-    _tile_stored(5, o[48], 64);
+    return grew;
+}
+
+/* S^T for the 16 keys from t (all before the table's end) into tile 7, with Q^T in tiles 0 .. D/32 - 1. */
+#define PA_SCORES(T, KB, DH)                                                                                  \
+    do {                                                                                                     \
+        _tile_zero(7);                                                                                       \
+        _tile_loadd(6, (KB), (T)->D * 2);                                                                    \
+        _tile_dpbf16ps(7, 6, 0);                                                                             \
+        _tile_loadd(6, (KB) + 32, (T)->D * 2);                                                               \
+        _tile_dpbf16ps(7, 6, 1);                                                                             \
+        if ((DH) == 4) {                                                                                     \
+            _tile_loadd(6, (KB) + 64, (T)->D * 2);                                                           \
+            _tile_dpbf16ps(7, 6, 2);                                                                         \
+            _tile_loadd(6, (KB) + 96, (T)->D * 2);                                                           \
+            _tile_dpbf16ps(7, 6, 3);                                                                         \
+        }                                                                                                    \
+    } while (0)
+
+/* The 32 keys from t0: S^T into s (keys past `last`: -inf). */
+static void pa_chunk_scores(pa_task* t, int t0, float s[32][16], int dh) {
+    for (int half = 0; half < 2; half++) {
+        const int k = t0 + half * 16;
+        if (k > t->last) { /* past every lane's position (and perhaps the table's end) */
+            for (int j = 0; j < 16; j++) _mm512_store_ps(s[half * 16 + j], _mm512_set1_ps(-INFINITY));
+            continue;
+        }
+        const uint16_t* kb = t->k_head + (t->table[k / t->bs] * t->bs + k % t->bs) * t->D;
+        if (dh == 4)
+            PA_SCORES(t, kb, 4);
+        else
+            PA_SCORES(t, kb, 2);
+        _tile_stored(7, s[half * 16], 64);
+    }
+}
+
+/* out[i0 + m][h][d] = o[d][m] / l[m] for the task's real rows. */
+static void pa_store(const pa_task* t, float o[][16], int rows, uint16_t* out, int64_t out_row, int h, int i0) {
     float inv[16] __attribute__((aligned(64)));
-    _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), l));
+    _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), t->l));
     const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                               _mm512_set1_epi32(16));
     for (int m = 0; m < rows; m++) {
-        uint16_t* dst = out + (int64_t)(i0 + m) * out_row + (int64_t)h * PA_D;
+        uint16_t* dst = out + (int64_t)(i0 + m) * out_row + (int64_t)h * t->D;
         const __m512 w = _mm512_set1_ps(inv[m]);
-        for (int d0 = 0; d0 < PA_D; d0 += 16) {
+        for (int d0 = 0; d0 < t->D; d0 += 16) {
             const __m512 v = _mm512_mul_ps(_mm512_i32gather_ps(column, &o[d0][m], 4), w);
             _mm256_storeu_si256((__m256i*)(dst + d0), (__m256i)_mm512_cvtneps_pbh(v));
         }
     }
 }
 
+static void pa_rows64(pa_task* t, uint16_t* out, int64_t out_row, int h, int i0, int rows) {
+    float s[32][16] __attribute__((aligned(64)));
+    float o[64][16] __attribute__((aligned(64)));
+    uint16_t pt[16][16][2] __attribute__((aligned(64)));
+    const int64_t stride = (int64_t)t->ctx_pad * 2;
+    _tile_zero(2);
+    _tile_zero(3);
+    _tile_zero(4);
+    _tile_zero(5);
+    for (int t0 = 0; t0 <= t->last; t0 += 32) {
+        pa_chunk_scores(t, t0, s, 2);
+        __m512 alpha;
+        if (pa_softmax(t, t0, s, pt, &alpha)) { /* O^T's tiles through memory, scaled */
+            _tile_stored(2, o[0], 64);
+            _tile_stored(3, o[16], 64);
+            _tile_stored(4, o[32], 64);
+            _tile_stored(5, o[48], 64);
+            for (int d = 0; d < 64; d++) _mm512_store_ps(o[d], _mm512_mul_ps(_mm512_load_ps(o[d]), alpha));
+            _tile_loadd(2, o[0], 64);
+            _tile_loadd(3, o[16], 64);
+            _tile_loadd(4, o[32], 64);
+            _tile_loadd(5, o[48], 64);
+        }
+        _tile_loadd(7, pt, 64);
+        _tile_loadd(6, t->vt + t0, stride);
+        _tile_dpbf16ps(2, 6, 7);
+        _tile_loadd(6, t->vt + (int64_t)16 * t->ctx_pad + t0, stride);
+        _tile_dpbf16ps(3, 6, 7);
+        _tile_loadd(6, t->vt + (int64_t)32 * t->ctx_pad + t0, stride);
+        _tile_dpbf16ps(4, 6, 7);
+        _tile_loadd(6, t->vt + (int64_t)48 * t->ctx_pad + t0, stride);
+        _tile_dpbf16ps(5, 6, 7);
+    }
+    _tile_stored(2, o[0], 64);
+    _tile_stored(3, o[16], 64);
+    _tile_stored(4, o[32], 64);
+    _tile_stored(5, o[48], 64);
+    pa_store(t, o, rows, out, out_row, h, i0);
+}
+
+static void pa_rows128(pa_task* t, uint16_t* out, int64_t out_row, int h, int i0, int rows) {
+    float s[32][16] __attribute__((aligned(64)));
+    float o[128][16] __attribute__((aligned(64)));
+    uint16_t pt[16][16][2] __attribute__((aligned(64)));
+    const int64_t stride = (int64_t)t->ctx_pad * 2;
+    memset(o, 0, sizeof o);
+    for (int t0 = 0; t0 <= t->last; t0 += 32) {
+        pa_chunk_scores(t, t0, s, 4);
+        __m512 alpha;
+        if (pa_softmax(t, t0, s, pt, &alpha))
+            for (int d = 0; d < 128; d++) _mm512_store_ps(o[d], _mm512_mul_ps(_mm512_load_ps(o[d]), alpha));
+        _tile_loadd(7, pt, 64);
+        for (int d0 = 0; d0 < 128; d0 += 32) {
+            _tile_loadd(4, o[d0], 64);
+            _tile_loadd(5, o[d0 + 16], 64);
+            _tile_loadd(6, t->vt + (int64_t)d0 * t->ctx_pad + t0, stride);
+            _tile_dpbf16ps(4, 6, 7);
+            _tile_loadd(6, t->vt + (int64_t)(d0 + 16) * t->ctx_pad + t0, stride);
+            _tile_dpbf16ps(5, 6, 7);
+            _tile_stored(4, o[d0], 64);
+            _tile_stored(5, o[d0 + 16], 64);
+        }
+    }
+    pa_store(t, o, rows, out, out_row, h, i0);
+}
+
 /* q: row i of head h at q[i * q_row + h * q_head], D contiguous; k_pool, v_pool: one layer's [KVH, blocks,
- * bs, 64], kv head kh at kh * pool_head; table: the chunk's block ids up to position start + n - 1; out:
- * row i of head h at out[i * out_row + h * 64]. Returns 0, or -1 where it cannot run (no AMX tiles from
- * the OS, a block size that is not a multiple of 16, or H not a multiple of KVH): the caller computes it
- * another way. */
+ * bs, D], kv head kh at kh * pool_head; table: the chunk's block ids up to position start + n - 1; out:
+ * row i of head h at out[i * out_row + h * D]. Returns 0, or -1 where it cannot run (no AMX tiles from
+ * the OS, a head dim other than 64 and 128, a block size that is not a multiple of 16, or H not a
+ * multiple of KVH): the caller computes it another way. */
 int pdserve_prefill_attn_bf16(const uint16_t* q, int64_t q_row, int64_t q_head, const uint16_t* k_pool,
                               const uint16_t* v_pool, int64_t pool_head, int bs, const int64_t* table, int start,
-                              int n, int H, int KVH, float scale, uint16_t* out, int64_t out_row, int nthreads) {
-    if (!amx_request() || bs % 16 != 0 || n < 1 || KVH < 1 || H % KVH != 0) return -1;
+                              int n, int H, int KVH, int D, float scale, uint16_t* out, int64_t out_row,
+                              int nthreads) {
+    if (!amx_request() || (D != 64 && D != 128) || bs % 16 != 0 || n < 1 || KVH < 1 || H % KVH != 0) return -1;
     const int ctx = start + n, ctx_pad = (ctx + 31) / 32 * 32, G = H / KVH;
     const int tiles = (n + 15) / 16, chunks = ctx_pad / 32;
-    uint16_t* vt = aligned_alloc(64, (size_t)KVH * PA_D * ctx_pad * sizeof(uint16_t));
+    uint16_t* vt = aligned_alloc(64, (size_t)KVH * D * ctx_pad * sizeof(uint16_t));
     if (vt == NULL) return -1;
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
 #pragma omp for schedule(static)
         for (int c = 0; c < KVH * chunks; c++) {
             const int kh = c / chunks;
-            pa_pack_vt(v_pool + kh * pool_head, table, bs, ctx, ctx_pad, (c % chunks) * 32,
-                       vt + (int64_t)kh * PA_D * ctx_pad);
+            pa_pack_vt(v_pool + kh * pool_head, table, bs, D, ctx, ctx_pad, (c % chunks) * 32,
+                       vt + (int64_t)kh * D * ctx_pad);
         }
         amx_configure();
+        uint16_t qt[PA_MAX_D / 32 * 512] __attribute__((aligned(64)));
 #pragma omp for schedule(dynamic)
         for (int task = 0; task < H * tiles; task++) {
-            const int h = task / tiles, kh = h / G;
-            pa_rows(q, q_row, q_head, k_pool + kh * pool_head, vt + (int64_t)kh * PA_D * ctx_pad, ctx_pad, bs, table,
-                    start, n, h, (task % tiles) * 16, scale, out, out_row);
+            const int h = task / tiles, kh = h / G, i0 = (task % tiles) * 16;
+            pa_task t = {.k_head = k_pool + kh * pool_head, .vt = vt + (int64_t)kh * D * ctx_pad, .table = table,
+                         .bs = bs, .D = D, .ctx_pad = ctx_pad, .start = start, .scale = _mm512_set1_ps(scale)};
+            pa_load_q(&t, q, q_row, q_head, n, h, i0, qt);
+            const int rows = n - i0 < 16 ? n - i0 : 16;
+            _tile_loadd(0, qt, 64); /* Q^T: tiles 0 .. D/32 - 1 */
+            _tile_loadd(1, qt + 512, 64);
+            if (D == 128) {
+                _tile_loadd(2, qt + 1024, 64);
+                _tile_loadd(3, qt + 1536, 64);
+                pa_rows128(&t, out, out_row, h, i0, rows);
+            } else {
+                pa_rows64(&t, out, out_row, h, i0, rows);
+            }
         }
         _tile_release();
     }

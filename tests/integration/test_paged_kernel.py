@@ -1,10 +1,12 @@
 """Every kernel build this CPU runs agrees with the plain reference attention over the same paged pool."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
-from engine import hardware, kernels
+from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams, hardware, kernels
 from engine.attention import reference_decode, reference_prefill
 
 CPU = hardware.this_cpu()
@@ -174,19 +176,21 @@ PREFILL_BUILDS = [b for b in BUILDS if b.name == "amx_bf16"]
 
 
 @pytest.mark.parametrize("build", PREFILL_BUILDS, ids=[b.name for b in PREFILL_BUILDS])
+@pytest.mark.parametrize("d", kernels.PREFILL_HEAD_DIMS)
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1), (16, 2)])
 @pytest.mark.parametrize("bs", [16, 32])
 @pytest.mark.parametrize("start,n", [(0, 1), (1, 1), (5, 3), (16, 16), (17, 40), (31, 33), (100, 136), (700, 70)])
-def test_prefill_kernel_matches_reference(build, heads, kv_heads, bs, start, n):
-    """A prompt chunk over its cached context on the AMX prefill kernel: chunks of 1 row to several tiles
-    (partial ones), starting and ending inside blocks and tiles of 32 keys, scattered block tables, GQA
-    groups of 1 to 8; the pool past the context holds NaN, which must never be read into the answer."""
+def test_prefill_kernel_matches_reference(build, d, heads, kv_heads, bs, start, n):
+    """A prompt chunk over its cached context on the AMX prefill kernel, head dims 64 and 128: chunks of
+    1 row to several tiles (partial ones), starting and ending inside blocks and tiles of 32 keys, scattered
+    block tables, GQA groups of 1 to 8; the pool past the context holds NaN, which must never be read into
+    the answer."""
     kernel = _loaded(build)
     assert kernel.has_prefill
-    g = torch.Generator().manual_seed(start * 7 + n + heads + bs)
+    g = torch.Generator().manual_seed(start * 7 + n + heads + bs + d)
     ctx = start + n
     blocks = -(-ctx // bs)
-    k_pool, v_pool = (torch.randn(kv_heads, blocks + 5, bs, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+    k_pool, v_pool = (torch.randn(kv_heads, blocks + 5, bs, d, generator=g).to(torch.bfloat16) for _ in range(2))
     table = torch.randperm(blocks + 5, generator=g)[:blocks]
     for pool in (k_pool, v_pool):  # the rest of the last block, and every block outside the table
         outside = torch.ones(blocks + 5, dtype=torch.bool)
@@ -194,23 +198,60 @@ def test_prefill_kernel_matches_reference(build, heads, kv_heads, bs, start, n):
         pool[:, outside] = float("nan")
         if ctx % bs:
             pool[:, table[-1], ctx % bs:] = float("nan")
-    q = (torch.randn(heads, n, 64, generator=g) * 3).to(torch.bfloat16)
-    out = kernel.prefill_attention(q, k_pool, v_pool, table, start, 64 ** -0.5)
+    q = (torch.randn(heads, n, d, generator=g) * 3).to(torch.bfloat16)
+    out = kernel.prefill_attention(q, k_pool, v_pool, table, start, d ** -0.5)
     assert out is not None and out.dtype == torch.bfloat16 and out.shape == q.shape
-    want = reference_prefill(q, k_pool.nan_to_num(), v_pool.nan_to_num(), table, start, 64 ** -0.5)
+    want = reference_prefill(q, k_pool.nan_to_num(), v_pool.nan_to_num(), table, start, d ** -0.5)
     torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("build", PREFILL_BUILDS, ids=[b.name for b in PREFILL_BUILDS])
 def test_prefill_kernel_declines_what_it_cannot_run(build):
-    """A block size that is no multiple of 16: the kernel declines (None), so the caller gathers instead."""
+    """A block size that is no multiple of 16, a head dim other than 64 and 128: the kernel declines (None),
+    so the caller gathers instead."""
     kernel = _loaded(build)
-    pool = torch.zeros(1, 4, 8, 64, dtype=torch.bfloat16)
-    q = torch.zeros(1, 4, 64, dtype=torch.bfloat16)
-    assert kernel.prefill_attention(q, pool, pool, torch.arange(4), 10, 0.125) is None
+    for bs, d in ((8, 64), (16, 80), (16, 96)):
+        pool = torch.zeros(1, 4, bs, d, dtype=torch.bfloat16)
+        q = torch.zeros(1, 4, d, dtype=torch.bfloat16)
+        assert kernel.prefill_attention(q, pool, pool, torch.arange(4), 10, 0.125) is None
 
 
 def test_only_the_amx_build_holds_the_prefill_kernel():
     """The prefill kernel is the AMX build's alone; other builds serve chunks over a context with SDPA."""
     for build in BUILDS:
         assert _loaded(build).has_prefill == (build.name == "amx_bf16")
+
+
+@pytest.mark.parametrize("build", PREFILL_BUILDS, ids=[b.name for b in PREFILL_BUILDS])
+@pytest.mark.parametrize("head_dim", kernels.PREFILL_HEAD_DIMS)
+def test_engine_prompt_chunks_on_the_prefill_kernel_are_as_exact_as_sdpa(build, head_dim):
+    """A bf16 decoder with head dim 64 or 128 in the engine: prompts over a cached prefix, prefilled in
+    chunks of 24 tokens (one and a half blocks), get first-token log-probabilities within bf16's precision
+    of the fp32 model's, on the prefill kernel as with gather + SDPA in an engine without it (both ~0.005
+    here), and every block returns to the pool."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.conftest import random_prompt
+    from tests.integration.test_engine_correctness import assert_all_free
+
+    _loaded(build)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
+                                         max_position_embeddings=1024)).eval()
+    prefix = random_prompt(150, seed=1)
+    prompts = [prefix + random_prompt(n, seed=n) for n in (1, 9, 40, 77)]
+    with torch.no_grad():
+        want = [torch.log_softmax(model(torch.tensor([p])).logits[0, -1], -1) for p in prompts]
+    for on in (True, False):
+        engine = LLMEngine(EngineConfig(dtype="bfloat16", prefill_chunk_tokens=24, cache=CacheConfig(memory_gib=0.02)),
+                           model=copy.deepcopy(model).to(torch.bfloat16))
+        assert engine.runner.prefill_kernel
+        engine.runner.prefill_kernel = on
+        engine.generate([prefix], SamplingParams(max_tokens=1))
+        outs = engine.generate(prompts, SamplingParams(max_tokens=1, logprobs=5))
+        assert all(o.num_cached_tokens == 144 for o in outs)  # the prefix's nine full blocks
+        for out, ref in zip(outs, want):
+            got = out.logprobs[0]
+            assert list(got.top_logprobs) == pytest.approx([float(ref[i]) for i in got.top_ids], abs=0.02)
+        assert_all_free(engine)
