@@ -97,20 +97,32 @@ class OwnerThread:
         poll_s: how long a WAITING owner waits for a command before it looks again.
         after: runs on this thread after every command (before its caller gets the result) and after
             every round: it publishes what other threads read without waiting (a worker's load).
+        paused: run commands only, no rounds and no `after`, until `resume` (the engine is built on this
+            thread through `call` first).
     """
 
     POLL_S = 0.002  # the default `poll_s`: what is under way is looked at 500 times a second
 
     def __init__(self, work: Callable[[], Round], name: str, poll_s: float = POLL_S,
-                 after: Callable[[], None] | None = None) -> None:
+                 after: Callable[[], None] | None = None, paused: bool = False) -> None:
         self.commands = CommandQueue()
         self._work = work
         self._after = None if after is None else self._kept_alive(after, name)
         self._waits = {Round.BUSY: 0.0, Round.WAITING: poll_s, Round.IDLE: None}
         self.busy_s = 0.0  # seconds of busy rounds and the command drains between them (owner writes)
         self._stop = threading.Event()
+        self._resumed = threading.Event()
+        if not paused:
+            self._resumed.set()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+
+    def resume(self, poll_s: float | None = None) -> None:
+        """A paused owner starts its rounds (a WAITING one looks again after `poll_s`, when given)."""
+        if poll_s is not None:
+            self._waits[Round.WAITING] = poll_s
+        self._resumed.set()
+        self.commands.wake()
 
     def call(self, fn: Callable[[], T]) -> T:
         """Run `fn` on the owner thread. Returns its result or raises its exception; raises `Stopped`
@@ -132,6 +144,8 @@ class OwnerThread:
         return run
 
     def _run(self) -> None:
+        while not (self._resumed.is_set() or self._stop.is_set()):
+            self.commands.drain(None)
         left, began = Round.BUSY, time.perf_counter()
         while not self._stop.is_set():
             self.commands.drain(self._waits[left], self._after)

@@ -6,6 +6,13 @@ import hashlib
 import torch
 
 
+def single_threaded() -> None:
+    """Call first on a transfer thread: its copies into and out of the pool run on it alone. An OpenMP
+    team of its own beside the engine thread's would slow every parallel region of the engine's
+    (`worker_core.base`: libgomp stops spinning between regions once it holds more threads than CPUs)."""
+    torch.set_num_threads(1)
+
+
 def check_pool(kv_pool: torch.Tensor) -> None:
     """Raise ValueError unless `kv_pool` is `[layers, 2, kv_heads, num_blocks, block_size, head_dim]`."""
     if kv_pool.dim() != 6 or kv_pool.shape[1] != 2:

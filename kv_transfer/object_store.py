@@ -19,7 +19,7 @@ import torch
 
 from kv_transfer.base import KVConnector, PeerInfo, TransferError, TransferState
 from kv_transfer.config import TransferConfig
-from kv_transfer.layers import check_blocks, gather_layer, scatter_layer
+from kv_transfer.layers import check_blocks, gather_layer, scatter_layer, single_threaded
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +95,7 @@ class ObjectStoreConnector(KVConnector):
         self._inbox.put((transfer_id, refs))
 
     def _fetch_loop(self) -> None:
+        single_threaded()
         while (item := self._inbox.get()) is not None:
             tid, refs = item
             for layer, ref in refs.items():

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from kv_transfer.base import KVConnector, PeerInfo, TransferError, TransferState
 from kv_transfer.config import TransferConfig
-from kv_transfer.layers import check_blocks, gather_layer, layer_shape, scatter_layer, transfer_hash
+from kv_transfer.layers import check_blocks, gather_layer, layer_shape, scatter_layer, single_threaded, transfer_hash
 from kv_transfer.pair_group import PairGroup, describe_pool, pair_key
 from kv_transfer.rendezvous import LocalRendezvousStore, RendezvousServer, RendezvousStore
 
@@ -195,6 +195,7 @@ class TorchDistConnector(KVConnector):
 
     def _send_loop(self, q: queue.Queue, peer: PeerInfo) -> None:
         assert self.pool is not None
+        single_threaded()
         pair: PairGroup | None = None
         while (job := q.get()) is not _STOP:
             tid, layer, blocks = job
@@ -295,6 +296,7 @@ class TorchDistConnector(KVConnector):
 
     def _recv_loop(self, peer_id: str) -> None:
         assert self.pool is not None and self._master is not None
+        single_threaded()
         pair = self._pair(peer_id, self.worker_id, 1, LocalRendezvousStore(self._master, self.config.timeout_s))
         while True:
             with self._lock:

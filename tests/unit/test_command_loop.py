@@ -114,3 +114,29 @@ def test_an_idle_owner_sleeps_until_a_command_and_a_waiting_one_polls():
         sleeper.stop()
         poller.stop()
         assert time.monotonic() - t0 < 1.0
+
+
+def test_a_paused_owner_runs_commands_on_its_thread_but_no_rounds_until_resumed():
+    """A worker builds its engine through a paused owner (the engine's OpenMP threads then belong to the
+    thread that computes): commands run on the owner thread at once, rounds and `after` only after `resume`."""
+    rounds, afters = [], []
+    owner = OwnerThread(lambda: rounds.append(1) or Round.IDLE, name="paused", after=lambda: afters.append(1),
+                        paused=True)
+    try:
+        assert owner.call(threading.current_thread).name == "paused"
+        time.sleep(0.05)
+        assert rounds == [] and afters == []
+        owner.resume(poll_s=0.001)
+        deadline = time.monotonic() + 5
+        while not rounds and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert rounds and afters
+    finally:
+        owner.stop()
+
+
+def test_a_paused_owner_stops_cleanly():
+    owner = OwnerThread(lambda: Round.IDLE, name="paused-stop", paused=True)
+    owner.stop()
+    with pytest.raises(Stopped):
+        owner.call(lambda: None)
