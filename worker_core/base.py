@@ -1,7 +1,7 @@
 """`WorkerBase`: the part of a worker actor that does not depend on its role.
 
 A worker owns one `LLMEngine` on one device and one KV connector registered on that engine's
-pool. Only the engine-loop thread (`OwnerThread`) touches the engine; actor methods, which Ray
+pool. Only the engine-loop thread (`OwnerThread`) touches the engine, and builds it; actor methods, which Ray
 runs on other threads, hand it commands with `self._owner.call`. Liveness never waits behind that
 thread: `info()` is fixed at start, `load()` is the report the engine thread publishes after every
 command and every round, and `cache_events()` reads the prefix cache's event log. A subclass sets
