@@ -4,7 +4,8 @@ Request lifecycle on a prefill worker:
 1. `prefill` queues the prompt (prefill-only) with the decode worker that reserved its blocks.
 2. The engine loop (its own thread) runs every queued prompt in one prefill step; after each
    layer, that layer's blocks are queued on the connector for each request's decode worker,
-   so layer i travels while layer i + 1 computes.
+   so layer i travels while layer i + 1 computes. While the step computes with a decode worker's
+   threads too (a loan, `router.elastic`), its layers are held and go after its last one.
 3. The first token is sampled and returned to the caller with its log-probabilities when the
    request asked (HELD: blocks kept while sending).
 4. When the connector reports the transfer DONE or FAILED, the blocks return to the pool.
@@ -41,6 +42,7 @@ class PrefillWorker(DecodeWorker):
         self._sending: set[str] = set()
         self._fault: str | None = None  # fault injection (tests): applies to the next request prefilled
         self._dropped: set[str] = set()  # requests whose KV was never sent (fault "drop")
+        self._unshipped = 0  # the first layer of the step under way not shipped yet (held while borrowing)
         super().__init__(engine_config, transfer_config, worker_id)  # the engine loop runs from here on
 
     # -- actor API (any thread) --------------------------------------------------------------------
@@ -104,8 +106,21 @@ class PrefillWorker(DecodeWorker):
 
     # -- engine loop thread ------------------------------------------------------------------------
     def _after_layer(self, layer: int, seqs: list[Sequence]) -> None:
-        """After each layer of a prefill step: ship it, then take up a loan made or ended meanwhile."""
-        self._ship_layer(layer, seqs)
+        """After each layer of a prefill step: ship it, then take up a loan made or ended meanwhile.
+
+        A layer computed with borrowed threads is held, and goes with the step's last layer (or the first
+        one computed without them). The loan means every core of the pair's node computes this step, so
+        a transfer thread woken per layer, here and on the decode worker, preempts a thread of the
+        engine's team, and the whole team waits at the layer's end each time: a lone 1024-token bf16
+        prompt with the loan prefilled in 0.83 s, layers streamed, and in 0.68 s (+ 0.02 s of transfer
+        after it), held (2-core AVX-512 BF16 node). On its own threads the step streams: the cores that
+        are not its own carry the transfer, and the time it would add after the step stays hidden."""
+        if layer == 0:  # a new step
+            self._unshipped = 0
+        if not self._threads.borrowed or layer == self.engine.layout.num_layers - 1:
+            for held in range(self._unshipped, layer + 1):
+                self._ship_layer(held, seqs)
+            self._unshipped = layer + 1
         super()._after_layer(layer, seqs)
 
     def _ship_layer(self, layer: int, seqs: list[Sequence]) -> None:

@@ -187,17 +187,22 @@ class CostModel:
         """Args: tokens: tokens whose KV moves. Returns: seconds for the whole transfer."""
         return self.transfer(tokens * self.kv_bytes_per_token)
 
-    def exposed_transfer_s(self, tokens: int, whole: bool = False) -> float:
+    def exposed_transfer_s(self, tokens: int, whole: bool = False, held: bool = False) -> float:
         """Transfer seconds TTFT still pays when KV ships layer by layer while the later layers of the
         prompt's last chunk compute.
 
         Args:
             tokens: prompt tokens.
             whole: the prompt is prefilled in one step (alone on its prefill worker), its one chunk.
+            held: the prefill worker computes with borrowed threads, and holds the layers until the last
+                (`PrefillWorker._after_layer`): the whole transfer follows the prefill.
         Returns:
-            max(transfer / num_layers, transfer - last chunk's prefill * (num_layers - 1) / num_layers).
+            max(transfer / num_layers, transfer - last chunk's prefill * (num_layers - 1) / num_layers),
+            or the whole transfer when held.
         """
         t, layers = self.transfer_s(tokens), self.num_layers
+        if held:
+            return t
         last = tokens if whole else self.chunks(tokens)[-1]
         return max(t / layers, t - self.prefill_s(last) * (layers - 1) / layers)
 

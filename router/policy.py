@@ -230,7 +230,8 @@ def _uncached(req: RequestFeatures, cached_tokens: int) -> int:
 def _remote(cost: CostModel, req: RequestFeatures, state: PoolState, p: int, d: int) -> _Option:
     load = state.prefill[p]
     lent = load.loan if load.loan and load.loan.to_decode else None  # the prompt takes P's threads back
-    fast = load.loan.speedup if load.loan and not load.loan.to_decode else 1.0  # P computes with D's threads
+    borrowing = bool(load.loan and not load.loan.to_decode)  # P computes with D's threads (and holds its layers)
+    fast = load.loan.speedup if borrowing else 1.0
     step = cost.step_s(state.decode[d].running + 1) / (1.0 if lent and lent.decode == d else state.speedup(d))
     n = _uncached(req, load.cached_tokens)  # what P computes; it ships what D lacks
     prefill, slowdown = cost.prefill_s(n) / fast, 1.0
@@ -243,7 +244,7 @@ def _remote(cost: CostModel, req: RequestFeatures, state: PoolState, p: int, d: 
         lost = (queued + prefill + lent.relend_s) * (1 - 1 / lent.speedup)
         slowdown += (borrower.running - borrower.awaiting_kv) * lost / (req.expected_output_tokens * step)
     alone = not load.queued_tokens and not load.decoding  # P prefills the prompt whole (engine.scheduler)
-    ttft = (queued + prefill + cost.exposed_transfer_s(_uncached(req, state.decode[d].cached_tokens), alone)
+    ttft = (queued + prefill + cost.exposed_transfer_s(_uncached(req, state.decode[d].cached_tokens), alone, borrowing)
             + cost.hop_s + step / 2)
     return _Option("remote", p, d, ttft, step, slowdown, n, _crowding(cost, state.decode[d].running))
 

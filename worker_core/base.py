@@ -68,11 +68,21 @@ class ThreadCount:
     """The torch thread count a worker computes with, asked for from any thread (`want`: a loan made or
     ended by the router) and taken up by the engine thread (`apply`; torch's count belongs to the thread
     that sets it) between steps and between the layers of a prefill step, so a loan reaches a prompt
-    that is already computing (a whole 1024-token prompt is one step of seconds)."""
+    that is already computing (a whole 1024-token prompt is one step of seconds).
 
-    def __init__(self) -> None:
+    Args: own: the worker's own thread count (what its engine was built with); more is a loan."""
+
+    def __init__(self, own: int) -> None:
+        if own < 1:
+            raise ValueError(f"own must be >= 1, got {own}")
+        self.own = own
         self._wanted: int | None = None
         self._applied: int | None = None  # what `apply` last set (profiling may set its own meanwhile)
+
+    @property
+    def borrowed(self) -> bool:
+        """Whether the engine thread computes with another worker's threads too (as of its last `apply`)."""
+        return self._applied is not None and self._applied > self.own
 
     def want(self, threads: int) -> None:
         """Any thread: compute with `threads` from the engine thread's next `apply` on."""
@@ -111,7 +121,7 @@ class WorkerBase:
         self.connector = make_connector(transfer_config, worker_id)
         self.connector.register(self.engine.runner.kv, model_fingerprint(self.engine.runner.model.config))
         self._info = WorkerInfo(worker_id=worker_id, **self.engine.describe())  # static: answered off the engine thread
-        self._threads = ThreadCount()
+        self._threads = ThreadCount(self._owner.call(torch.get_num_threads))  # the count the engine was built with
 
     def _start_loop(self) -> None:
         """Start the engine loop; call last in the subclass's `__init__` (it starts running at once)."""

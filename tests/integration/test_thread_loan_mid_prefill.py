@@ -16,12 +16,12 @@ from worker_core.base import ThreadCount
 
 def test_a_loan_reaches_a_prefill_step_under_way():
     engine = make_engine(LlamaForCausalLM(LlamaConfig(**{**TINY, "num_hidden_layers": 8})).eval())
-    threads = ThreadCount()
-    seen: list[int] = []
+    threads = ThreadCount(1)
+    seen: list[tuple[int, bool]] = []
 
     def after_layer(layer: int, seqs: list) -> None:
         threads.apply()  # what the workers' hook does
-        seen.append(torch.get_num_threads())
+        seen.append((torch.get_num_threads(), threads.borrowed))
         if layer == 1:
             threads.want(2)  # the router lends (an actor thread, here mid-step)
         if layer == 5:
@@ -31,13 +31,14 @@ def test_a_loan_reaches_a_prefill_step_under_way():
     engine.set_prefill_layer_hook(after_layer)
     try:
         engine.generate([list(range(100, 400))], SamplingParams(max_tokens=1))
-        assert seen == [1, 1, 2, 2, 2, 2, 1, 1]  # one step (the prompt went whole), the loan between layers
+        # one step (the prompt went whole), the loan between layers
+        assert seen == [(1, False), (1, False), *[(2, True)] * 4, (1, False), (1, False)]
     finally:
         torch.set_num_threads(before)
 
 
 def test_applying_changes_only_what_was_asked_since():
-    threads = ThreadCount()
+    threads = ThreadCount(1)
     before = torch.get_num_threads()
     try:
         threads.apply()  # nothing asked: the count stays
@@ -48,7 +49,10 @@ def test_applying_changes_only_what_was_asked_since():
         torch.set_num_threads(2)  # a measurement sets its own count: not undone by the next layer's apply
         threads.apply()
         assert torch.get_num_threads() == 2
+        assert not threads.borrowed  # the count applied is its own
         with pytest.raises(ValueError, match="threads must be >= 1"):
             threads.want(0)
+        with pytest.raises(ValueError, match="own must be >= 1"):
+            ThreadCount(0)
     finally:
         torch.set_num_threads(before)

@@ -164,6 +164,21 @@ def test_a_remote_prompt_alone_on_its_prefill_worker_hides_its_transfer_behind_t
     assert slow.exposed_transfer_s(n, whole=True) < slow.exposed_transfer_s(n)
 
 
+def test_a_prompt_prefilled_on_borrowed_threads_pays_its_whole_transfer_after_the_prefill() -> None:
+    """The prefill worker holds a step's layers while it computes with a decode worker's threads
+    (`PrefillWorker._after_layer`): nothing of the transfer hides behind the prefill then."""
+    slow = measured_cost(bandwidth=10e6)
+    n = 1000
+    assert slow.exposed_transfer_s(n, whole=True, held=True) == slow.exposed_transfer_s(n, held=True) == \
+        pytest.approx(slow.transfer_s(n))
+    assert slow.exposed_transfer_s(n, whole=True) < slow.transfer_s(n)
+    own, borrowing = (make_policy("always_remote", slow).place(req(n, 16), pools([p], [dec()]))
+                      for p in (PrefillLoad("p", 0), PrefillLoad("p", 0, loan=Loan(0, 1.6, 2.0, to_decode=False))))
+    rest = slow.hop_s + slow.step_s(1) / 2
+    assert own.est_ttft_s == pytest.approx(rest + slow.prefill_s(n) + slow.exposed_transfer_s(n, whole=True))
+    assert borrowing.est_ttft_s == pytest.approx(rest + slow.prefill_s(n) / 1.6 + slow.transfer_s(n))
+
+
 def test_a_cost_model_written_before_chunking_reads_as_whole_prompts() -> None:
     d = measured_cost().to_dict()
     assert CostModel.from_dict(d) == measured_cost()
@@ -535,8 +550,9 @@ def test_a_prefill_worker_with_the_decode_worker_s_threads_prefills_faster_and_l
     borrowing = PrefillLoad("p", 2000, loan=Loan(0, 1.6, 2.0, to_decode=False))
     own, fast = (make_policy("always_remote", COST).place(req(1024, 16), pools([p], [dec()]))
                  for p in (PrefillLoad("p", 2000), borrowing))
-    exposed = COST.exposed_transfer_s(1024) + COST.hop_s + COST.step_s(1) / 2
-    assert fast.est_ttft_s - exposed == pytest.approx((own.est_ttft_s - exposed) / 1.6)
+    rest = COST.hop_s + COST.step_s(1) / 2  # and the transfer: all of it after a prefill on borrowed threads
+    assert fast.est_ttft_s - rest - COST.transfer_s(1024) == pytest.approx(
+        (own.est_ttft_s - rest - COST.exposed_transfer_s(1024)) / 1.6)
     state = pools([borrowing], [dec()])
     assert state.lending(0) == 0 and state.speedup(0) == 1.0  # D computes with its own threads
     assert _local(COST, req(1024, 16), state, 0).delay_s == pytest.approx(
