@@ -43,6 +43,7 @@ class AttnMetadata:
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_ctx] bool, None when lengths agree
     use_kernel: bool = False  # decode with the in-place kernel (CPU C build, CUDA Triton) instead of gather + SDPA
     prefill_kernel: bool = False  # chunks over a cached context on the CPU prefill kernel (`kernels.supports_prefill`)
+    prefill_kernel_whole: bool = False  # and chunks with none (`kernels.prefill_whole`); else causal SDPA
     layer_kv: bool = False  # `kv_cache` is already this layer's [2, KVH, blocks, block_size, D] (compiled decode)
 
 
@@ -73,7 +74,8 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     if nd and not written:
         outs.append(_decode(query[:, :, :nd], k_pool, v_pool, attn_meta, scaling))
     if attn_meta.prefill is not None:
-        outs.append(_prefill(query, key, value, k_pool, v_pool, attn_meta.prefill, scaling, attn_meta.prefill_kernel))
+        outs.append(_prefill(query, key, value, k_pool, v_pool, attn_meta.prefill, scaling, attn_meta.prefill_kernel,
+                             attn_meta.prefill_kernel_whole))
     return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)), None
 
 
@@ -91,15 +93,17 @@ def _kernel_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
 
 
 def _prefill(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_pool: torch.Tensor,
-             v_pool: torch.Tensor, slices: list[PrefillSlice], scaling: float | None, use_kernel: bool) -> torch.Tensor:
+             v_pool: torch.Tensor, slices: list[PrefillSlice], scaling: float | None, use_kernel: bool,
+             whole_on_kernel: bool = False) -> torch.Tensor:
     """Each chunk's queries over its own keys alone (causal SDPA), or over its cached context too: on the
     prefill kernel, in place, where `use_kernel` (and it takes the call), else gather + SDPA with the
-    chunk's mask. The chunks' K/V are in the pool already."""
+    chunk's mask. `whole_on_kernel`: chunks with no cached context go to the kernel too. The chunks' K/V
+    are in the pool already."""
     outs = []
     for s in slices:
         q = query[:, :, s.start:s.end]
         o = None
-        if s.num_cached and use_kernel:
+        if use_kernel and (s.num_cached or whole_on_kernel):
             scale = scaling if scaling is not None else q.shape[-1] ** -0.5
             o = kernels.prefill_attention(q[0], k_pool, v_pool, s.blocks[0], s.num_cached, scale)
         if o is not None:

@@ -69,8 +69,10 @@ class ModelRunner:
             self.use_kernel = triton_attention.available()
         else:
             self.use_kernel = kernels.supports(self.dtype, self.device, group)
-        # prompt chunks over a cached context on the CPU prefill kernel (AMX, bf16), else gather + SDPA
-        self.prefill_kernel = kernels.supports_prefill(self.dtype, self.device, layout.head_dim, layout.block_size)
+        # prompt chunks over a cached context on the CPU prefill kernel (bf16), else gather + SDPA; and prompts
+        # with none (first chunks) too where the kernel beats causal SDPA (no AMX tiles), else causal SDPA
+        self.prefill_kernel = kernels.supports_prefill(self.dtype, self.device, layout.head_dim)
+        self.prefill_kernel_whole = self.prefill_kernel and kernels.prefill_whole()
         self._step: Callable[..., torch.Tensor] | None = None  # the compiled decode step
         self._step_ready = False  # its graphs are warm: only the guards that tell them apart are checked
         self._layer_hook: Callable[[int], None] | None = None
@@ -201,7 +203,7 @@ class ModelRunner:
         ids = [s.last_token_id for s in decode]
         positions, slots, slices = [], [], []
         meta = AttnMetadata(slot_mapping=torch.empty(0, dtype=torch.long), num_decode=nd,
-                            prefill_kernel=self.prefill_kernel)
+                            prefill_kernel=self.prefill_kernel, prefill_kernel_whole=self.prefill_kernel_whole)
         if decode:
             table, ctx, decode_slots, mask = self._decode_inputs(decode)
             positions.append(ctx - 1)
@@ -215,9 +217,10 @@ class ModelRunner:
             positions.append(torch.arange(c.start, c.end))
             slots.append(self._slots(c.seq.block_table, c.start, c.end))
             blocks = mask = None
-            if c.start > 0:
+            if c.start > 0 or self.prefill_kernel_whole:
                 needed = -(-c.end // self.layout.block_size)  # the blocks up to the chunk's end
                 blocks = torch.tensor([c.seq.block_table[:needed]], dtype=torch.long, device=self.device)
+            if c.start > 0:
                 mask = _chunk_mask(c.start, c.end, self.kv.dtype).to(self.device)
             slices.append(PrefillSlice(n, n + c.end - c.start, c.start, blocks, mask))
             n += c.end - c.start

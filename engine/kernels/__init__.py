@@ -84,8 +84,15 @@ class Kernel:
 
     @property
     def has_prefill(self) -> bool:
-        """Whether this build holds the prefill attention kernel (the amx_bf16 build: AMX tiles, bf16)."""
+        """Whether this build holds the prefill attention kernel (bf16: the builds with AVX-512 BF16; on
+        AMX tiles in the amx_bf16 build, where the OS gives them)."""
         return hasattr(self.lib, _PREFILL_ENTRY)
+
+    @property
+    def prefill_whole(self) -> bool:
+        """Whether prompts with no cached context (first chunks) go to the prefill kernel too: where it
+        beats torch's causal flash attention, as the build says (`pdserve_prefill_attn_whole`)."""
+        return self.has_prefill and bool(self.lib.pdserve_prefill_attn_whole())
 
     def prefill_attention(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
                           start: int, scale: float) -> torch.Tensor | None:
@@ -94,13 +101,14 @@ class Kernel:
 
         Args:
             q: [H, n, D] bf16 queries (D one of `PREFILL_HEAD_DIMS`, contiguous in D).
-            k_pool, v_pool: [KVH, blocks, block_size, D] one layer's cache (block_size a multiple of
-                `PREFILL_BLOCK_MULTIPLE`), the chunk's own K/V already written.
+            k_pool, v_pool: [KVH, blocks, block_size, D] one layer's cache, the chunk's own K/V already
+                written (AMX tiles take block sizes that are multiples of `PREFILL_BLOCK_MULTIPLE`, the
+                dot products any).
             table: [>= ceil((start + n) / block_size)] int64 block ids of the sequence.
             start: the chunk's first position (its cached context). scale: softmax scale.
         Returns:
-            [H, n, D] bf16 (a view), or None where the kernel declined (no AMX tiles from the OS, or an
-            unsupported shape): the caller computes it another way.
+            [H, n, D] bf16 (a view), or None where the kernel declined (an unsupported shape): the caller
+            computes it another way.
         """
         if q.stride(-1) != 1:
             q = q.contiguous()
@@ -231,12 +239,12 @@ def _check_prefill(kernel: Kernel, g: torch.Generator) -> None:
 
     kvh, heads, bs, blocks = 2, 6, PREFILL_BLOCK_MULTIPLE, 12
     tables = torch.randperm(blocks, generator=g)
-    for d, start, n in [(d, start, n) for d in PREFILL_HEAD_DIMS for start, n in ((0, 1), (21, 40), (70, 3))]:
+    for d, start, n in [(d, start, n) for d in PREFILL_HEAD_DIMS for start, n in ((0, 1), (0, 37), (21, 40), (70, 3))]:
         k_pool, v_pool = (torch.randn(kvh, blocks, bs, d, generator=g).to(torch.bfloat16) for _ in range(2))
         q = torch.randn(heads, n, d, generator=g).to(torch.bfloat16)
         out = kernel.prefill_attention(q, k_pool, v_pool, tables, start, d ** -0.5)
         if out is None:
-            return  # the OS gave no AMX tiles: the kernel declines every call, callers use SDPA
+            raise KernelError(f"its prefill attention declined a shape it takes (head dim {d})")
         want = reference_prefill(q, k_pool, v_pool, tables, start, d ** -0.5)
         err = float((out.float() - want).abs().max())
         if not err <= 3e-2:
@@ -401,11 +409,17 @@ def supports(dtype: torch.dtype, device: torch.device, group: int) -> bool:
     return device.type == "cpu" and dtype in _ENTRY and group <= MAX_GROUP and active().kernel is not None
 
 
-def supports_prefill(dtype: torch.dtype, device: torch.device, head_dim: int, block_size: int) -> bool:
-    """Whether prompt chunks over a cached context run on this process's prefill attention kernel."""
+def supports_prefill(dtype: torch.dtype, device: torch.device, head_dim: int) -> bool:
+    """Whether prompt chunks over a cached context run on this process's prefill attention kernel (any block
+    size: the AMX tiles take multiples of `PREFILL_BLOCK_MULTIPLE`, dot products the rest)."""
     kernel = active().kernel if device.type == "cpu" else None
-    return (kernel is not None and kernel.has_prefill and dtype == torch.bfloat16 and head_dim in PREFILL_HEAD_DIMS
-            and block_size % PREFILL_BLOCK_MULTIPLE == 0)
+    return kernel is not None and kernel.has_prefill and dtype == torch.bfloat16 and head_dim in PREFILL_HEAD_DIMS
+
+
+def prefill_whole() -> bool:
+    """Whether prompts with no cached context run on this process's prefill kernel too (`Kernel.prefill_whole`)."""
+    kernel = active().kernel
+    return kernel is not None and kernel.prefill_whole
 
 
 def prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,

@@ -76,6 +76,9 @@ def test_compiled_decode_is_kept_in_bfloat16():
     engine = LLMEngine(EngineConfig(dtype="bfloat16", linear="plain", compile=True,
                                     cache=CacheConfig(memory_gib=0.25)), model=model, tokenizer=tokenizer)
     assert engine.runner.compiled
+    # prompts on SDPA, as `generate` computes them: the decode step is what this compares (the prefill kernel
+    # rounds this model's near-ties its own way: the test below)
+    engine.runner.prefill_kernel = engine.runner.prefill_kernel_whole = False
     prompts = [encode_prompt(tokenizer, c, chat=True) for c in CHATS]
     outs = engine.generate(prompts, SamplingParams(max_tokens=12))
     for out, prompt in zip(outs, prompts):  # near-ties late in a sequence may break either way in bf16
@@ -83,16 +86,19 @@ def test_compiled_decode_is_kept_in_bfloat16():
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
-def test_chunks_over_a_cached_prefix_run_on_the_amx_prefill_kernel_and_serve_what_generate_gives(monkeypatch):
-    """bf16 on an AMX machine: prompts that extend a cached system prompt are prefilled in chunks whose
-    attention over the cached context runs on the AMX prefill kernel (it is called, and never declines);
-    what they serve equals bf16 `generate` (the first tokens: near-ties later may break either way in bf16)."""
+def test_prompts_on_the_prefill_kernel_are_as_close_to_float32_as_bfloat16_allows(monkeypatch):
+    """bf16 on a machine with AVX-512 BF16: prompts that extend a cached system prompt are prefilled in
+    chunks whose attention over the cached context runs on the prefill kernel (it is called, and never
+    declines; without AMX tiles the system prompt's own first chunk runs there too). Their first tokens'
+    log-probabilities are within bf16's precision of the fp32 model's (this model's chat openings are
+    near-ties: 0.1 apart in fp32, which bf16 rounding may break either way, so tokens are not compared; bf16
+    logits of this size round in steps of 0.06-0.125, and a wrong kernel is off by more than 1)."""
     from engine import attention, kernels
 
-    if not kernels.supports_prefill(torch.bfloat16, torch.device("cpu"), 64, 16):
-        pytest.skip("the prefill kernel is the amx_bf16 build's: this CPU has no AMX (or no C compiler)")
+    if not kernels.supports_prefill(torch.bfloat16, torch.device("cpu"), 64):
+        pytest.skip("the prefill kernel is in the builds with AVX-512 BF16: this CPU has none (or no C compiler)")
     model, tokenizer = load_model(None, "bfloat16", "cpu")
-    ref = copy.deepcopy(model)
+    ref = copy.deepcopy(model).float()
     engine = LLMEngine(EngineConfig(dtype="bfloat16", linear="plain", prefill_chunk_tokens=40,
                                     cache=CacheConfig(memory_gib=0.25)), model=model, tokenizer=tokenizer)
     assert engine.runner.prefill_kernel
@@ -108,9 +114,13 @@ def test_chunks_over_a_cached_prefix_run_on_the_amx_prefill_kernel_and_serve_wha
     system = encode_prompt(tokenizer, CHATS[2], chat=True)
     engine.generate([system], SamplingParams(max_tokens=1))  # its full blocks are cached now
     prompts = [system + encode_prompt(tokenizer, c, chat=True) for c in CHATS]
-    outs = engine.generate(prompts, SamplingParams(max_tokens=10))
+    outs = engine.generate(prompts, SamplingParams(max_tokens=10, logprobs=5))
     assert calls and all(calls)
     assert all(o.num_cached_tokens >= len(system) // 16 * 16 for o in outs)
     for out, prompt in zip(outs, prompts):
-        assert out.output_token_ids[:6] == reference(ref, prompt, 10, tokenizer.eos_token_id)[:6]
+        with torch.no_grad():
+            want = torch.log_softmax(ref(torch.tensor([prompt])).logits[0, -1], -1)
+        got = out.logprobs[0]
+        assert list(got.top_logprobs) == pytest.approx([float(want[i]) for i in got.top_ids], abs=0.25)
+        assert out.finished and out.output_token_ids
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks

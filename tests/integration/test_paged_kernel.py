@@ -172,19 +172,21 @@ def test_every_build_binds_its_torch_operator(build):
         kernels._torch_op(sel.kernel)  # the process's operator serves its active build again
 
 
-PREFILL_BUILDS = [b for b in BUILDS if b.name == "amx_bf16"]
+PREFILL_BUILDS = [b for b in BUILDS if b.name in ("amx_bf16", "avx512_bf16")]
 
 
 @pytest.mark.parametrize("build", PREFILL_BUILDS, ids=[b.name for b in PREFILL_BUILDS])
 @pytest.mark.parametrize("d", kernels.PREFILL_HEAD_DIMS)
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1), (16, 2)])
-@pytest.mark.parametrize("bs", [16, 32])
-@pytest.mark.parametrize("start,n", [(0, 1), (1, 1), (5, 3), (16, 16), (17, 40), (31, 33), (100, 136), (700, 70)])
+@pytest.mark.parametrize("bs", [8, 16, 32])
+@pytest.mark.parametrize("start,n", [(0, 1), (1, 1), (5, 3), (16, 16), (17, 40), (31, 33), (100, 136), (700, 70),
+                                     (0, 300)])
 def test_prefill_kernel_matches_reference(build, d, heads, kv_heads, bs, start, n):
-    """A prompt chunk over its cached context on the AMX prefill kernel, head dims 64 and 128: chunks of
-    1 row to several tiles (partial ones), starting and ending inside blocks and tiles of 32 keys, scattered
-    block tables, GQA groups of 1 to 8; the pool past the context holds NaN, which must never be read into
-    the answer."""
+    """A prompt chunk over its cached context (or a whole prompt) on the prefill kernel, head dims 64 and
+    128, on AMX tiles (amx_bf16, blocks of 16 and 32) and AVX-512 BF16 dot products (avx512_bf16, and the
+    AMX build's blocks of 8): chunks of 1 row to several tiles (partial ones), starting and ending inside
+    blocks and tiles of 32 keys, scattered block tables, GQA groups of 1 to 8; the pool past the context
+    holds NaN, which must never be read into the answer."""
     kernel = _loaded(build)
     assert kernel.has_prefill
     g = torch.Generator().manual_seed(start * 7 + n + heads + bs + d)
@@ -207,19 +209,24 @@ def test_prefill_kernel_matches_reference(build, d, heads, kv_heads, bs, start, 
 
 @pytest.mark.parametrize("build", PREFILL_BUILDS, ids=[b.name for b in PREFILL_BUILDS])
 def test_prefill_kernel_declines_what_it_cannot_run(build):
-    """A block size that is no multiple of 16, a head dim other than 64 and 128: the kernel declines (None),
-    so the caller gathers instead."""
+    """A head dim other than 64 and 128: the kernel declines (None), so the caller gathers instead."""
     kernel = _loaded(build)
-    for bs, d in ((8, 64), (16, 80), (16, 96)):
+    for bs, d in ((8, 80), (16, 80), (16, 96)):
         pool = torch.zeros(1, 4, bs, d, dtype=torch.bfloat16)
         q = torch.zeros(1, 4, d, dtype=torch.bfloat16)
         assert kernel.prefill_attention(q, pool, pool, torch.arange(4), 10, 0.125) is None
 
 
-def test_only_the_amx_build_holds_the_prefill_kernel():
-    """The prefill kernel is the AMX build's alone; other builds serve chunks over a context with SDPA."""
+def test_the_builds_with_avx512_bf16_hold_the_prefill_kernel():
+    """The prefill kernel is in the builds with AVX-512 BF16; the others serve chunks over a context with
+    SDPA. Without AMX tiles the kernel takes whole prompts too (torch's flash attention is slower there)."""
     for build in BUILDS:
-        assert _loaded(build).has_prefill == (build.name == "amx_bf16")
+        kernel = _loaded(build)
+        assert kernel.has_prefill == (build in PREFILL_BUILDS)
+        if build.name == "avx512_bf16":
+            assert kernel.prefill_whole
+        if not kernel.has_prefill:
+            assert not kernel.prefill_whole
 
 
 @pytest.mark.parametrize("build", PREFILL_BUILDS, ids=[b.name for b in PREFILL_BUILDS])
@@ -248,6 +255,7 @@ def test_engine_prompt_chunks_on_the_prefill_kernel_are_as_exact_as_sdpa(build, 
                            model=copy.deepcopy(model).to(torch.bfloat16))
         assert engine.runner.prefill_kernel
         engine.runner.prefill_kernel = on
+        engine.runner.prefill_kernel_whole &= on
         engine.generate([prefix], SamplingParams(max_tokens=1))
         outs = engine.generate(prompts, SamplingParams(max_tokens=1, logprobs=5))
         assert all(o.num_cached_tokens == 144 for o in outs)  # the prefix's nine full blocks
