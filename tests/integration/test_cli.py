@@ -13,7 +13,9 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.model
 def test_generate_streams_text_and_prints_phase_split():
-    res = run_cli("generate", "What is the capital of France?", "--max-tokens", "24", "--threads", "2")
+    # fp32: the embedded model's first words here are near-ties that bf16 rounding may break either way
+    res = run_cli("generate", "What is the capital of France?", "--max-tokens", "24", "--threads", "2",
+                  "--dtype", "float32")
     assert res.returncode == 0, res.stderr
     assert "Paris" in res.stdout
     assert "prefill" in res.stderr and "decode" in res.stderr and "tok/s" in res.stderr
