@@ -112,7 +112,7 @@ class PrefillWorker(DecodeWorker):
         one computed without them). The loan means every core of the pair's node computes this step, so
         a transfer thread woken per layer, here and on the decode worker, preempts a thread of the
         engine's team, and the whole team waits at the layer's end each time: a lone 1024-token bf16
-        prompt with the loan prefilled in 0.83 s, layers streamed, and in 0.68 s (+ 0.02 s of transfer
+        prompt with the loan prefilled in 0.83 s, layers streamed, and in 0.68 s (+ 0.03 s of transfer
         after it), held (2-core AVX-512 BF16 node). On its own threads the step streams: the cores that
         are not its own carry the transfer, and the time it would add after the step stays hidden."""
         if layer == 0:  # a new step

@@ -975,7 +975,8 @@ static void px_pack(const uint16_t* k_head, const uint16_t* v_head, const int64_
     const __mmask16 live = real == 16 ? 0xffff : (__mmask16)((1u << real) - 1);
     uint32_t* kb = kt + (int64_t)(t0 / 16) * (D / 2) * 16;
     for (int p = 0; p < D / 2; p++)
-        _mm512_store_si512(kb + p * 16, _mm512_maskz_mov_epi32(live, _mm512_i32gather_epi32(idx, (const int*)k_head + p, 4)));
+        _mm512_store_si512(kb + p * 16,
+                           _mm512_maskz_mov_epi32(live, _mm512_i32gather_epi32(idx, (const int*)k_head + p, 4)));
     const __m512i lo = _mm512_loadu_si512(PX_LO), hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
     for (int j = 0; j < 16; j += 2) {
         const uint16_t* a = v_head + (int64_t)rows[j] * 2;
@@ -1061,7 +1062,8 @@ static void px_pack(const uint16_t* k_head, const uint16_t* v_head, const int64_
             const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(l[r]));                                 \
             uint16_t* dst = out + (int64_t)(i0 + r) * out_row + (int64_t)h * D;                                   \
             for (int f = 0; f < NF; f++)                                                                          \
-                _mm256_storeu_si256((__m256i*)(dst + f * 16), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(o[r][f], inv))); \
+                _mm256_storeu_si256((__m256i*)(dst + f * 16),                                                     \
+                                    (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(o[r][f], inv)));                    \
         }                                                                                                         \
     }
 PX_ROWS(px_rows64, 4, 4)
@@ -1095,7 +1097,8 @@ static int prefill_attn_avx512(const uint16_t* q, int64_t q_row, int64_t q_head,
         for (int task = 0; task < H * tiles; task++) { /* the last rows (most keys) first */
             const int h = task % H, i0 = (tiles - 1 - task / H) * R, kh = h / G;
             if (D == 64)
-                px_rows64(q, q_row, q_head, kt + kh * per_head, vp + kh * per_head, start, n, h, i0, scale, out, out_row);
+                px_rows64(q, q_row, q_head, kt + kh * per_head, vp + kh * per_head, start, n, h, i0, scale, out,
+                          out_row);
             else
                 px_rows128(q, q_row, q_head, kt + kh * per_head, vp + kh * per_head, start, n, h, i0, scale, out,
                            out_row);

@@ -5,7 +5,8 @@ One run on this machine, same model directory, same dtype: for each server
    lending each other their threads whenever one is idle; the fixed layouts: `always_remote` and `fixed` (`ratio`)
    on 1 + 1 without lending, colocated: `always_local` on 2 decode workers, the same two cores
    without disaggregation; `single`: one decode worker computing on both cores, every prompt local;
-   `flip`: `ratio` with an idle prefill worker flipped to decode instead (`PDSERVE_LAYOUTS`); vLLM's CPU build from its own venv, `bench/setup_vllm.sh`);
+   `flip`: `ratio` with an idle prefill worker flipped to decode instead (`PDSERVE_LAYOUTS`); vLLM's CPU
+   build from its own venv, `bench/setup_vllm.sh`);
 2. drive it with the load generator (`loadtest/`): open-loop Poisson sweeps of the decode-heavy,
    prompt-heavy and mixed workloads, and a closed loop of the decode-heavy one for saturated
    throughput;
