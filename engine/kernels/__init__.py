@@ -35,7 +35,7 @@ MAX_GROUP = 64  # query heads per kv head the portable kernel's stack arrays hol
 # Entry points by dtype, in the order `pdserve_bind` takes them (fp32, then bf16).
 _ENTRY = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
 _LINEAR_ENTRY = {torch.float32: "pdserve_linear_f32", torch.bfloat16: "pdserve_linear_bf16"}
-_PREFILL_ENTRY = "pdserve_prefill_attn_bf16"  # the amx_bf16 build's: bf16
+_PREFILL_ENTRY = "pdserve_prefill_attn_bf16"  # the builds with AVX-512 BF16 (AMX tiles in amx_bf16): bf16
 PREFILL_HEAD_DIMS, PREFILL_BLOCK_MULTIPLE = (64, 128), 16
 
 
