@@ -99,18 +99,21 @@ def time_mixed_step(engine: LLMEngine, batch: int, context: int, chunk: int, ste
 
 
 def time_threads_speedup(engine: LLMEngine, threads: int, rounds: int = 3, batch: int = 8, context: int = 16,
-                         prompt_tokens: int = 128) -> float:
-    """How much faster the engine computes with `threads` torch threads than with its current count:
-    the time of a decode step of `batch` sequences plus a prefill of `prompt_tokens`, with the current
-    count over with `threads`; the median of `rounds` interleaved pairs, after a warm-up of each (the
-    current count is restored; call after the engine's decode step is ready for both counts)."""
-    def work(n: int) -> float:
+                         prompt_tokens: int = 512) -> tuple[float, float]:
+    """How much faster the engine computes with `threads` torch threads than with its current count,
+    (decode, prefill) apart: a decode step of `batch` sequences and a prefill of `prompt_tokens`, each
+    timed with the current count over with `threads`; the medians of `rounds` interleaved pairs, after
+    a warm-up of each (the current count is restored; call after the engine's decode step is ready for
+    both counts)."""
+    def work(n: int) -> tuple[float, float]:
         torch.set_num_threads(n)
-        return time_decode_steps(engine, [batch], context)[0] + time_prefill(engine, prompt_tokens)
+        return time_decode_steps(engine, [batch], context)[0], time_prefill(engine, prompt_tokens)
 
     own = torch.get_num_threads()
     try:
         work(own), work(threads)  # one-off costs (new shapes, thread pools) stay out of the ratios
-        return statistics.median(work(own) / work(threads) for _ in range(rounds))
+        pairs = [(work(own), work(threads)) for _ in range(rounds)]
     finally:
         torch.set_num_threads(own)
+    return (statistics.median(slow[0] / fast[0] for slow, fast in pairs),
+            statistics.median(slow[1] / fast[1] for slow, fast in pairs))

@@ -8,8 +8,8 @@ threads to the other):
 1. At start the router pairs each prefill worker with a decode worker on the same Ray node (one
    each; workers on nodes of their own stay unpaired); each paired decode worker compiles its decode
    step for the lent thread count then (a compiled step is specialised to its thread count) and
-   measures how much faster it computes with it (`WorkerBase.profile_threads`), which the policy
-   prices loans with. Threads are CPU compute: `pdserve serve` lends only between CPU workers (a GPU
+   measures how much faster it decodes and prefills with it (`WorkerBase.profile_threads`), which the
+   policy prices loans with. Threads are CPU compute: `pdserve serve` lends only between CPU workers (a GPU
    worker's compute is its device; flipping roles moves that).
 2. After every load poll, `rebalance` looks at the router's book: a decode worker that has computed
    nothing (no request decoding or prefilling there; those waiting for their KV do not count) for
@@ -69,6 +69,7 @@ if TYPE_CHECKING:
     from router.pools import Pools
 
 from router.policy import Loan
+from worker_core.protocol import ThreadSpeedup
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +114,7 @@ class Elastic(Protocol):
 class _Pair:
     prefill: int  # index into the pools
     decode: int
-    speedup: float  # how much faster a worker of the pair computes with both workers' threads
+    speedup: ThreadSpeedup  # how much faster a worker of the pair computes with both workers' threads
     idle_polls: int = 0  # consecutive polls with nothing queued on the prefill worker
     quiet_polls: int = 0  # consecutive polls with nothing computing on the decode worker
     lent: bool = False  # the decode worker computes with both workers' threads
@@ -123,11 +124,12 @@ class _Pair:
 
 class ThreadLender:
     """Args: pools: the live workers; pairs: (prefill index, decode index, how much faster either
-    computes with both workers' threads) of workers sharing a node; threads: each worker's own thread
-    count; poll_s: seconds between the router's load polls (a loan comes `IDLE_POLLS` polls after the
-    lender runs out of work)."""
+    decodes and prefills with both workers' threads) of workers sharing a node; threads: each worker's
+    own thread count; poll_s: seconds between the router's load polls (a loan comes `IDLE_POLLS` polls
+    after the lender runs out of work)."""
 
-    def __init__(self, pools: Pools, pairs: list[tuple[int, int, float]], threads: int, poll_s: float) -> None:
+    def __init__(self, pools: Pools, pairs: list[tuple[int, int, ThreadSpeedup]], threads: int,
+                 poll_s: float) -> None:
         self._pools, self._threads = pools, threads
         self._pairs = [_Pair(p, d, speedup) for p, d, speedup in pairs]
         self.relend_s = IDLE_POLLS * poll_s
@@ -138,9 +140,9 @@ class ThreadLender:
     def on_same_nodes(cls, pools: Pools, threads: int, poll_s: float) -> ThreadLender:
         """Pair the workers by the Ray node they run on; each paired decode worker compiles its decode
         step for the lent thread count now rather than at its first loan, and measures what the loan
-        buys it (a decode step and a prefill: the same engine on the same node, so the prefill worker
-        is taken to gain as much; at least 1: a noisy measurement never makes a loan look harmful)
-        (blocking, seconds)."""
+        buys it, decode steps and prefills apart (the same engine on the same node, so the prefill
+        worker is taken to gain as much; at least 1: a noisy measurement never makes a loan look
+        harmful) (blocking, seconds)."""
         nodes = ray.get([w.node_id.remote() for w in pools.prefill + pools.decode])
         prefill_nodes, decode_nodes = nodes[:len(pools.prefill)], nodes[len(pools.prefill):]
         free = list(range(len(decode_nodes)))
@@ -151,19 +153,24 @@ class ThreadLender:
                 free.remove(d)
                 pairs.append((p, d))
         ray.get([pools.decode[d].prepare_threads.remote(2 * threads) for _, d in pairs])
-        speedups = ray.get([pools.decode[d].profile_threads.remote(2 * threads) for _, d in pairs])
-        for (p, d), speedup in zip(pairs, speedups):
-            log.info("decode worker %d computes %.2fx as fast with prefill worker %d's threads", d, speedup, p)
-        return cls(pools, [(p, d, max(1.0, s)) for (p, d), s in zip(pairs, speedups)], threads, poll_s)
+        measured: list[ThreadSpeedup] = ray.get([pools.decode[d].profile_threads.remote(2 * threads)
+                                                 for _, d in pairs])
+        speedups = [ThreadSpeedup(max(1.0, s.decode), max(1.0, s.prefill)) for s in measured]
+        for (p, d), s in zip(pairs, speedups):
+            log.info("decode worker %d decodes %.2fx and prefills %.2fx as fast with prefill worker %d's threads",
+                     d, s.decode, s.prefill, p)
+        return cls(pools, [(p, d, s) for (p, d), s in zip(pairs, speedups)], threads, poll_s)
 
     @property
     def pairs(self) -> list[tuple[int, int]]:
         return [(x.prefill, x.decode) for x in self._pairs]
 
     def describe(self) -> str:
-        """The pairs for a start-up line, e.g. "prefill worker 0 and decode worker 0 (1.54x faster with both's)"."""
-        return "; ".join(f"prefill worker {x.prefill} and decode worker {x.decode} ({x.speedup:.2f}x faster "
-                         "with both's)" for x in self._pairs) or "none (no prefill and decode worker share a node)"
+        """The pairs for a start-up line, e.g. "prefill worker 0 and decode worker 0 (decode 1.25x, prefill
+        1.85x faster with both's)"."""
+        return "; ".join(f"prefill worker {x.prefill} and decode worker {x.decode} (decode {x.speedup.decode:.2f}x, "
+                         f"prefill {x.speedup.prefill:.2f}x faster with both's)"
+                         for x in self._pairs) or "none (no prefill and decode worker share a node)"
 
     @property
     def moved(self) -> int:
@@ -182,7 +189,7 @@ class ThreadLender:
         return any(x.borrowed and x.prefill == prefill for x in self._pairs)
 
     def loans(self) -> dict[int, Loan]:
-        return {x.prefill: Loan(x.decode, x.speedup, self.relend_s, to_decode=x.lent)
+        return {x.prefill: Loan(x.decode, x.speedup.decode, x.speedup.prefill, self.relend_s, to_decode=x.lent)
                 for x in self._pairs if x.lent or x.borrowed}
 
     def rebalance(self, queued_tokens: list[int], decoding: list[int]) -> None:

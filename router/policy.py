@@ -8,9 +8,10 @@ local pays D's queued local prefills and the prefill in chunks, each in a step t
 running batch (what that adds is measured), and D's batch loses what those steps take beyond its own
 decode steps (requests there still waiting for their KV lose nothing: under a burst of long prompts
 D prefills its share instead of leaving every prompt queued on P). A decode worker computing with a
-prefill worker's lent threads (`Loan`) is that much faster at both, and a prompt sent to that prefill
-worker takes the threads back, priced as what the borrower's running batch loses until they are
-lent again; a prefill worker computing with a decode worker's threads prefills that much faster,
+prefill worker's lent threads (`Loan`) decodes and prefills that much faster (each by its own
+measured factor: a prefill gains more from a core than a decode step), and a prompt sent to that
+prefill worker takes the threads back, priced as what the borrower's running batch loses until they
+are lent again; a prefill worker computing with a decode worker's threads prefills that much faster,
 and a local prefill on that decode worker takes them back, priced as the delay it adds to P's
 queue. Each option costs (TTFT + that delay) / TTFT target + decode slowdown + crowding (what one
 more sequence in D's batch costs those already there)
@@ -59,19 +60,23 @@ class RequestFeatures:
 class Loan:
     """Threads lent between a prefill worker and decode worker `decode` on one node
     (`router.elastic.ThreadLender`): the prefill worker's to the decode worker (`to_decode`), or the
-    decode worker's to the prefill worker. The borrower computes `speedup` times faster with them
-    (measured); the lender takes them back when it gets work, until `relend_s` after it runs out."""
+    decode worker's to the prefill worker. With them the borrower decodes `decode_speedup` and prefills
+    `prefill_speedup` times faster (measured); the lender takes them back when it gets work, until
+    `relend_s` after it runs out."""
 
     decode: int
-    speedup: float
+    decode_speedup: float
+    prefill_speedup: float
     relend_s: float
     to_decode: bool = True
 
     def __post_init__(self) -> None:
         if self.decode < 0:
             raise ValueError(f"decode must be an index >= 0, got {self.decode}")
-        if not (math.isfinite(self.speedup) and self.speedup >= 1):
-            raise ValueError(f"speedup must be a finite number >= 1, got {self.speedup!r}")
+        for name in ("decode_speedup", "prefill_speedup"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 1):
+                raise ValueError(f"{name} must be a finite number >= 1, got {value!r}")
         if not (math.isfinite(self.relend_s) and self.relend_s >= 0):
             raise ValueError(f"relend_s must be a finite number >= 0, got {self.relend_s!r}")
 
@@ -147,10 +152,10 @@ class PoolState:
                 raise ValueError(f"prefill worker {p.worker_id} lends to decode index {p.loan.decode}, "
                                  f"beyond the {len(self.decode)} decode workers")
 
-    def speedup(self, decode: int) -> float:
-        """How much faster than calibrated decode worker `decode` computes now (threads lent to it)."""
-        return max((p.loan.speedup for p in self.prefill
-                    if p.loan is not None and p.loan.to_decode and p.loan.decode == decode), default=1.0)
+    def lent_to(self, decode: int) -> Loan | None:
+        """The loan of a prefill worker's threads decode worker `decode` computes with now, if any."""
+        return next((p.loan for p in self.prefill
+                     if p.loan is not None and p.loan.to_decode and p.loan.decode == decode), None)
 
     def lending(self, decode: int) -> int | None:
         """The prefill worker computing with decode worker `decode`'s threads now, if any."""
@@ -231,8 +236,9 @@ def _remote(cost: CostModel, req: RequestFeatures, state: PoolState, p: int, d: 
     load = state.prefill[p]
     lent = load.loan if load.loan and load.loan.to_decode else None  # the prompt takes P's threads back
     borrowing = bool(load.loan and not load.loan.to_decode)  # P computes with D's threads (and holds its layers)
-    fast = load.loan.speedup if borrowing else 1.0
-    step = cost.step_s(state.decode[d].running + 1) / (1.0 if lent and lent.decode == d else state.speedup(d))
+    fast = load.loan.prefill_speedup if borrowing else 1.0
+    on_d = None if lent and lent.decode == d else state.lent_to(d)  # the prompt takes back what P lent D
+    step = cost.step_s(state.decode[d].running + 1) / (on_d.decode_speedup if on_d else 1.0)
     n = _uncached(req, load.cached_tokens)  # what P computes; it ships what D lacks
     prefill, slowdown = cost.prefill_s(n) / fast, 1.0
     if load.decoding:  # flipped to decode: the prompt's chunks run beside P's own batch, which they hold up
@@ -241,7 +247,7 @@ def _remote(cost: CostModel, req: RequestFeatures, state: PoolState, p: int, d: 
     queued = load.queued_tokens * cost.prefill.per_unit_s / fast
     if lent:  # the borrower's decoding batch runs 1 / speedup as fast until the threads are lent again
         borrower = state.decode[lent.decode]
-        lost = (queued + prefill + lent.relend_s) * (1 - 1 / lent.speedup)
+        lost = (queued + prefill + lent.relend_s) * (1 - 1 / lent.decode_speedup)
         slowdown += (borrower.running - borrower.awaiting_kv) * lost / (req.expected_output_tokens * step)
     alone = not load.queued_tokens and not load.decoding  # P prefills the prompt whole (engine.scheduler)
     ttft = (queued + prefill + cost.exposed_transfer_s(_uncached(req, state.decode[d].cached_tokens), alone, borrowing)
@@ -250,20 +256,22 @@ def _remote(cost: CostModel, req: RequestFeatures, state: PoolState, p: int, d: 
 
 
 def _local(cost: CostModel, req: RequestFeatures, state: PoolState, d: int) -> _Option:
-    load, speedup = state.decode[d], state.speedup(d)  # lent threads speed D's prefill and steps alike
-    step = cost.step_s(load.running + 1) / speedup
+    load, loan = state.decode[d], state.lent_to(d)  # lent threads speed D's steps and prefills, each its own way
+    decode_speedup, prefill_speedup = (loan.decode_speedup, loan.prefill_speedup) if loan else (1.0, 1.0)
+    step = cost.step_s(load.running + 1) / decode_speedup
     decoding = load.running - load.awaiting_kv  # the rest wait for their KV from a prefill worker
     n = _uncached(req, load.cached_tokens)  # D's cache serves the rest
     queued = cost.local_prefill_s(load.queued_prefill_tokens) if load.queued_prefill_tokens else 0.0
-    ttft = (queued + cost.local_prefill_wall_s(n, decoding)) / speedup + step / 2
+    ttft = (queued + cost.local_prefill_wall_s(n, decoding)) / prefill_speedup + step / 2
     # what the chunks cost the sequences they hold up (D's decoding batch + this request, standing for its
     # co-arrivals), spread over this request's output
-    stall = cost.local_stall_s(n, decoding) / speedup
+    stall = cost.local_stall_s(n, decoding) / prefill_speedup
     slowdown = 1.0 + (decoding + 1) * stall / (req.expected_output_tokens * step)
     delay = 0.0
     if (p := state.lending(d)) is not None and not load.arriving:  # D takes its threads back: P's queue computes
         # 1 / speedup as fast
-        delay = state.prefill[p].queued_tokens * cost.prefill.per_unit_s * (1 - 1 / state.prefill[p].loan.speedup)
+        delay = (state.prefill[p].queued_tokens * cost.prefill.per_unit_s
+                 * (1 - 1 / state.prefill[p].loan.prefill_speedup))
     return _Option("local", None, d, ttft, step * slowdown, slowdown, n, _crowding(cost, load.running), delay)
 
 

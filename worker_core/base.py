@@ -24,7 +24,7 @@ from engine.block_manager import CacheDelta
 from engine.command_loop import OwnerThread, Round, Stopped
 from engine.profiling import time_prefill, time_threads_speedup
 from kv_transfer import PeerInfo, TransferConfig, make_connector
-from worker_core.protocol import LoadReport, StepTotals, WorkerInfo
+from worker_core.protocol import LoadReport, StepTotals, ThreadSpeedup, WorkerInfo
 
 LOG_LEVEL_ENV = "PDSERVE_WORKER_LOG_LEVEL"  # set by `pdserve serve` (its --log-level) for its workers' processes
 _LOGGERS = ("engine", "worker_core", "prefill_worker", "decode_worker", "kv_transfer")
@@ -212,10 +212,11 @@ class WorkerBase:
         decode step is compiled for that thread count now (seconds; call before serving)."""
         self._owner.call(lambda: self.engine.runner.prepare_threads(threads))
 
-    def profile_threads(self, threads: int) -> float:
-        """How much faster this worker's engine computes with `threads` threads than with its own (call
-        while idle, after `prepare_threads(threads)`)."""
-        return self._owner.call(lambda: time_threads_speedup(self.engine, threads))
+    def profile_threads(self, threads: int) -> ThreadSpeedup:
+        """How much faster this worker's engine decodes and prefills with `threads` threads than with its
+        own (call while idle, after `prepare_threads(threads)`)."""
+        decode, prefill = self._owner.call(lambda: time_threads_speedup(self.engine, threads))
+        return ThreadSpeedup(decode, prefill)
 
     def profile_prefill(self, lengths: list[int]) -> list[float]:
         """Seconds of a prefill of each prompt length, on this worker's engine (call while idle)."""

@@ -69,6 +69,17 @@ class WorkerInfo:
 
 
 @dataclass(frozen=True)
+class ThreadSpeedup:
+    """How much faster a worker's engine computes with more threads than with its own
+    (`WorkerBase.profile_threads`), its decode steps and its prefills apart: a prefill is compute-bound
+    and gains nearly all of another core, a decode step of a few rows much less. Both >= 1 as the router
+    keeps them (a noisy measurement never makes more threads look harmful)."""
+
+    decode: float
+    prefill: float
+
+
+@dataclass(frozen=True)
 class StepTotals:
     """A worker's engine steps since its engine started (`LoadReport.steps`): the phase split of its
     time that `pdserve_engine_*` shows, and what `pdserve plan --validate` sets beside the cost

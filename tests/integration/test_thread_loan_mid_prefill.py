@@ -4,13 +4,16 @@ step of seconds; at the step's end the loan would come too late). A real engine 
 eight layers."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from engine import SamplingParams
+from engine.profiling import time_threads_speedup
 from tests.conftest import TINY
-from tests.integration.test_engine_correctness import make_engine
+from tests.integration.test_engine_correctness import assert_all_free, make_engine
 from worker_core.base import ThreadCount
 
 
@@ -56,3 +59,21 @@ def test_applying_changes_only_what_was_asked_since():
             ThreadCount(0)
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_loan_s_speedup_is_measured_for_decode_steps_and_prefills_apart():
+    """What a lent thread buys a worker, as `WorkerBase.profile_threads` measures it: a decode step and
+    a prefill each timed on the engine's own count and on the lent one; the own count is restored and no
+    request is left behind."""
+    engine = make_engine(LlamaForCausalLM(LlamaConfig(**TINY)).eval())
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        speedup = time_threads_speedup(engine, 2, rounds=1, batch=2, prompt_tokens=64)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    assert isinstance(speedup, tuple) and len(speedup) == 2
+    assert all(math.isfinite(s) and s > 0 for s in speedup)
+    assert not engine.has_unfinished()
+    assert_all_free(engine)

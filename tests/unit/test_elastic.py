@@ -9,6 +9,7 @@ from types import SimpleNamespace
 from router.book import DecodeSlot, PoolBook, PrefillSlot
 from router.elastic import RoleFlipper, ThreadLender
 from router.policy import Loan, Placement
+from worker_core.protocol import ThreadSpeedup
 
 
 class FakeWorker:
@@ -35,7 +36,7 @@ def fake_pools(prefill: int, decode: int) -> tuple[SimpleNamespace, list]:
 
 def lender(pairs=((0, 0),), prefill: int = 1, decode: int = 1, threads: int = 1):
     pools, calls = fake_pools(prefill, decode)
-    return ThreadLender(pools, [(p, d, 1.5) for p, d in pairs], threads, poll_s=1.0), calls, pools
+    return ThreadLender(pools, [(p, d, ThreadSpeedup(1.5, 1.8)) for p, d in pairs], threads, poll_s=1.0), calls, pools
 
 
 async def settle() -> None:
@@ -55,7 +56,7 @@ def test_threads_are_lent_to_decode_after_two_idle_polls_and_come_back_with_a_pr
         lend.rebalance([0], BUSY)
         await settle()
         assert calls == [("decode", 0, 4)] and lend.lent_to(0) and lend.lent_count == 1 and lend.moved == 1
-        assert lend.loans() == {0: Loan(0, 1.5, 2.0)}  # back two polls after the lender's queue empties
+        assert lend.loans() == {0: Loan(0, 1.5, 1.8, 2.0)}  # back two polls after the lender's queue empties
         lend.rebalance([0], BUSY)
         await settle()
         assert calls == [("decode", 0, 4)]  # lent once, not again every poll
@@ -79,7 +80,7 @@ def test_an_idle_decode_worker_lends_its_threads_to_prefill_until_a_request_comp
             lend.rebalance([0], [0])
         await settle()
         assert calls == [("prefill", 0, 2)] and lend.borrowing(0) and lend.borrowed_count == 1
-        assert lend.loans() == {0: Loan(0, 1.5, 2.0, to_decode=False)} and lend.moved == 0
+        assert lend.loans() == {0: Loan(0, 1.5, 1.8, 2.0, to_decode=False)} and lend.moved == 0
         lend.reclaim(0)  # a prompt for the prefill worker: it keeps computing with both workers' threads
         for queued in (900, 400):
             lend.rebalance([queued], [0])

@@ -173,7 +173,7 @@ def test_a_prompt_prefilled_on_borrowed_threads_pays_its_whole_transfer_after_th
         pytest.approx(slow.transfer_s(n))
     assert slow.exposed_transfer_s(n, whole=True) < slow.transfer_s(n)
     own, borrowing = (make_policy("always_remote", slow).place(req(n, 16), pools([p], [dec()]))
-                      for p in (PrefillLoad("p", 0), PrefillLoad("p", 0, loan=Loan(0, 1.6, 2.0, to_decode=False))))
+                      for p in (PrefillLoad("p", 0), PrefillLoad("p", 0, loan=Loan(0, 1.6, 1.6, 2.0, to_decode=False))))
     rest = slow.hop_s + slow.step_s(1) / 2
     assert own.est_ttft_s == pytest.approx(rest + slow.prefill_s(n) + slow.exposed_transfer_s(n, whole=True))
     assert borrowing.est_ttft_s == pytest.approx(rest + slow.prefill_s(n) / 1.6 + slow.transfer_s(n))
@@ -495,8 +495,10 @@ def test_a_burst_of_long_prompts_shares_the_prefill_between_the_pools() -> None:
 
 # --- lent threads: the borrower computes faster; a prompt sent to the lender costs the borrower's batch ---
 
-def lent(queued: int = 0, speedup: float = 1.75, relend_s: float = 2.0) -> PrefillLoad:
-    return PrefillLoad("p", queued, loan=Loan(0, speedup, relend_s))
+def lent(queued: int = 0, speedup: float = 1.75, relend_s: float = 2.0, prefill_speedup: float | None = None
+         ) -> PrefillLoad:
+    return PrefillLoad("p", queued, loan=Loan(0, speedup, speedup if prefill_speedup is None else prefill_speedup,
+                                              relend_s))
 
 
 def test_a_loan_speeds_the_borrower_s_local_estimates_by_its_measured_speedup() -> None:
@@ -505,6 +507,20 @@ def test_a_loan_speeds_the_borrower_s_local_estimates_by_its_measured_speedup() 
     loaned = make_policy("always_local", COST).place(req(n, out), pools([lent()], [dec(running)]))
     assert loaned.est_ttft_s == pytest.approx(own.est_ttft_s / 1.75)
     assert loaned.est_tpot_s == pytest.approx(own.est_tpot_s / 1.75)  # the stall shrinks with the steps
+
+
+def test_a_loan_speeds_the_borrower_s_prefill_and_its_decode_steps_each_by_its_own_factor() -> None:
+    """A prefill gains more from a lent core than a decode step: the local path's prompt (and the stall
+    its chunks put on the batch) is priced at the prefill speedup, its steps at the decode speedup."""
+    n, out, running, dsp, psp = 600, 100, 6, 1.2, 1.9
+    loaned = _local(COST, req(n, out), pools([lent(speedup=dsp, prefill_speedup=psp)], [dec(running)]), 0)
+    step = COST.step_s(running + 1) / dsp
+    assert loaned.ttft_s == pytest.approx(COST.local_prefill_wall_s(n, running) / psp + step / 2)
+    assert loaned.tpot_s == pytest.approx(step + (running + 1) * COST.local_stall_s(n, running) / psp / out)
+    # a prompt sent to the lender costs the borrower's batch what its decode steps lose, not its prefills
+    remote = _remote_option(req(n, out), pools([lent(speedup=dsp, prefill_speedup=psp)], [dec(running)]))
+    lost = (COST.prefill_s(n) + 2.0) * (1 - 1 / dsp)
+    assert remote.slowdown == pytest.approx(1 + running * lost / (out * COST.step_s(running + 1)))
 
 
 def test_a_prompt_sent_to_a_lender_prices_the_loan_its_borrower_s_batch_loses() -> None:
@@ -532,14 +548,16 @@ def _remote_option(request: RequestFeatures, state: PoolState):
 
 
 def test_loans_are_checked() -> None:
-    with pytest.raises(ValueError, match="speedup"):
-        Loan(0, 0.9, 1.0)
+    with pytest.raises(ValueError, match="decode_speedup"):
+        Loan(0, 0.9, 1.5, 1.0)
+    with pytest.raises(ValueError, match="prefill_speedup"):
+        Loan(0, 1.5, float("nan"), 1.0)
     with pytest.raises(ValueError, match="relend_s"):
-        Loan(0, 1.5, -1.0)
+        Loan(0, 1.5, 1.5, -1.0)
     with pytest.raises(ValueError, match="decode index 3"):
-        PoolState((PrefillLoad("p", 0, loan=Loan(3, 1.5, 1.0)),), (dec(),))
-    assert pools([lent()], [dec(), dec(wid="e")]).speedup(0) == 1.75
-    assert pools([lent()], [dec(), dec(wid="e")]).speedup(1) == 1.0
+        PoolState((PrefillLoad("p", 0, loan=Loan(3, 1.5, 1.5, 1.0)),), (dec(),))
+    assert pools([lent()], [dec(), dec(wid="e")]).lent_to(0).decode_speedup == 1.75
+    assert pools([lent()], [dec(), dec(wid="e")]).lent_to(1) is None
 
 
 def test_a_prefill_worker_with_the_decode_worker_s_threads_prefills_faster_and_local_prefill_takes_them_back(
@@ -547,14 +565,14 @@ def test_a_prefill_worker_with_the_decode_worker_s_threads_prefills_faster_and_l
     """Prompt-heavy, the decode worker idle and its threads lent to the prefill worker: remote prefill
     (and P's queue) is that much faster; a local prefill on D would take the threads back and delay
     every prompt queued on P, which is priced."""
-    borrowing = PrefillLoad("p", 2000, loan=Loan(0, 1.6, 2.0, to_decode=False))
+    borrowing = PrefillLoad("p", 2000, loan=Loan(0, 1.2, 1.6, 2.0, to_decode=False))  # prefills 1.6x as fast
     own, fast = (make_policy("always_remote", COST).place(req(1024, 16), pools([p], [dec()]))
                  for p in (PrefillLoad("p", 2000), borrowing))
     rest = COST.hop_s + COST.step_s(1) / 2  # and the transfer: all of it after a prefill on borrowed threads
     assert fast.est_ttft_s - rest - COST.transfer_s(1024) == pytest.approx(
         (own.est_ttft_s - rest - COST.exposed_transfer_s(1024)) / 1.6)
     state = pools([borrowing], [dec()])
-    assert state.lending(0) == 0 and state.speedup(0) == 1.0  # D computes with its own threads
+    assert state.lending(0) == 0 and state.lent_to(0) is None  # D computes with its own threads
     assert _local(COST, req(1024, 16), state, 0).delay_s == pytest.approx(
         2000 * COST.prefill.per_unit_s * (1 - 1 / 1.6))
     assert _local(COST, req(1024, 16), pools([PrefillLoad("p", 2000)], [dec()]), 0).delay_s == 0.0
@@ -565,7 +583,7 @@ def test_a_local_prompt_waiting_for_kv_on_its_way_to_d_takes_no_lent_threads_bac
     """The n choices of one prompt: the first's KV is on its way to D (arriving) while P prefills it with
     D's threads. A local choice there waits for that KV and computes only the rest, and it takes no
     threads back: no delay is charged to P's queue, and the ratio policy keeps it on D."""
-    borrowing = PrefillLoad("p", 2000, loan=Loan(0, 1.6, 2.0, to_decode=False), cached_tokens=1008)
+    borrowing = PrefillLoad("p", 2000, loan=Loan(0, 1.6, 1.6, 2.0, to_decode=False), cached_tokens=1008)
     arriving, held = dec(cached_tokens=1008, arriving=True), dec(cached_tokens=1008)
     assert _local(COST, req(1024, 16), pools([borrowing], [arriving]), 0).delay_s == 0.0
     assert _local(COST, req(1024, 16), pools([borrowing], [held]), 0).delay_s > 0
