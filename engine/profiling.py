@@ -3,6 +3,7 @@ time by batch size, and a step that prefills a chunk beside a decode batch, meas
 engine before it serves."""
 from __future__ import annotations
 
+import itertools
 import random
 import statistics
 import time
@@ -13,6 +14,16 @@ from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 
 
+_PROBES = itertools.count()  # probes run in this process so far (`_rng`)
+
+
+def _rng(seed: int) -> random.Random:
+    """The random prompts of one probe, from `seed` and this process's probe count: a probe repeated on
+    the same engine (a speedup measured in rounds, a second calibration by a router that adopts a live
+    worker) draws new prompts, and never times a prefill of the few tokens its prefix cache lacks."""
+    return random.Random(f"{seed}:{next(_PROBES)}")
+
+
 def _prompt(engine: LLMEngine, n: int, rng: random.Random) -> list[int]:
     return [rng.randrange(engine.vocab_size) for _ in range(n)]  # random: no prefix-cache hits
 
@@ -20,7 +31,7 @@ def _prompt(engine: LLMEngine, n: int, rng: random.Random) -> list[int]:
 def time_prefill(engine: LLMEngine, num_tokens: int, seed: int = 0) -> float:
     """Seconds to prefill a `num_tokens` prompt, every chunk of it (engine otherwise idle)."""
     assert not engine.has_unfinished(), "profile an idle engine"
-    rng = random.Random(seed)
+    rng = _rng(seed)
     rid = engine.add_request(_prompt(engine, num_tokens, rng), SamplingParams(max_tokens=1, ignore_eos=True),
                              request_id=f"profile-prefill-{num_tokens}-{seed}")
     t0 = time.perf_counter()
@@ -54,7 +65,7 @@ def time_decode_steps(engine: LLMEngine, batches: list[int], context: int, steps
     tokens. One prefill serves every size: the largest batch is started and stepped once untimed (a
     first step pays one-off costs), then timed, then aborted down to each smaller size in turn."""
     sizes = sorted(set(batches), reverse=True)
-    ids = _decoding(engine, sizes[0], context, len(sizes) * steps + 1, random.Random(seed), f"decode-{seed}")
+    ids = _decoding(engine, sizes[0], context, len(sizes) * steps + 1, _rng(seed), f"decode-{seed}")
     try:
         engine.step()
         median: dict[int, float] = {}
@@ -81,7 +92,7 @@ def time_mixed_step(engine: LLMEngine, batch: int, context: int, chunk: int, ste
     assert batch < sched.max_num_seqs, "a sequence slot must stay free for the chunk"
     chunk = min(chunk, sched.prefill_chunk_tokens, sched.max_num_batched_tokens - batch)
     assert chunk >= 1, "the step's token budget has no room for a chunk beside the batch"
-    rng = random.Random(seed)
+    rng = _rng(seed)
     ids = _decoding(engine, batch, context, steps, rng, f"mixed-{seed}")
     try:
         times = []

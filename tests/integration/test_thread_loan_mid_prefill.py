@@ -11,7 +11,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from engine import SamplingParams
-from engine.profiling import time_threads_speedup
+from engine.profiling import time_prefill, time_threads_speedup
 from tests.conftest import TINY
 from tests.integration.test_engine_correctness import assert_all_free, make_engine
 from worker_core.base import ThreadCount
@@ -76,4 +76,15 @@ def test_the_loan_s_speedup_is_measured_for_decode_steps_and_prefills_apart():
     assert isinstance(speedup, tuple) and len(speedup) == 2
     assert all(math.isfinite(s) and s > 0 for s in speedup)
     assert not engine.has_unfinished()
+    assert_all_free(engine)
+
+
+def test_a_repeated_prefill_probe_computes_its_whole_prompt_every_time():
+    """The engine's prefix cache keeps a finished prompt's blocks: a probe that drew the same prompt again
+    (the speedup's rounds, a second calibration) would time a prefill of its last few tokens."""
+    engine = make_engine(LlamaForCausalLM(LlamaConfig(**TINY)).eval())
+    for seed in (0, 0, 0, 1):
+        before = engine.stats.prefill_tokens
+        time_prefill(engine, 64, seed=seed)
+        assert engine.stats.prefill_tokens - before == 64
     assert_all_free(engine)
