@@ -13,7 +13,6 @@ import torch
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 
-
 _PROBES = itertools.count()  # probes run in this process so far (`_rng`)
 
 
