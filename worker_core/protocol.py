@@ -71,9 +71,9 @@ class WorkerInfo:
 @dataclass(frozen=True)
 class ThreadSpeedup:
     """How much faster a worker's engine computes with more threads than with its own
-    (`WorkerBase.profile_threads`), its decode steps and its prefills apart: a prefill is compute-bound
-    and gains nearly all of another core, a decode step of a few rows much less. Both >= 1 as the router
-    keeps them (a noisy measurement never makes more threads look harmful)."""
+    (`WorkerBase.profile_threads`), its decode steps and its prefills apart: a prefill gains more from
+    another core than a decode step of a few rows does. Both >= 1 as the router keeps them (a noisy
+    measurement never makes more threads look harmful)."""
 
     decode: float
     prefill: float
