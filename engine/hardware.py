@@ -89,11 +89,13 @@ class LinearChoice:
     """How linear layers compute: `groups` names those packed for oneDNN (weights packed once; a group is
     the layers of one name and shape, e.g. "gate_proj 1536x576"; `ALL_LAYERS` is every one; empty is
     none), or None when only a measurement on the model can tell; `kernel` names those pdserve's own
-    small-batch kernel computes (`engine.kernels`, fp32 or bf16); the rest run plain `F.linear`; and why."""
+    small-batch kernel computes (`engine.kernels`, fp32 or bf16) and `blocked` those its kernel computes
+    from a blocked copy of the weight (bf16); the rest run plain `F.linear`; and why."""
 
     groups: frozenset[str] | None
     reason: str
     kernel: frozenset[str] = frozenset()
+    blocked: frozenset[str] = frozenset()
 
     def packs(self, group: str) -> bool:
         assert self.groups is not None, "measure first"
@@ -102,17 +104,22 @@ class LinearChoice:
     def uses_kernel(self, group: str) -> bool:
         return group in self.kernel
 
+    def uses_blocked(self, group: str) -> bool:
+        return group in self.blocked
+
     def summary(self) -> str:
         """"packed", "plain", or the groups packed and those on the kernel (for logs, `/v1/models` and
         `pdserve status`)."""
         if self.groups == ALL_LAYERS:
             return "packed"
         parts = [f"{way} " + ", ".join(sorted(names)) for way, names in (("packed", self.groups or ()),
-                                                                          ("kernel", self.kernel)) if names]
+                                                                          ("kernel", self.kernel),
+                                                                          ("blocked", self.blocked)) if names]
         return "; ".join(parts) or "plain"
 
 
 ALL_LAYERS = frozenset({"*"})
+LINEAR_WAYS = ("packed", "kernel", "blocked")  # the ways a group may leave plain `F.linear` (`LinearChoice`)
 PACKED_GAIN = 0.9  # a group leaves plain when another way takes at most this share of its time over the probe batches
 PACKED_BATCH1_LOSS = 1.1  # ... and at most this multiple of its plain time at batch 1 (lone streams stay as fast)
 
@@ -143,22 +150,25 @@ def choose_linear(setting: str, device: str, packing_available: bool) -> LinearC
 
 def pick_linear(seconds: dict[str, dict[str, list[float]]]) -> LinearChoice:
     """How each group computes, from a probe's timings {group: {"plain": [s per batch], "packed": [...],
-    "kernel": [...] (where the kernel runs)}} (the same products every way, the first batch 1): the
-    fastest way over all the batches among those that are a clear win over plain and cost batch 1 no
-    more than noise; plain where neither is."""
+    "kernel": [...], "blocked": [...] (those two where the kernel runs)}} (the same products every way, the
+    first batch 1): the fastest way over all the batches among those that are a clear win over plain and
+    cost batch 1 no more than noise; plain where none is."""
     def total(t: dict[str, list[float]], way: str) -> float:
         return sum(t[way])
 
     def wins(t: dict[str, list[float]], way: str) -> bool:
         return total(t, way) <= PACKED_GAIN * total(t, "plain") and t[way][0] <= PACKED_BATCH1_LOSS * t["plain"][0]
 
-    best = {g: min((w for w in ("packed", "kernel") if w in t and wins(t, w)), key=lambda w: total(t, w),
+    best = {g: min((w for w in LINEAR_WAYS if w in t and wins(t, w)), key=lambda w: total(t, w),
                    default="plain") for g, t in seconds.items()}
     timing = "; ".join(
         f"{g} " + " / ".join(f"{w} {total(t, w) * 1e3:.1f} ms (batch 1 {t[w][0] * 1e3:.2f})" for w in t)
         for g, t in sorted(seconds.items()))
-    return LinearChoice(frozenset(g for g, w in best.items() if w == "packed"), f"measured on the model: {timing}",
-                        kernel=frozenset(g for g, w in best.items() if w == "kernel"))
+
+    def way(name: str) -> frozenset[str]:
+        return frozenset(g for g, w in best.items() if w == name)
+
+    return LinearChoice(way("packed"), f"measured on the model: {timing}", kernel=way("kernel"), blocked=way("blocked"))
 
 
 @dataclass(frozen=True)

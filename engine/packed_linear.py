@@ -1,5 +1,5 @@
 """Linear layers computed the fastest way on this CPU: plain `F.linear`, packed once for oneDNN (the
-CPU's matrix library), or pdserve's own small-batch kernel.
+CPU's matrix library), pdserve's own small-batch kernel, or its kernel on a blocked copy of the weight.
 
 A decode step multiplies a few rows (one per running sequence) by every weight matrix of the
 model. A plain `F.linear` can run those skinny products well below what the CPU does; oneDNN,
@@ -7,14 +7,16 @@ given a weight reordered once into its own blocked layout, runs them faster at t
 decode lives at, but pays a fixed cost per call that small matrices at batch 1 do not earn back
 (BENCHMARKS.md, "packed linear layers"); the kernel (`engine.kernels`: fp32 with AVX2 + FMA, bf16
 with AVX-512 BF16, on AMX tiles where the CPU has them) streams each weight once for all the rows
-with no fixed cost to speak of. So the choice is per
+with no fixed cost to speak of; on a blocked copy (bf16 with AVX-512 BF16: 16 output columns by pairs of
+K, `engine.kernels.block_weight`) it needs no horizontal sums, so it runs any number of rows at the
+CPU's dot-product rate, prefill's too. So the choice is per
 group of layers (one name and shape: "gate_proj 1536x576", "lm_head 49152x576"):
 `EngineConfig(linear="auto")` times each group's own weights every way at start-up (`measure`,
 decided by `hardware.pick_linear`) the first time this machine serves the model that way, and keeps
 the choice on disk for the starts after (`_measured_choice`); `pack` swaps the winners' `nn.Linear`s for
-`PackedLinear`s that hold only the reordered copy (the original is freed unless something else,
-such as tied input embeddings, still holds it) or `KernelLinear`s. Prefill runs through the same
-layers.
+`PackedLinear`s or `BlockedLinear`s that hold only the reordered copy (the original is freed unless
+something else, such as tied input embeddings, still holds it) or `KernelLinear`s. Prefill runs
+through the same layers.
 
 torch.compile cannot take a packed (opaque oneDNN) tensor as a graph input, so the compiled decode
 step calls the C++ operator `pdserve_cpu::packed_linear` with a handle (a 0-d int64 buffer per
@@ -24,8 +26,8 @@ serves where the C++ one did not build: ~25 us more per call, ~5 ms per decode s
 model). Eager calls skip the op and call oneDNN directly.
 
 Eager and compiled, a `KernelLinear` calls the kernel's C++ operator `pdserve_cpu::linear` (the
-Python op `pdserve_linear::kernel_linear` over ctypes where that did not build); its weight is a
-plain graph input. CPU only (`available` says whether this torch build and CPU can pack a
+Python op `pdserve_linear::kernel_linear` over ctypes where that did not build) and a `BlockedLinear`
+`pdserve_cpu::blocked_linear` (`pdserve_linear::blocked_linear`); their weights are plain graph inputs. CPU only (`available` says whether this torch build and CPU can pack a
 dtype, `kernel_available` whether the kernel runs); no Ray.
 """
 from __future__ import annotations
@@ -191,7 +193,57 @@ class KernelLinear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def group_of(name: str, linear: torch.nn.Linear | PackedLinear | KernelLinear) -> str:
+def blocked_available(dtype: torch.dtype) -> bool:
+    """Whether pdserve's kernel computes linear layers of `dtype` from a blocked weight here (bf16: a
+    kernel build with AVX-512 BF16 loaded)."""
+    kernel = _kernel()
+    return kernel is not None and kernel.has_blocked(dtype)
+
+
+def _blocked_forward(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None,
+                     out_features: int) -> torch.Tensor:
+    y = _kernel().blocked_linear(x.reshape(-1, x.shape[-1]), blocked, bias, out_features)
+    return y.reshape(*x.shape[:-1], out_features)
+
+
+@torch.library.custom_op("pdserve_linear::blocked_linear", mutates_args=())
+def blocked_linear(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None,
+                   out_features: int) -> torch.Tensor:
+    """`x @ W.T + bias` from W's blocked copy over ctypes (where the C++ operator
+    `pdserve_cpu::blocked_linear` did not build)."""
+    return _blocked_forward(x, blocked, bias, out_features)
+
+
+@blocked_linear.register_fake
+def _(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+class BlockedLinear(torch.nn.Module):
+    """An `nn.Linear` (same in/out features and bias, bf16) whose weight lives as a blocked copy for
+    pdserve's kernel (`engine.kernels.block_weight`), for every number of rows: decode steps and prefill."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        from engine import kernels
+
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight_dtype = linear.weight.dtype
+        self.register_buffer("blocked", kernels.block_weight(linear.weight), persistent=False)
+        self.bias = linear.bias
+        self._op = kernels.active().blocked_op(self.weight_dtype) or blocked_linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._op(x, self.blocked, self.bias, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+SWAPPED = (PackedLinear, KernelLinear, BlockedLinear)  # what `pack` puts where an `nn.Linear` was
+
+
+def group_of(name: str, linear: torch.nn.Linear | PackedLinear | KernelLinear | BlockedLinear) -> str:
     """A layer's group: its attribute name and weight shape, e.g. "gate_proj 1536x576"."""
     return f"{name.rsplit('.', 1)[-1]} {linear.out_features}x{linear.in_features}"
 
@@ -206,9 +258,23 @@ def groups(model: torch.nn.Module) -> dict[str, list[tuple[torch.nn.Module, str,
     return out
 
 
+def swapped(linear: torch.nn.Linear, group: str, choice: LinearChoice | None,
+            batch_hint: int = BATCH_HINT) -> torch.nn.Module:
+    """`linear` (of `group`) as `choice` computes it: a `PackedLinear`, `KernelLinear` or `BlockedLinear`
+    made from it, or `linear` itself where it stays plain; None packs every layer."""
+    if choice is None or choice.packs(group):
+        return PackedLinear(linear, batch_hint=batch_hint)
+    if choice.uses_kernel(group):
+        return KernelLinear(linear)
+    if choice.uses_blocked(group):
+        return BlockedLinear(linear)
+    return linear
+
+
 def pack(model: torch.nn.Module, choice: LinearChoice | None = None, batch_hint: int = BATCH_HINT) -> int:
-    """Swap the `nn.Linear` layers of `model` that `choice` packs (default: all) for `PackedLinear`s and
-    those it puts on the kernel for `KernelLinear`s, in place.
+    """Swap the `nn.Linear` layers of `model` that `choice` packs (default: all) for `PackedLinear`s,
+    those it puts on the kernel for `KernelLinear`s and those on blocked weights for `BlockedLinear`s, in
+    place.
 
     Args:
         model: a CPU model in its serving dtype (float32 or bfloat16), in eval mode.
@@ -219,25 +285,21 @@ def pack(model: torch.nn.Module, choice: LinearChoice | None = None, batch_hint:
     """
     swaps = 0
     for group, members in groups(model).items():
-        if choice is None or choice.packs(group):
-            make = partial(PackedLinear, batch_hint=batch_hint)
-        elif choice.uses_kernel(group):
-            make = KernelLinear
-        else:
-            continue
         for parent, name, child in members:
-            setattr(parent, name, make(child))
-            swaps += 1
+            layer = swapped(child, group, choice, batch_hint)
+            if layer is not child:
+                setattr(parent, name, layer)
+                swaps += 1
     return swaps
 
 
 @torch.inference_mode()
-def measure(model: torch.nn.Module, reps: int = 3, layers: int = 4,
-            kernel: bool = False) -> dict[str, dict[str, list[float]]]:
+def measure(model: torch.nn.Module, reps: int = 3, layers: int = 4, kernel: bool = False,
+            blocked: bool = False) -> dict[str, dict[str, list[float]]]:
     """Seconds of decode-sized products through up to `layers` layers of each group, plain (`F.linear`),
-    packed and, with `kernel`, on pdserve's kernel, one figure per batch of `PROBE_BATCHES`:
-    {group: {"plain": [s, ...], "packed": [s, ...], "kernel": [s, ...]}}. The packed copies live
-    only while timed."""
+    packed, with `kernel` on pdserve's kernel and with `blocked` on its blocked weights, one figure per
+    batch of `PROBE_BATCHES`: {group: {"plain": [s, ...], "packed": [s, ...], "kernel": [s, ...],
+    "blocked": [s, ...]}}. The packed and blocked copies live only while timed."""
     out: dict[str, dict[str, list[float]]] = {}
     for group, members in groups(model).items():
         weights = [child.weight for _, _, child in members[:layers]]
@@ -247,6 +309,11 @@ def measure(model: torch.nn.Module, reps: int = 3, layers: int = 4,
                                                             for w, p in zip(ws, ps, strict=True)]}
         if kernel:
             ways["kernel"] = lambda x, ws=weights: [_kernel_forward(x, w, None) for w in ws]
+        if blocked:
+            from engine.kernels import block_weight
+
+            ways["blocked"] = lambda x, ws=weights, bs=[block_weight(w) for w in weights]: [
+                _blocked_forward(x, b, None, w.shape[0]) for w, b in zip(ws, bs, strict=True)]
         times = out[group] = {way: [] for way in ways}
         for batch in PROBE_BATCHES:
             x = torch.randn(batch, weights[0].shape[1], dtype=weights[0].dtype)
@@ -264,11 +331,11 @@ def apply(model: torch.nn.Module, setting: str, device: str) -> LinearChoice:
     """
     dtype = next(model.parameters()).dtype
     choice = hardware.choose_linear(setting, device, device == "cpu" and available(dtype))
-    packed = frozenset(group_of(n, m) for n, m in model.named_modules() if isinstance(m, PackedLinear))
-    on_kernel = frozenset(group_of(n, m) for n, m in model.named_modules() if isinstance(m, KernelLinear))
-    if packed or on_kernel:  # an engine built on a model another engine swapped: it runs as it is
-        return LinearChoice(packed if groups(model) or on_kernel else ALL_LAYERS,
-                            "the given model was swapped already", kernel=on_kernel)
+    packed, on_kernel, on_blocked = (frozenset(group_of(n, m) for n, m in model.named_modules() if isinstance(m, cls))
+                                     for cls in SWAPPED)
+    if packed or on_kernel or on_blocked:  # an engine built on a model another engine swapped: it runs as it is
+        return LinearChoice(packed if groups(model) or on_kernel or on_blocked else ALL_LAYERS,
+                            "the given model was swapped already", kernel=on_kernel, blocked=on_blocked)
     if choice.groups is None:
         choice = _measured_choice(model, dtype)
     n = pack(model, choice)
@@ -289,18 +356,19 @@ def _measured_choice(model: torch.nn.Module, dtype: torch.dtype) -> LinearChoice
     from engine import kernels
     from engine.model_store import cache_root
 
-    kernel = kernel_available(dtype)
+    kernel, blocked = kernel_available(dtype), blocked_available(dtype)
     cpu = hardware.this_cpu()
     key = {"cpu": cpu.model, "flags": sorted(cpu.flags), "torch": torch.__version__, "dtype": str(dtype),
            "threads": torch.get_num_threads(),
-           "kernel": [kernels.active().name, kernels.source_tag()] if kernel else None,
+           "kernel": [kernels.active().name, kernels.source_tag()] if kernel or blocked else None,
            "groups": sorted(groups(model)),
            "rule": [list(PROBE_BATCHES), BATCH_HINT, hardware.PACKED_GAIN, hardware.PACKED_BATCH1_LOSS]}
     tag = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     path = cache_root() / "linear" / f"choice-{tag}.json"
     try:
         kept = json.loads(path.read_text())
-        choice = LinearChoice(frozenset(kept["packed"]), kept["reason"], kernel=frozenset(kept["kernel"]))
+        choice = LinearChoice(frozenset(kept["packed"]), kept["reason"], kernel=frozenset(kept["kernel"]),
+                              blocked=frozenset(kept["blocked"]))
         log.info("linear auto: the choice this machine measured before (%s; delete it to measure again)", path)
         return choice
     except FileNotFoundError:
@@ -308,10 +376,11 @@ def _measured_choice(model: torch.nn.Module, dtype: torch.dtype) -> LinearChoice
     except (OSError, ValueError, KeyError, TypeError) as e:  # unreadable or from another version: measure again
         log.warning("linear auto: ignoring the kept choice %s (%s)", path, e)
     t0 = time.perf_counter()
-    choice = hardware.pick_linear(measure(model, kernel=kernel))
-    log.info("linear auto: probed plain, packed and kernel in %.2f s", time.perf_counter() - t0)
+    choice = hardware.pick_linear(measure(model, kernel=kernel, blocked=blocked))
+    log.info("linear auto: probed plain, packed%s in %.2f s", ", kernel" * kernel + ", blocked" * blocked,
+             time.perf_counter() - t0)
     kept = {"key": key, "packed": sorted(choice.groups or ()), "kernel": sorted(choice.kernel),
-            "reason": choice.reason}
+            "blocked": sorted(choice.blocked), "reason": choice.reason}
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # one per process: workers starting side by side
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -35,6 +35,8 @@ MAX_GROUP = 64  # query heads per kv head the portable kernel's stack arrays hol
 # Entry points by dtype, in the order `pdserve_bind` takes them (fp32, then bf16).
 _ENTRY = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
 _LINEAR_ENTRY = {torch.float32: "pdserve_linear_f32", torch.bfloat16: "pdserve_linear_bf16"}
+_BLOCKED_ENTRY = {torch.bfloat16: "pdserve_linear_bf16_blocked"}  # the builds with AVX-512 BF16
+BLOCK_COLS = 16  # output columns per block of a blocked weight (`block_weight`)
 _PREFILL_ENTRY = "pdserve_prefill_attn_bf16"  # the builds with AVX-512 BF16 (AMX tiles in amx_bf16): bf16
 PREFILL_HEAD_DIMS, PREFILL_BLOCK_MULTIPLE = (64, 128), 16
 
@@ -159,6 +161,53 @@ class Kernel:
         return out
 
 
+    def has_blocked(self, dtype: torch.dtype) -> bool:
+        """Whether this build computes linear layers of `dtype` on a blocked weight (`block_weight`;
+        bf16: the builds with AVX-512 BF16)."""
+        return dtype in _BLOCKED_ENTRY and hasattr(self.lib, _BLOCKED_ENTRY[dtype])
+
+    def blocked_linear(self, x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None,
+                       out_features: int) -> torch.Tensor:
+        """`x @ weight.T (+ bias)` for any number of rows, from the weight's blocked copy, in x's dtype with
+        fp32 accumulation.
+
+        Args:
+            x: [M, K]; blocked: `block_weight(weight)` of a weight [out_features, K]; bias: [out_features]
+                or None; one dtype.
+        Returns:
+            [M, out_features].
+        """
+        check_blocked(blocked, out_features, x.shape[-1])
+        if blocked.dtype != x.dtype or not self.has_blocked(x.dtype):
+            raise ValueError(f"no {x.dtype} blocked linear kernel for a {blocked.dtype} blocked weight in the "
+                             f"{self.name} build")
+        x = x.contiguous()
+        bias = None if bias is None else bias.contiguous()
+        out = torch.empty(x.shape[0], out_features, dtype=x.dtype)
+        p = ctypes.c_void_p
+        getattr(self.lib, _BLOCKED_ENTRY[x.dtype])(p(x.data_ptr()), p(blocked.data_ptr()),
+                                                   None if bias is None else p(bias.data_ptr()), p(out.data_ptr()),
+                                                   x.shape[0], out_features, x.shape[1], torch.get_num_threads())
+        return out
+
+
+def block_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A linear weight [N, K] laid out for the blocked kernel: [ceil(N / 16), ceil(K / 2), 16, 2], block b
+    holding output columns 16b..16b+15, each row of it one pair of K for those 16 columns (the operand
+    order of a bf16 pair dot product); zeros past N and K. A new tensor; the weight is not kept."""
+    n, k = weight.shape
+    padded = torch.nn.functional.pad(weight.detach(), (0, k % 2, 0, -n % BLOCK_COLS))
+    return padded.view(-1, BLOCK_COLS, (k + 1) // 2, 2).transpose(1, 2).contiguous()
+
+
+def check_blocked(blocked: torch.Tensor, out_features: int, in_features: int) -> None:
+    """Raise ValueError where `blocked` is not `block_weight` of an [out_features, in_features] weight."""
+    want = (-(-out_features // BLOCK_COLS), (in_features + 1) // 2, BLOCK_COLS, 2)
+    if tuple(blocked.shape) != want or not blocked.is_contiguous():
+        raise ValueError(f"a blocked weight of {out_features}x{in_features} is a contiguous {list(want)}, "
+                         f"got {list(blocked.shape)}")
+
+
 def _compile(compiler: list[str], src: Path, flags: list[str], libs: list[str], name: str) -> Path:
     """`src` compiled into a shared library in the cache, once per source and flags."""
     from engine.model_store import cache_root
@@ -232,6 +281,21 @@ def _self_check(kernel: Kernel) -> None:
                 err = float((kernel.linear(x, w, b).float() - want).abs().max() / want.abs().max())
                 if not err <= tol:
                     raise KernelError(f"its {dtype} linear kernel differs from torch's (relative error {err:.3g})")
+    # The blocked linear kernel: every tile height and more than one pass of rows, a part block of columns,
+    # odd K, with and without bias, and on more threads than blocks.
+    for dtype, (n, k), rows in ((torch.bfloat16, (13, 41), (1, 6, 7)), (torch.bfloat16, (70, 64), (5, 12, 70))):
+        if not kernel.has_blocked(dtype):
+            continue
+        w, bias = torch.randn(n, k, generator=g).to(dtype), torch.randn(n, generator=g).to(dtype)
+        blocked = block_weight(w)
+        for m in rows:
+            x = torch.randn(m, k, generator=g).to(dtype)
+            for b in (None, bias):
+                want = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+                err = float((kernel.blocked_linear(x, blocked, b, n).float() - want).abs().max() / want.abs().max())
+                if not err <= 2e-2:
+                    raise KernelError(f"its {dtype} blocked linear kernel differs from torch's (relative error "
+                                      f"{err:.3g})")
 
 
 def _check_prefill(kernel: Kernel, g: torch.Generator) -> None:
@@ -299,6 +363,11 @@ def _fake_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
+def _fake_blocked_linear(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None,
+                         out_features: int) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
 def _load_ops() -> Path:
     """Build (once, ~15 s, cached on disk) and load the operator library (loading it again is a no-op).
     Raises KernelError, OSError or RuntimeError where it does not build or load."""
@@ -309,17 +378,20 @@ def _load_ops() -> Path:
 
 def _torch_op(kernel: Kernel) -> tuple[object | None, str]:
     """`torch.ops.pdserve_cpu.paged_decode` bound to `kernel`, or None and why not (the ctypes path
-    then serves, a little slower per call). `torch.ops.pdserve_cpu.linear` comes with it where the
-    build holds the linear kernel."""
+    then serves, a little slower per call). `torch.ops.pdserve_cpu.linear` and `blocked_linear` come
+    with it where the build holds those kernels."""
     try:
         path = _load_ops()
         entry = [ctypes.cast(getattr(kernel.lib, _ENTRY[t]), ctypes.c_void_p) for t in _ENTRY]
         linear = [ctypes.cast(getattr(kernel.lib, _LINEAR_ENTRY[t]), ctypes.c_void_p) if kernel.has_linear(t) else None
                   for t in _LINEAR_ENTRY]
         rows = [ctypes.c_int64(kernel.linear_max_rows(t)) for t in _LINEAR_ENTRY]
-        ctypes.CDLL(str(path)).pdserve_bind(*entry, *linear, *rows)
+        blocked = [ctypes.cast(getattr(kernel.lib, _BLOCKED_ENTRY[t]), ctypes.c_void_p) if kernel.has_blocked(t)
+                   else None for t in _LINEAR_ENTRY]
+        ctypes.CDLL(str(path)).pdserve_bind(*entry, *linear, *rows, *blocked)
         torch.library.register_fake("pdserve_cpu::paged_decode")(_fake_decode)
         torch.library.register_fake("pdserve_cpu::linear")(_fake_linear)
+        torch.library.register_fake("pdserve_cpu::blocked_linear")(_fake_blocked_linear)
     except (KernelError, OSError, RuntimeError) as e:
         return None, f"ctypes calls: the torch operator did not build ({e})"
     return torch.ops.pdserve_cpu.paged_decode.default, "a torch operator"
@@ -359,6 +431,12 @@ class Selection:
         if self.op is None or self.kernel is None or not self.kernel.has_linear(dtype):
             return None
         return torch.ops.pdserve_cpu.linear.default
+
+    def blocked_op(self, dtype: torch.dtype) -> object | None:
+        """The blocked linear kernel's torch operator (None: not built, or none for `dtype` in the build)."""
+        if self.op is None or self.kernel is None or not self.kernel.has_blocked(dtype):
+            return None
+        return torch.ops.pdserve_cpu.blocked_linear.default
 
     @property
     def name(self) -> str:

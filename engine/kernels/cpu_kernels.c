@@ -1,7 +1,8 @@
 /* pdserve's CPU kernels: paged decode attention (below), small-batch linear layers
  * (`pdserve_linear_f32` and `pdserve_linear_bf16`, at the end), and in the builds with AVX-512 BF16
  * the attention of prompt chunks over their cached context (`pdserve_prefill_attn_bf16`; on AMX
- * tiles in the AMX build).
+ * tiles in the AMX build) and linear layers on a blocked copy of the weight
+ * (`pdserve_linear_bf16_blocked`, last).
  *
  * One layer of a decode step straight over the paged KV pool: write each sequence's new
  * key and value at its slot, then attend its one query token over its blocks, read in
@@ -1180,6 +1181,103 @@ static void linear_bf16_rows(const uint16_t* x, const uint16_t* w, const uint16_
             for (int k = 0; k < K; k++) s += bf16_load(x[(int64_t)m * K + k]) * bf16_load(w[(int64_t)n * K + k]);
             y[(int64_t)m * N + n] = bf16_store(s + (bias ? bf16_load(bias[n]) : 0.0f));
         }
+}
+
+/* Linear layers on a blocked weight, bf16 (fp32 accumulation, rounded once to bf16): y[M, N] = x[M, K]
+ * w^T (+ bias[N]) with w laid out once as wb[ceil(N/16)][ceil(K/2)][16][2] (`engine.packed_linear.
+ * blocked`: 16 output columns by a pair of K per 64-byte row, zeros past N and K; the pair order of a
+ * dot product). One dot product takes a pair of x broadcast and a row of wb: 16 columns times 2 of K,
+ * no horizontal sums. A tile holds BLK_MR rows of x by BLK_NR blocks of columns (24 accumulators in
+ * registers); the BLK_NR rows of wb a step of K loads serve all BLK_MR rows of x. Threads split the
+ * blocks of columns; rows go BLK_MB at a time so a prompt chunk's rows stay in cache while each
+ * thread's blocks stream past them. Any M: prefill's rows too (as fast as oneDNN's packed weights at
+ * 256-2048 rows on a 2-core EPYC, 1.4-3x faster at 4-16). */
+#define BLK_MR 6
+#define BLK_NR 4
+#define BLK_MB 64
+#define BLK_TILE(MR, NR)                                                                                   \
+    static void blk_tile_##MR##_##NR(const uint16_t* x, const uint16_t* wb, const uint16_t* bias,          \
+                                     uint16_t* y, int m0, int nb0, int N, int K) {                         \
+        const int K2 = (K + 1) / 2, pairs = K / 2;                                                         \
+        __m512 acc[MR][NR];                                                                                \
+        const uint16_t* wr[NR];                                                                            \
+        for (int j = 0; j < NR; j++) wr[j] = wb + (int64_t)(nb0 + j) * K2 * 32;                           \
+        for (int i = 0; i < MR; i++)                                                                       \
+            for (int j = 0; j < NR; j++) acc[i][j] = _mm512_setzero_ps();                                  \
+        for (int kp = 0; kp < pairs; kp++) {                                                               \
+            __m512i wv[NR];                                                                                \
+            for (int j = 0; j < NR; j++) wv[j] = _mm512_loadu_si512(wr[j] + kp * 32);                      \
+            for (int i = 0; i < MR; i++) {                                                                 \
+                int32_t xp;                                                                                \
+                memcpy(&xp, x + (int64_t)(m0 + i) * K + 2 * kp, 4);                                        \
+                const __m512i xb = _mm512_set1_epi32(xp);                                                  \
+                for (int j = 0; j < NR; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)xb, (__m512bh)wv[j]); \
+            }                                                                                              \
+        }                                                                                                  \
+        if (K & 1) { /* the last pair holds one element of K (its other half is zero in wb and in xb) */   \
+            __m512i wv[NR];                                                                                \
+            for (int j = 0; j < NR; j++) wv[j] = _mm512_loadu_si512(wr[j] + pairs * 32);                   \
+            for (int i = 0; i < MR; i++) {                                                                 \
+                const __m512i xb = _mm512_set1_epi32((int32_t)x[(int64_t)(m0 + i) * K + K - 1]);           \
+                for (int j = 0; j < NR; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)xb, (__m512bh)wv[j]); \
+            }                                                                                              \
+        }                                                                                                  \
+        for (int j = 0; j < NR; j++) {                                                                     \
+            const int n0 = (nb0 + j) * 16, left = N - n0;                                                  \
+            const __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u);        \
+            __m512 b = _mm512_setzero_ps();                                                                \
+            if (bias)                                                                                      \
+                b = _mm512_castsi512_ps(                                                                   \
+                    _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, bias + n0)), 16)); \
+            for (int i = 0; i < MR; i++)                                                                   \
+                _mm256_mask_storeu_epi16(y + (int64_t)(m0 + i) * N + n0, mask,                             \
+                                         (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[i][j], b)));        \
+        }                                                                                                  \
+    }
+#define BLK_ROWS(NR) BLK_TILE(1, NR) BLK_TILE(2, NR) BLK_TILE(3, NR) BLK_TILE(4, NR) BLK_TILE(5, NR) BLK_TILE(6, NR)
+BLK_ROWS(1)
+BLK_ROWS(2)
+BLK_ROWS(3)
+BLK_ROWS(4)
+/* Rows [m0, m1) of x by the NR blocks of columns from nb0: tiles of BLK_MR rows, then the rest. */
+#define BLK_PANEL(NR)                                                                                      \
+    static void blk_panel_##NR(const uint16_t* x, const uint16_t* wb, const uint16_t* bias, uint16_t* y,    \
+                               int m0, int m1, int nb0, int N, int K) {                                    \
+        int m = m0;                                                                                        \
+        for (; m + BLK_MR <= m1; m += BLK_MR) blk_tile_6_##NR(x, wb, bias, y, m, nb0, N, K);               \
+        switch (m1 - m) {                                                                                  \
+            case 5: blk_tile_5_##NR(x, wb, bias, y, m, nb0, N, K); break;                                  \
+            case 4: blk_tile_4_##NR(x, wb, bias, y, m, nb0, N, K); break;                                  \
+            case 3: blk_tile_3_##NR(x, wb, bias, y, m, nb0, N, K); break;                                  \
+            case 2: blk_tile_2_##NR(x, wb, bias, y, m, nb0, N, K); break;                                  \
+            case 1: blk_tile_1_##NR(x, wb, bias, y, m, nb0, N, K); break;                                  \
+            default: break;                                                                                \
+        }                                                                                                  \
+    }
+BLK_PANEL(1)
+BLK_PANEL(2)
+BLK_PANEL(3)
+BLK_PANEL(4)
+
+void pdserve_linear_bf16_blocked(const uint16_t* x, const uint16_t* wb, const uint16_t* bias, uint16_t* y, int M,
+                                 int N, int K, int nthreads) {
+    const int blocks = (N + 15) / 16;
+    if (nthreads > blocks) nthreads = blocks > 0 ? blocks : 1;
+#pragma omp parallel for num_threads(nthreads) schedule(static, 1) if (nthreads > 1)
+    for (int t = 0; t < nthreads; t++) {
+        const int b0 = (int)((int64_t)blocks * t / nthreads), b1 = (int)((int64_t)blocks * (t + 1) / nthreads);
+        for (int m0 = 0; m0 < M; m0 += BLK_MB) {
+            const int m1 = M - m0 > BLK_MB ? m0 + BLK_MB : M;
+            int b = b0;
+            for (; b + BLK_NR <= b1; b += BLK_NR) blk_panel_4(x, wb, bias, y, m0, m1, b, N, K);
+            switch (b1 - b) {
+                case 3: blk_panel_3(x, wb, bias, y, m0, m1, b, N, K); break;
+                case 2: blk_panel_2(x, wb, bias, y, m0, m1, b, N, K); break;
+                case 1: blk_panel_1(x, wb, bias, y, m0, m1, b, N, K); break;
+                default: break;
+            }
+        }
+    }
 }
 #endif
 

@@ -2,6 +2,7 @@
 // the small-batch linear kernel as real torch operators, so a compiled decode step calls them through
 // the dispatcher with no Python in between. One library per process; `pdserve_bind` points it at the
 // loaded kernel build's entry points (see __init__.py).
+// `torch.ops.pdserve_cpu.blocked_linear`: the linear kernel on a weight's blocked copy (any number of rows).
 // `torch.ops.pdserve_cpu.packed_linear`: a linear layer whose weight oneDNN holds packed (an opaque
 // tensor a compiled graph cannot take as an input): the graph passes a handle, `hold_packed` gave it.
 // Like the Python op it replaces, it writes the new K/V into `kv_layer` without declaring the
@@ -83,6 +84,34 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
     return out.view(sizes);
 }
 
+LinearFn blocked_f32_fn = nullptr, blocked_bf16_fn = nullptr;
+
+at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& blocked, const std::optional<at::Tensor>& bias,
+                          int64_t out_features) {
+    const bool f32 = x.scalar_type() == at::kFloat;
+    TORCH_CHECK(f32 || x.scalar_type() == at::kBFloat16, "blocked_linear: float32 or bfloat16, got ", x.scalar_type());
+    TORCH_CHECK(blocked.scalar_type() == x.scalar_type(), "x and the blocked weight must have one dtype");
+    const LinearFn fn = f32 ? blocked_f32_fn : blocked_bf16_fn;
+    TORCH_CHECK(fn != nullptr, "no ", x.scalar_type(), " blocked linear kernel bound (bf16: a build with AVX-512 BF16)");
+    const int64_t k = x.size(-1);
+    TORCH_CHECK(blocked.dim() == 4 && blocked.is_contiguous() && blocked.size(0) == (out_features + 15) / 16 &&
+                    blocked.size(1) == (k + 1) / 2 && blocked.size(2) == 16 && blocked.size(3) == 2,
+                "the blocked weight must be a contiguous [ceil(N / 16), ceil(K / 2), 16, 2] for N = out_features ",
+                out_features, " and K = x.size(-1) ", k);
+    const at::Tensor xc = x.reshape({-1, k}).contiguous();
+    at::Tensor bc;
+    if (bias.has_value()) {
+        bc = bias->contiguous();
+        TORCH_CHECK(bc.scalar_type() == x.scalar_type() && bc.numel() == out_features, "bias must be [N] of x's dtype");
+    }
+    at::Tensor out = at::empty({xc.size(0), out_features}, xc.options());
+    fn(xc.data_ptr(), blocked.data_ptr(), bias.has_value() ? bc.data_ptr() : nullptr, out.data_ptr(), xc.size(0),
+       out_features, k, at::get_num_threads());
+    std::vector<int64_t> sizes = x.sizes().vec();
+    sizes.back() = out_features;
+    return out.view(sizes);
+}
+
 std::mutex packed_mu;
 std::vector<at::Tensor> packed_weights;  // by handle; a dropped one is undefined
 
@@ -135,13 +164,15 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& handle, const st
 }  // namespace
 
 extern "C" void pdserve_bind(void* f32, void* bf16, void* lin_f32, void* lin_bf16, int64_t lin_f32_max_rows,
-                             int64_t lin_bf16_max_rows) {
+                             int64_t lin_bf16_max_rows, void* blk_f32, void* blk_bf16) {
     f32_fn = reinterpret_cast<DecodeFn>(f32);
     bf16_fn = reinterpret_cast<DecodeFn>(bf16);
     linear_f32_fn = reinterpret_cast<LinearFn>(lin_f32);
     linear_bf16_fn = reinterpret_cast<LinearFn>(lin_bf16);
     linear_f32_max_rows = lin_f32_max_rows;
     linear_bf16_max_rows = lin_bf16_max_rows;
+    blocked_f32_fn = reinterpret_cast<LinearFn>(blk_f32);
+    blocked_bf16_fn = reinterpret_cast<LinearFn>(blk_bf16);
 }
 
 TORCH_LIBRARY(pdserve_cpu, m) {
@@ -149,6 +180,7 @@ TORCH_LIBRARY(pdserve_cpu, m) {
           "Tensor ctx, float scale) -> Tensor");
     m.def("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
     m.def("packed_linear(Tensor x, Tensor handle, Tensor? bias, int out_features) -> Tensor");
+    m.def("blocked_linear(Tensor x, Tensor blocked, Tensor? bias, int out_features) -> Tensor");
     // Catch-all kernels: the packed weight is an opaque (MKLDNN-layout) tensor.
     m.def("hold_packed(Tensor packed) -> int", &hold_packed);
     m.def("drop_packed(int handle) -> ()", &drop_packed);
@@ -159,4 +191,5 @@ TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
     m.impl("paged_decode", &paged_decode);
     m.impl("linear", &linear);
     m.impl("packed_linear", &packed_linear);
+    m.impl("blocked_linear", &blocked_linear);
 }

@@ -106,15 +106,13 @@ def linear_weights(model: torch.nn.Module) -> list[torch.Tensor]:
 
 
 def bound_linears(model: torch.nn.Module, choice: Any) -> list[torch.nn.Module]:
-    """The bound's linear layers, computed as the engine computes them: a `PackedLinear` copy for
-    each layer of a group the engine packed (`choice`, its `hardware.LinearChoice`), a `KernelLinear`
-    for each of a group on pdserve's kernel, the plain layer for the rest."""
-    from engine.packed_linear import KernelLinear, PackedLinear, group_of
+    """The bound's linear layers, computed as the engine computes them: each layer as the engine's
+    `choice` (its `hardware.LinearChoice`) swaps it (`packed_linear.swapped`: a packed, kernel or
+    blocked copy, or the plain layer)."""
+    from engine.packed_linear import group_of, swapped
 
-    def way(name: str, m: torch.nn.Linear) -> torch.nn.Module:
-        group = group_of(name, m)
-        return PackedLinear(m) if choice.packs(group) else KernelLinear(m) if choice.uses_kernel(group) else m
-    return [way(name, m) for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    return [swapped(m, group_of(name, m), choice) for name, m in model.named_modules()
+            if isinstance(m, torch.nn.Linear)]
 
 
 @torch.inference_mode()

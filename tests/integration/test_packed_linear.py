@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import CacheConfig, EngineConfig, LLMEngine, SamplingParams, hardware, kernels, packed_linear
-from engine.packed_linear import KernelLinear, PackedLinear
+from engine.packed_linear import BlockedLinear, KernelLinear, PackedLinear
 from tests.conftest import greedy_reference, random_prompt, tiny_model
 
 pytestmark = pytest.mark.skipif(not packed_linear.available(), reason="this torch build has no oneDNN")
@@ -185,24 +185,78 @@ def test_a_kernel_layer_equals_the_plain_one(dtype, tol, rows, shape, bias):
         assert torch.equal(torch.ops.pdserve_cpu.linear(x, linear.weight, linear.bias), got)
 
 
-def on_kernel(model) -> hardware.LinearChoice:
-    """Every group of `model` on the kernel."""
-    return hardware.LinearChoice(frozenset(), "given", kernel=frozenset(packed_linear.groups(model)))
+needs_blocked = pytest.mark.skipif(not packed_linear.blocked_available(torch.bfloat16),
+                                   reason="no bf16 blocked linear kernel here (AVX-512 BF16 and a C compiler)")
 
 
-@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=needs_kernel(torch.float32), id="fp32"),
-                                   pytest.param(torch.bfloat16, marks=needs_kernel(torch.bfloat16), id="bf16")])
+@needs_blocked
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 12, 33, 64, 65, 257])  # tiles of 6 rows, passes of 64
+@pytest.mark.parametrize("shape", [(96, 160), (41, 13), (64, 70)])  # odd K, a part block of columns
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_blocked_layer_equals_the_plain_one(rows, shape, bias):
+    torch.manual_seed(rows)
+    linear = torch.nn.Linear(*shape, bias=bias).to(torch.bfloat16).requires_grad_(False)
+    x = torch.randn(2, rows, shape[0], dtype=torch.bfloat16)
+    want = F.linear(x.float(), linear.weight.float(), None if linear.bias is None else linear.bias.float())
+    layer = BlockedLinear(linear)
+    got = layer(x)
+    assert got.shape == want.shape and got.dtype == torch.bfloat16
+    assert float((got.float() - want).abs().max()) <= 2e-2 * float(want.abs().max())
+    assert torch.equal(torch.ops.pdserve_linear.blocked_linear(x, layer.blocked, linear.bias, shape[1]), got)
+    if kernels.active().op is not None:  # the C++ operator is what a BlockedLinear calls where it built
+        assert kernels.active().blocked_op(torch.bfloat16) is not None
+        assert torch.equal(torch.ops.pdserve_cpu.blocked_linear(x, layer.blocked, linear.bias, shape[1]), got)
+
+
+def test_a_blocked_weight_holds_16_columns_by_pairs_of_k_padded_with_zeros():
+    w = torch.arange(20 * 5, dtype=torch.float32).view(20, 5)
+    blocked = kernels.block_weight(w)
+    assert blocked.shape == (2, 3, 16, 2) and blocked.is_contiguous()
+    for b, kp, c, e in [(0, 0, 0, 0), (0, 0, 0, 1), (0, 2, 15, 0), (1, 1, 3, 1), (1, 0, 2, 0)]:
+        assert blocked[b, kp, c, e] == w[16 * b + c, 2 * kp + e]
+    assert not blocked[1, :, 4:].any() and not blocked[:, 2, :, 1].any()  # past N and past K: zeros
+    kernels.check_blocked(blocked, 20, 5)
+    with pytest.raises(ValueError, match=r"a blocked weight of 20x6 is a contiguous \[2, 3, 16, 2\], got \[2, 3, 16, 2\]"):
+        kernels.check_blocked(blocked.transpose(0, 1).contiguous().transpose(0, 1), 20, 6)
+    with pytest.raises(ValueError, match=r"of 33x5 is a contiguous \[3, 3, 16, 2\]"):
+        kernels.check_blocked(blocked, 33, 5)
+
+
+@needs_blocked
+def test_the_blocked_operator_names_what_disagrees():
+    layer = BlockedLinear(torch.nn.Linear(64, 40).to(torch.bfloat16).requires_grad_(False))
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="a blocked weight of 40x64"):
+        torch.ops.pdserve_linear.blocked_linear(x, layer.blocked[:1], None, 40)
+    if kernels.active().op is not None:
+        with pytest.raises(RuntimeError, match="out_features 56 and K = x.size"):
+            torch.ops.pdserve_cpu.blocked_linear(x, layer.blocked, None, 56)
+        with pytest.raises(RuntimeError, match="one dtype"):
+            torch.ops.pdserve_cpu.blocked_linear(x.float(), layer.blocked, None, 40)
+
+
+def on_way(model, way: str) -> hardware.LinearChoice:
+    """Every group of `model` one way: "kernel" or "blocked"."""
+    every = frozenset(packed_linear.groups(model))
+    return hardware.LinearChoice(frozenset(), "given", **{way: every})
+
+
+@pytest.mark.parametrize("dtype,way", [
+    pytest.param(torch.float32, "kernel", marks=needs_kernel(torch.float32), id="fp32-kernel"),
+    pytest.param(torch.bfloat16, "kernel", marks=needs_kernel(torch.bfloat16), id="bf16-kernel"),
+    pytest.param(torch.bfloat16, "blocked", marks=needs_blocked, id="bf16-blocked")])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
-def test_kernel_engine_matches_generate(dtype, arch, compile):
-    """Every linear layer on the kernel (qwen2: with biases), eager and in the compiled decode step."""
+def test_kernel_engine_matches_generate(dtype, way, arch, compile):
+    """Every linear layer on the kernel or on blocked weights (qwen2: with biases), eager and in the compiled
+    decode step; prompts of 5-80 tokens run the same layers for prefill."""
     ref = tiny_model(arch, seed=12).to(dtype)
     model = copy.deepcopy(ref)
-    assert packed_linear.pack(model, on_kernel(model)) == sum(isinstance(m, torch.nn.Linear) for m in ref.modules())
+    assert packed_linear.pack(model, on_way(model, way)) == sum(isinstance(m, torch.nn.Linear) for m in ref.modules())
     cfg = EngineConfig(dtype="float32" if dtype == torch.float32 else "bfloat16", cache=CacheConfig(memory_gib=0.02),
                        linear="auto", compile=compile)
     engine = LLMEngine(cfg, model=model)
-    assert engine.describe()["linear"].startswith("kernel ") and engine.runner.compiled == compile
+    assert engine.describe()["linear"].startswith(f"{way} ") and engine.runner.compiled == compile
     prompts = [random_prompt(n, seed=n) for n in (5, 37, 80)]
     outs = [o.output_token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=16))]
     expected = [greedy_reference(ref, p, 16) for p in prompts]
@@ -222,4 +276,16 @@ def test_the_engine_benchmarks_bound_times_the_layers_the_way_the_engine_compute
     layers = bound_linears(model, choice)
     kinds = {type(m).__name__ for m in layers}
     assert kinds == {"Linear", "PackedLinear", "KernelLinear"}
+    assert time_linears(layers, 4, 1) > 0
+
+
+@needs_blocked
+def test_the_bound_times_blocked_layers_as_the_engine_computes_them():
+    from pdserve.bench.engine import bound_linears, time_linears
+
+    model = tiny_model("llama", seed=13).to(torch.bfloat16)
+    choice = hardware.LinearChoice(frozenset(), "given", blocked=frozenset({"lm_head 512x64"}))
+    layers = bound_linears(model, choice)
+    assert {type(m).__name__ for m in layers} == {"Linear", "BlockedLinear"}
+    assert sum(isinstance(m, BlockedLinear) for m in layers) == 1
     assert time_linears(layers, 4, 1) > 0

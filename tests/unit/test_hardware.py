@@ -104,6 +104,21 @@ def test_a_measurement_with_the_kernel_picks_the_fastest_way_that_clearly_wins()
     assert hardware.LinearChoice(frozenset(), "m", kernel=frozenset({"a 2x2"})).summary() == "kernel a 2x2"
 
 
+def test_blocked_weights_are_a_way_of_their_own_picked_where_they_are_fastest():
+    choice = pick_linear({  # seconds at batches 1, 4, 16
+        "lm_head 512x64": {"plain": [0.010, 0.040, 0.050], "packed": [0.009, 0.015, 0.036],
+                           "kernel": [0.009, 0.016, 0.040], "blocked": [0.007, 0.010, 0.030]},  # blocked by most
+        "up_proj 128x64": {"plain": [0.010, 0.040, 0.050], "packed": [0.009, 0.020, 0.030],
+                           "kernel": [0.008, 0.030, 0.040], "blocked": [0.012, 0.012, 0.012]},  # slows batch 1
+        "q_proj 64x64": {"plain": [0.010, 0.010, 0.010], "kernel": [0.010, 0.010, 0.0095],
+                         "blocked": [0.010, 0.0098, 0.0095]}})  # noise: stays plain
+    assert choice.blocked == {"lm_head 512x64"} and choice.groups == {"up_proj 128x64"} and not choice.kernel
+    assert choice.uses_blocked("lm_head 512x64") and not choice.uses_kernel("lm_head 512x64")
+    assert not choice.packs("lm_head 512x64") and not choice.uses_blocked("q_proj 64x64")
+    assert choice.summary() == "packed up_proj 128x64; blocked lm_head 512x64"
+    assert "blocked 47.0 ms (batch 1 7.00)" in choice.reason
+
+
 @pytest.mark.parametrize("flags,arch,want", [
     (AMX, "x86_64", "amx_bf16"),
     (AVX512_BF16, "x86_64", "avx512_bf16"),
