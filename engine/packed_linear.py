@@ -7,10 +7,10 @@ given a weight reordered once into its own blocked layout, runs them faster at t
 decode lives at, but pays a fixed cost per call that small matrices at batch 1 do not earn back
 (BENCHMARKS.md, "packed linear layers"); the kernel (`engine.kernels`: fp32 with AVX2 + FMA, bf16
 with AVX-512 BF16, on AMX tiles where the CPU has them) streams each weight once for all the rows
-with no fixed cost to speak of; on a blocked copy (bf16 with AVX-512 BF16: 16 output columns by pairs of
-K, `engine.kernels.block_weight`) it needs no horizontal sums, so it runs any number of rows at the
-CPU's dot-product rate, prefill's too. So the choice is per
-group of layers (one name and shape: "gate_proj 1536x576", "lm_head 49152x576"):
+with no fixed cost to speak of; on a blocked copy (`engine.kernels.block_weight`: bf16 with AVX-512
+BF16 in blocks of 16 output columns by pairs of K, fp32 with AVX2 + FMA in blocks of 8 columns) it
+needs no horizontal sums, so it runs any number of rows near the CPU's vector rate, prefill's too.
+So the choice is per group of layers (one name and shape: "gate_proj 1536x576", "lm_head 49152x576"):
 `EngineConfig(linear="auto")` times each group's own weights every way at start-up (`measure`,
 decided by `hardware.pick_linear`) the first time this machine serves the model that way, and keeps
 the choice on disk for the starts after (`_measured_choice`); `pack` swaps the winners' `nn.Linear`s for
@@ -27,8 +27,9 @@ model). Eager calls skip the op and call oneDNN directly.
 
 Eager and compiled, a `KernelLinear` calls the kernel's C++ operator `pdserve_cpu::linear` (the
 Python op `pdserve_linear::kernel_linear` over ctypes where that did not build) and a `BlockedLinear`
-`pdserve_cpu::blocked_linear` (`pdserve_linear::blocked_linear`); their weights are plain graph inputs. CPU only (`available` says whether this torch build and CPU can pack a
-dtype, `kernel_available` whether the kernel runs); no Ray.
+`pdserve_cpu::blocked_linear` (`pdserve_linear::blocked_linear`); their weights are plain graph
+inputs. CPU only (`available` says whether this torch build and CPU can pack a dtype,
+`kernel_available` and `blocked_available` whether the kernels run); no Ray.
 """
 from __future__ import annotations
 
@@ -194,8 +195,8 @@ class KernelLinear(torch.nn.Module):
 
 
 def blocked_available(dtype: torch.dtype) -> bool:
-    """Whether pdserve's kernel computes linear layers of `dtype` from a blocked weight here (bf16: a
-    kernel build with AVX-512 BF16 loaded)."""
+    """Whether pdserve's kernel computes linear layers of `dtype` from a blocked weight here (fp32: a
+    kernel build with AVX2 + FMA loaded; bf16: one with AVX-512 BF16)."""
     kernel = _kernel()
     return kernel is not None and kernel.has_blocked(dtype)
 
@@ -220,7 +221,7 @@ def _(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None, out_fea
 
 
 class BlockedLinear(torch.nn.Module):
-    """An `nn.Linear` (same in/out features and bias, bf16) whose weight lives as a blocked copy for
+    """An `nn.Linear` (same in/out features and bias, fp32 or bf16) whose weight lives as a blocked copy for
     pdserve's kernel (`engine.kernels.block_weight`), for every number of rows: decode steps and prefill."""
 
     def __init__(self, linear: torch.nn.Linear) -> None:

@@ -35,8 +35,11 @@ MAX_GROUP = 64  # query heads per kv head the portable kernel's stack arrays hol
 # Entry points by dtype, in the order `pdserve_bind` takes them (fp32, then bf16).
 _ENTRY = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"}
 _LINEAR_ENTRY = {torch.float32: "pdserve_linear_f32", torch.bfloat16: "pdserve_linear_bf16"}
-_BLOCKED_ENTRY = {torch.bfloat16: "pdserve_linear_bf16_blocked"}  # the builds with AVX-512 BF16
-BLOCK_COLS = 16  # output columns per block of a blocked weight (`block_weight`)
+# Linear layers on blocked weights: fp32 in the builds with AVX2 + FMA, bf16 in those with AVX-512 BF16.
+_BLOCKED_ENTRY = {torch.float32: "pdserve_linear_f32_blocked", torch.bfloat16: "pdserve_linear_bf16_blocked"}
+# A blocked weight's block, by dtype: output columns, and elements of K per row of the block (one vector of
+# the kernel: 8 fp32 lanes for an FMA, 16 bf16 pairs for a pair dot product). The C++ operator checks the same.
+BLOCK_SHAPE = {torch.float32: (8, 1), torch.bfloat16: (16, 2)}
 _PREFILL_ENTRY = "pdserve_prefill_attn_bf16"  # the builds with AVX-512 BF16 (AMX tiles in amx_bf16): bf16
 PREFILL_HEAD_DIMS, PREFILL_BLOCK_MULTIPLE = (64, 128), 16
 
@@ -163,7 +166,7 @@ class Kernel:
 
     def has_blocked(self, dtype: torch.dtype) -> bool:
         """Whether this build computes linear layers of `dtype` on a blocked weight (`block_weight`;
-        bf16: the builds with AVX-512 BF16)."""
+        fp32: the builds with AVX2 + FMA; bf16: those with AVX-512 BF16)."""
         return dtype in _BLOCKED_ENTRY and hasattr(self.lib, _BLOCKED_ENTRY[dtype])
 
     def blocked_linear(self, x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None,
@@ -192,20 +195,25 @@ class Kernel:
 
 
 def block_weight(weight: torch.Tensor) -> torch.Tensor:
-    """A linear weight [N, K] laid out for the blocked kernel: [ceil(N / 16), ceil(K / 2), 16, 2], block b
-    holding output columns 16b..16b+15, each row of it one pair of K for those 16 columns (the operand
-    order of a bf16 pair dot product); zeros past N and K. A new tensor; the weight is not kept."""
+    """A linear weight [N, K] laid out for the blocked kernel: [ceil(N / C), ceil(K / P), C, P] with (C, P)
+    the dtype's `BLOCK_SHAPE` (bf16: 16 output columns by pairs of K, the operand order of a bf16 pair
+    dot product; fp32: 8 columns by single elements), block b holding output columns bC..bC+C-1; zeros
+    past N and K. A new tensor; the weight is not kept."""
+    cols, per_row = BLOCK_SHAPE[weight.dtype]
     n, k = weight.shape
-    padded = torch.nn.functional.pad(weight.detach(), (0, k % 2, 0, -n % BLOCK_COLS))
-    return padded.view(-1, BLOCK_COLS, (k + 1) // 2, 2).transpose(1, 2).contiguous()
+    padded = torch.nn.functional.pad(weight.detach(), (0, -k % per_row, 0, -n % cols))
+    return padded.view(-1, cols, -(-k // per_row), per_row).transpose(1, 2).contiguous()
 
 
 def check_blocked(blocked: torch.Tensor, out_features: int, in_features: int) -> None:
     """Raise ValueError where `blocked` is not `block_weight` of an [out_features, in_features] weight."""
-    want = (-(-out_features // BLOCK_COLS), (in_features + 1) // 2, BLOCK_COLS, 2)
+    if blocked.dtype not in BLOCK_SHAPE:
+        raise ValueError(f"a blocked weight is float32 or bfloat16, got {blocked.dtype}")
+    cols, per_row = BLOCK_SHAPE[blocked.dtype]
+    want = (-(-out_features // cols), -(-in_features // per_row), cols, per_row)
     if tuple(blocked.shape) != want or not blocked.is_contiguous():
-        raise ValueError(f"a blocked weight of {out_features}x{in_features} is a contiguous {list(want)}, "
-                         f"got {list(blocked.shape)}")
+        raise ValueError(f"a {blocked.dtype} blocked weight of {out_features}x{in_features} is a contiguous "
+                         f"{list(want)}, got {list(blocked.shape)}")
 
 
 def _compile(compiler: list[str], src: Path, flags: list[str], libs: list[str], name: str) -> Path:
@@ -283,7 +291,9 @@ def _self_check(kernel: Kernel) -> None:
                     raise KernelError(f"its {dtype} linear kernel differs from torch's (relative error {err:.3g})")
     # The blocked linear kernel: every tile height and more than one pass of rows, a part block of columns,
     # odd K, with and without bias, and on more threads than blocks.
-    for dtype, (n, k), rows in ((torch.bfloat16, (13, 41), (1, 6, 7)), (torch.bfloat16, (70, 64), (5, 12, 70))):
+    for dtype, (n, k), rows, tol in ((torch.float32, (13, 41), (1, 4, 5), 1e-4), (torch.float32, (70, 64), (3, 9, 70), 1e-4),
+                                     (torch.bfloat16, (13, 41), (1, 6, 7), 2e-2),
+                                     (torch.bfloat16, (70, 64), (5, 12, 70), 2e-2)):
         if not kernel.has_blocked(dtype):
             continue
         w, bias = torch.randn(n, k, generator=g).to(dtype), torch.randn(n, generator=g).to(dtype)
@@ -293,7 +303,7 @@ def _self_check(kernel: Kernel) -> None:
             for b in (None, bias):
                 want = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
                 err = float((kernel.blocked_linear(x, blocked, b, n).float() - want).abs().max() / want.abs().max())
-                if not err <= 2e-2:
+                if not err <= tol:
                     raise KernelError(f"its {dtype} blocked linear kernel differs from torch's (relative error "
                                       f"{err:.3g})")
 

@@ -2,7 +2,7 @@
  * (`pdserve_linear_f32` and `pdserve_linear_bf16`, at the end), and in the builds with AVX-512 BF16
  * the attention of prompt chunks over their cached context (`pdserve_prefill_attn_bf16`; on AMX
  * tiles in the AMX build) and linear layers on a blocked copy of the weight
- * (`pdserve_linear_bf16_blocked`, last).
+ * (`pdserve_linear_f32_blocked` with AVX2 + FMA, `pdserve_linear_bf16_blocked` with AVX-512 BF16).
  *
  * One layer of a decode step straight over the paged KV pool: write each sequence's new
  * key and value at its slot, then attend its one query token over its blocks, read in
@@ -522,6 +522,77 @@ void pdserve_linear_f32(const float* x, const float* w, const float* bias, float
             for (int k = 0; k < K; k++) s += x[(int64_t)m * K + k] * w[(int64_t)n * K + k];
             y[(int64_t)m * N + n] = s;
         }
+}
+
+/* Linear layers on a blocked weight, fp32 (`pdserve_linear_bf16_blocked`'s scheme with AVX2 + FMA): w
+ * laid out once as wb[ceil(N/8)][K][8] (8 output columns per 32-byte row, zeros past N); x[m][k]
+ * broadcast meets 8 columns at once, no horizontal sums. A tile holds BLF_MR rows of x by BLF_NR
+ * blocks (12 accumulators of the 16 registers); threads split the blocks; rows go BLF_MB at a time. */
+#define BLF_MR 4
+#define BLF_NR 3
+#define BLF_MB 64
+#define BLF_TILE(MR, NR)                                                                                   \
+    static void blf_tile_##MR##_##NR(const float* x, const float* wb, const float* bias, float* y, int m0, \
+                                     int nb0, int N, int K) {                                              \
+        __m256 acc[MR][NR];                                                                                \
+        const float* wr[NR];                                                                               \
+        for (int j = 0; j < NR; j++) wr[j] = wb + (int64_t)(nb0 + j) * K * 8;                              \
+        for (int i = 0; i < MR; i++)                                                                       \
+            for (int j = 0; j < NR; j++) acc[i][j] = _mm256_setzero_ps();                                  \
+        for (int k = 0; k < K; k++) {                                                                      \
+            __m256 wv[NR];                                                                                 \
+            for (int j = 0; j < NR; j++) wv[j] = _mm256_loadu_ps(wr[j] + (int64_t)k * 8);                  \
+            for (int i = 0; i < MR; i++) {                                                                 \
+                const __m256 xb = _mm256_set1_ps(x[(int64_t)(m0 + i) * K + k]);                           \
+                for (int j = 0; j < NR; j++) acc[i][j] = _mm256_fmadd_ps(xb, wv[j], acc[i][j]);            \
+            }                                                                                              \
+        }                                                                                                  \
+        for (int j = 0; j < NR; j++) {                                                                     \
+            const int n0 = (nb0 + j) * 8, left = N - n0;                                                   \
+            const __m256i mask = _mm256_castps_si256(lanes_below(left));                                   \
+            const __m256 b = bias ? _mm256_maskload_ps(bias + n0, mask) : _mm256_setzero_ps();              \
+            for (int i = 0; i < MR; i++)                                                                   \
+                _mm256_maskstore_ps(y + (int64_t)(m0 + i) * N + n0, mask, _mm256_add_ps(acc[i][j], b));    \
+        }                                                                                                  \
+    }
+#define BLF_ROWS(NR) BLF_TILE(1, NR) BLF_TILE(2, NR) BLF_TILE(3, NR) BLF_TILE(4, NR)
+BLF_ROWS(1)
+BLF_ROWS(2)
+BLF_ROWS(3)
+#define BLF_PANEL(NR)                                                                                      \
+    static void blf_panel_##NR(const float* x, const float* wb, const float* bias, float* y, int m0, int m1, \
+                               int nb0, int N, int K) {                                                    \
+        int m = m0;                                                                                        \
+        for (; m + BLF_MR <= m1; m += BLF_MR) blf_tile_4_##NR(x, wb, bias, y, m, nb0, N, K);               \
+        switch (m1 - m) {                                                                                  \
+            case 3: blf_tile_3_##NR(x, wb, bias, y, m, nb0, N, K); break;                                  \
+            case 2: blf_tile_2_##NR(x, wb, bias, y, m, nb0, N, K); break;                                  \
+            case 1: blf_tile_1_##NR(x, wb, bias, y, m, nb0, N, K); break;                                  \
+            default: break;                                                                                \
+        }                                                                                                  \
+    }
+BLF_PANEL(1)
+BLF_PANEL(2)
+BLF_PANEL(3)
+
+void pdserve_linear_f32_blocked(const float* x, const float* wb, const float* bias, float* y, int M, int N, int K,
+                                int nthreads) {
+    const int blocks = (N + 7) / 8;
+    if (nthreads > blocks) nthreads = blocks > 0 ? blocks : 1;
+#pragma omp parallel for num_threads(nthreads) schedule(static, 1) if (nthreads > 1)
+    for (int t = 0; t < nthreads; t++) {
+        const int b0 = (int)((int64_t)blocks * t / nthreads), b1 = (int)((int64_t)blocks * (t + 1) / nthreads);
+        for (int m0 = 0; m0 < M; m0 += BLF_MB) {
+            const int m1 = M - m0 > BLF_MB ? m0 + BLF_MB : M;
+            int b = b0;
+            for (; b + BLF_NR <= b1; b += BLF_NR) blf_panel_3(x, wb, bias, y, m0, m1, b, N, K);
+            switch (b1 - b) {
+                case 2: blf_panel_2(x, wb, bias, y, m0, m1, b, N, K); break;
+                case 1: blf_panel_1(x, wb, bias, y, m0, m1, b, N, K); break;
+                default: break;
+            }
+        }
+    }
 }
 #endif
 

@@ -92,12 +92,15 @@ at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& blocked, const 
     TORCH_CHECK(f32 || x.scalar_type() == at::kBFloat16, "blocked_linear: float32 or bfloat16, got ", x.scalar_type());
     TORCH_CHECK(blocked.scalar_type() == x.scalar_type(), "x and the blocked weight must have one dtype");
     const LinearFn fn = f32 ? blocked_f32_fn : blocked_bf16_fn;
-    TORCH_CHECK(fn != nullptr, "no ", x.scalar_type(), " blocked linear kernel bound (bf16: a build with AVX-512 BF16)");
+    TORCH_CHECK(fn != nullptr, "no ", x.scalar_type(), " blocked linear kernel bound (fp32: a build with AVX2 + FMA; "
+                "bf16: a build with AVX-512 BF16)");
     const int64_t k = x.size(-1);
-    TORCH_CHECK(blocked.dim() == 4 && blocked.is_contiguous() && blocked.size(0) == (out_features + 15) / 16 &&
-                    blocked.size(1) == (k + 1) / 2 && blocked.size(2) == 16 && blocked.size(3) == 2,
-                "the blocked weight must be a contiguous [ceil(N / 16), ceil(K / 2), 16, 2] for N = out_features ",
-                out_features, " and K = x.size(-1) ", k);
+    const int64_t cols = f32 ? 8 : 16, per_row = f32 ? 1 : 2;  // engine.kernels.BLOCK_SHAPE
+    TORCH_CHECK(blocked.dim() == 4 && blocked.is_contiguous() && blocked.size(0) == (out_features + cols - 1) / cols &&
+                    blocked.size(1) == (k + per_row - 1) / per_row && blocked.size(2) == cols &&
+                    blocked.size(3) == per_row,
+                "the blocked weight must be a contiguous [ceil(N / ", cols, "), ceil(K / ", per_row, "), ", cols, ", ",
+                per_row, "] for N = out_features ", out_features, " and K = x.size(-1) ", k);
     const at::Tensor xc = x.reshape({-1, k}).contiguous();
     at::Tensor bc;
     if (bias.has_value()) {

@@ -185,48 +185,64 @@ def test_a_kernel_layer_equals_the_plain_one(dtype, tol, rows, shape, bias):
         assert torch.equal(torch.ops.pdserve_cpu.linear(x, linear.weight, linear.bias), got)
 
 
-needs_blocked = pytest.mark.skipif(not packed_linear.blocked_available(torch.bfloat16),
-                                   reason="no bf16 blocked linear kernel here (AVX-512 BF16 and a C compiler)")
+def needs_blocked(dtype: torch.dtype):
+    return pytest.mark.skipif(not packed_linear.blocked_available(dtype), reason=f"no {dtype} blocked linear "
+                              "kernel here (fp32: a C compiler and AVX2 + FMA; bf16: AVX-512 BF16)")
 
 
-@needs_blocked
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 12, 33, 64, 65, 257])  # tiles of 6 rows, passes of 64
+BLOCKED_DTYPES = [pytest.param(torch.float32, 1e-5, marks=needs_blocked(torch.float32), id="fp32"),
+                  pytest.param(torch.bfloat16, 2e-2, marks=needs_blocked(torch.bfloat16), id="bf16")]
+
+
+@pytest.mark.parametrize("dtype,tol", BLOCKED_DTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 12, 33, 64, 65, 257])  # tiles of 4 / 6 rows, passes of 64
 @pytest.mark.parametrize("shape", [(96, 160), (41, 13), (64, 70)])  # odd K, a part block of columns
 @pytest.mark.parametrize("bias", [False, True])
-def test_a_blocked_layer_equals_the_plain_one(rows, shape, bias):
+def test_a_blocked_layer_equals_the_plain_one(dtype, tol, rows, shape, bias):
     torch.manual_seed(rows)
-    linear = torch.nn.Linear(*shape, bias=bias).to(torch.bfloat16).requires_grad_(False)
-    x = torch.randn(2, rows, shape[0], dtype=torch.bfloat16)
+    linear = torch.nn.Linear(*shape, bias=bias).to(dtype).requires_grad_(False)
+    x = torch.randn(2, rows, shape[0], dtype=dtype)
     want = F.linear(x.float(), linear.weight.float(), None if linear.bias is None else linear.bias.float())
     layer = BlockedLinear(linear)
     got = layer(x)
-    assert got.shape == want.shape and got.dtype == torch.bfloat16
-    assert float((got.float() - want).abs().max()) <= 2e-2 * float(want.abs().max())
+    assert got.shape == want.shape and got.dtype == dtype
+    assert float((got.float() - want).abs().max()) <= tol * float(want.abs().max())
     assert torch.equal(torch.ops.pdserve_linear.blocked_linear(x, layer.blocked, linear.bias, shape[1]), got)
     if kernels.active().op is not None:  # the C++ operator is what a BlockedLinear calls where it built
-        assert kernels.active().blocked_op(torch.bfloat16) is not None
+        assert kernels.active().blocked_op(dtype) is not None
         assert torch.equal(torch.ops.pdserve_cpu.blocked_linear(x, layer.blocked, linear.bias, shape[1]), got)
 
 
-def test_a_blocked_weight_holds_16_columns_by_pairs_of_k_padded_with_zeros():
-    w = torch.arange(20 * 5, dtype=torch.float32).view(20, 5)
+def test_a_bf16_blocked_weight_holds_16_columns_by_pairs_of_k_padded_with_zeros():
+    w = torch.arange(20 * 5, dtype=torch.bfloat16).view(20, 5)  # integers up to 256: exact in bf16
     blocked = kernels.block_weight(w)
     assert blocked.shape == (2, 3, 16, 2) and blocked.is_contiguous()
     for b, kp, c, e in [(0, 0, 0, 0), (0, 0, 0, 1), (0, 2, 15, 0), (1, 1, 3, 1), (1, 0, 2, 0)]:
         assert blocked[b, kp, c, e] == w[16 * b + c, 2 * kp + e]
     assert not blocked[1, :, 4:].any() and not blocked[:, 2, :, 1].any()  # past N and past K: zeros
     kernels.check_blocked(blocked, 20, 5)
-    with pytest.raises(ValueError, match=r"a blocked weight of 20x6 is a contiguous \[2, 3, 16, 2\], got \[2, 3, 16, 2\]"):
+    with pytest.raises(ValueError, match=r"blocked weight of 20x6 is a contiguous \[2, 3, 16, 2\], got \[2, 3, 16, 2\]"):
         kernels.check_blocked(blocked.transpose(0, 1).contiguous().transpose(0, 1), 20, 6)
     with pytest.raises(ValueError, match=r"of 33x5 is a contiguous \[3, 3, 16, 2\]"):
         kernels.check_blocked(blocked, 33, 5)
+    with pytest.raises(ValueError, match="float32 or bfloat16, got torch.float16"):
+        kernels.check_blocked(blocked.half(), 20, 5)
 
 
-@needs_blocked
+def test_an_fp32_blocked_weight_holds_8_columns_by_single_elements_of_k():
+    w = torch.arange(11 * 3, dtype=torch.float32).view(11, 3)
+    blocked = kernels.block_weight(w)
+    assert blocked.shape == (2, 3, 8, 1)
+    assert blocked[1, 2, 2, 0] == w[10, 2] and blocked[0, 1, 7, 0] == w[7, 1]
+    assert not blocked[1, :, 3:].any()  # past N: zeros
+    kernels.check_blocked(blocked, 11, 3)
+
+
+@needs_blocked(torch.bfloat16)
 def test_the_blocked_operator_names_what_disagrees():
     layer = BlockedLinear(torch.nn.Linear(64, 40).to(torch.bfloat16).requires_grad_(False))
     x = torch.randn(3, 64, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="a blocked weight of 40x64"):
+    with pytest.raises(ValueError, match="blocked weight of 40x64"):
         torch.ops.pdserve_linear.blocked_linear(x, layer.blocked[:1], None, 40)
     if kernels.active().op is not None:
         with pytest.raises(RuntimeError, match="out_features 56 and K = x.size"):
@@ -244,7 +260,8 @@ def on_way(model, way: str) -> hardware.LinearChoice:
 @pytest.mark.parametrize("dtype,way", [
     pytest.param(torch.float32, "kernel", marks=needs_kernel(torch.float32), id="fp32-kernel"),
     pytest.param(torch.bfloat16, "kernel", marks=needs_kernel(torch.bfloat16), id="bf16-kernel"),
-    pytest.param(torch.bfloat16, "blocked", marks=needs_blocked, id="bf16-blocked")])
+    pytest.param(torch.float32, "blocked", marks=needs_blocked(torch.float32), id="fp32-blocked"),
+    pytest.param(torch.bfloat16, "blocked", marks=needs_blocked(torch.bfloat16), id="bf16-blocked")])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 def test_kernel_engine_matches_generate(dtype, way, arch, compile):
@@ -279,7 +296,7 @@ def test_the_engine_benchmarks_bound_times_the_layers_the_way_the_engine_compute
     assert time_linears(layers, 4, 1) > 0
 
 
-@needs_blocked
+@needs_blocked(torch.bfloat16)
 def test_the_bound_times_blocked_layers_as_the_engine_computes_them():
     from pdserve.bench.engine import bound_linears, time_linears
 
