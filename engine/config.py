@@ -51,7 +51,8 @@ class EngineConfig:
         num_threads: torch intra-op threads on CPU; None leaves torch's default.
         linear: how linear layers compute on CPU: "packed" (weights packed once for oneDNN,
             `engine.packed_linear`), "plain" (`F.linear`), or auto: per group of layers, whichever
-            runs decode-sized products faster here, measured at start-up. CUDA always runs plain.
+            of those and pdserve's kernel (on the weight, or on a blocked copy) runs decode-sized
+            products faster here, measured at start-up. CUDA always runs plain.
         seed: seed for requests that sample without a seed of their own.
         chat_template: the Jinja chat template chat prompts are rendered with instead of the model's
             own: a file's path, or the template itself (`engine.chat_template`); None: the model's.
@@ -78,8 +79,8 @@ class EngineConfig:
         "flag": "--threads", "help": "torch threads per engine (default: torch's choice; serve: --cpus-per-worker)"})
     linear: str = field(default=AUTO, metadata={"choices": LINEARS, "help": (
         "linear layers on CPU: packed (weights packed once for oneDNN), plain (F.linear), or auto: per group of "
-        "layers, the fastest for decode-sized batches here of plain, packed and pdserve's own kernel (fp32: AVX2 "
-        "+ FMA; bf16: AVX-512 BF16 or AMX), measured at start-up")})
+        "layers, the fastest for decode-sized batches here of plain, packed and pdserve's own kernel on the weight "
+        "as it is or on a blocked copy (fp32: AVX2 + FMA; bf16: AVX-512 BF16 or AMX), measured at start-up")})
     seed: int = field(default=0, metadata={"help": "seed of sampled requests that give none of their own"})
     chat_template: str | None = field(default=None, metadata={
         "help": "Jinja chat template for chat prompts instead of the model's own: a file, or the template itself "

@@ -1,5 +1,6 @@
 """`pdserve bench linear`: decode steps and a prefill with plain linear layers and with the ways
-`linear="auto"` picks per group (packed for oneDNN, pdserve's kernel), side by side on this machine.
+`linear="auto"` picks per group (packed for oneDNN, pdserve's kernel on the weight or on a blocked
+copy), side by side on this machine.
 
 For each thread count (one core, as a worker of the default layout computes, and the node's
 `--threads`), one fresh process (torch's thread count is process-wide) holds two engines of the
