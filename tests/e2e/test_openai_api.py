@@ -261,7 +261,8 @@ def test_models_and_health(client, server):
     assert runtime["attention"] == (best.name if best else "torch")
     assert runtime["compiled"] is (best is not None)
     ways = runtime["linear"].split("; ")  # auto: measured per group, e.g. "packed lm_head 49152x576; kernel ..."
-    assert runtime["linear"] == "plain" or all(w.startswith(("packed ", "kernel ")) for w in ways), runtime
+    assert runtime["linear"] == "plain" or all(w.startswith(tuple(f"{way} " for way in hardware.LINEAR_WAYS))
+                                               for w in ways), runtime
     with urllib.request.urlopen(server.http + "/health", timeout=10) as r:
         assert r.status == 200
 
