@@ -90,7 +90,7 @@ class LinearChoice:
     the layers of one name and shape, e.g. "gate_proj 1536x576"; `ALL_LAYERS` is every one; empty is
     none), or None when only a measurement on the model can tell; `kernel` names those pdserve's own
     small-batch kernel computes (`engine.kernels`, fp32 or bf16) and `blocked` those its kernel computes
-    from a blocked copy of the weight (bf16); the rest run plain `F.linear`; and why."""
+    from a blocked copy of the weight (fp32 or bf16); the rest run plain `F.linear`; and why."""
 
     groups: frozenset[str] | None
     reason: str
@@ -108,8 +108,7 @@ class LinearChoice:
         return group in self.blocked
 
     def summary(self) -> str:
-        """"packed", "plain", or the groups packed and those on the kernel (for logs, `/v1/models` and
-        `pdserve status`)."""
+        """"packed", "plain", or the groups of each way (for logs, `/v1/models` and `pdserve status`)."""
         if self.groups == ALL_LAYERS:
             return "packed"
         parts = [f"{way} " + ", ".join(sorted(names)) for way, names in (("packed", self.groups or ()),
@@ -168,7 +167,8 @@ def pick_linear(seconds: dict[str, dict[str, list[float]]]) -> LinearChoice:
     def way(name: str) -> frozenset[str]:
         return frozenset(g for g, w in best.items() if w == name)
 
-    return LinearChoice(way("packed"), f"measured on the model: {timing}", kernel=way("kernel"), blocked=way("blocked"))
+    return LinearChoice(way("packed"), f"measured on the model: {timing}", kernel=way("kernel"),
+                        blocked=way("blocked"))
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,6 @@ import logging
 import os
 import time
 import weakref
-from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -313,8 +312,9 @@ def measure(model: torch.nn.Module, reps: int = 3, layers: int = 4, kernel: bool
         if blocked:
             from engine.kernels import block_weight
 
-            ways["blocked"] = lambda x, ws=weights, bs=[block_weight(w) for w in weights]: [
-                _blocked_forward(x, b, None, w.shape[0]) for w, b in zip(ws, bs, strict=True)]
+            copies = [block_weight(w) for w in weights]
+            ways["blocked"] = lambda x, ws=weights, bs=copies: [_blocked_forward(x, b, None, w.shape[0])
+                                                                for w, b in zip(ws, bs, strict=True)]
         times = out[group] = {way: [] for way in ways}
         for batch in PROBE_BATCHES:
             x = torch.randn(batch, weights[0].shape[1], dtype=weights[0].dtype)
@@ -332,8 +332,8 @@ def apply(model: torch.nn.Module, setting: str, device: str) -> LinearChoice:
     """
     dtype = next(model.parameters()).dtype
     choice = hardware.choose_linear(setting, device, device == "cpu" and available(dtype))
-    packed, on_kernel, on_blocked = (frozenset(group_of(n, m) for n, m in model.named_modules() if isinstance(m, cls))
-                                     for cls in SWAPPED)
+    packed, on_kernel, on_blocked = (
+        frozenset(group_of(n, m) for n, m in model.named_modules() if isinstance(m, cls)) for cls in SWAPPED)
     if packed or on_kernel or on_blocked:  # an engine built on a model another engine swapped: it runs as it is
         return LinearChoice(packed if groups(model) or on_kernel or on_blocked else ALL_LAYERS,
                             "the given model was swapped already", kernel=on_kernel, blocked=on_blocked)

@@ -163,7 +163,6 @@ class Kernel:
                                                   m, n, k, torch.get_num_threads())
         return out
 
-
     def has_blocked(self, dtype: torch.dtype) -> bool:
         """Whether this build computes linear layers of `dtype` on a blocked weight (`block_weight`;
         fp32: the builds with AVX2 + FMA; bf16: those with AVX-512 BF16)."""
@@ -291,7 +290,8 @@ def _self_check(kernel: Kernel) -> None:
                     raise KernelError(f"its {dtype} linear kernel differs from torch's (relative error {err:.3g})")
     # The blocked linear kernel: every tile height and more than one pass of rows, a part block of columns,
     # odd K, with and without bias, and on more threads than blocks.
-    for dtype, (n, k), rows, tol in ((torch.float32, (13, 41), (1, 4, 5), 1e-4), (torch.float32, (70, 64), (3, 9, 70), 1e-4),
+    for dtype, (n, k), rows, tol in ((torch.float32, (13, 41), (1, 4, 5), 1e-4),
+                                     (torch.float32, (70, 64), (3, 9, 70), 1e-4),
                                      (torch.bfloat16, (13, 41), (1, 6, 7), 2e-2),
                                      (torch.bfloat16, (70, 64), (5, 12, 70), 2e-2)):
         if not kernel.has_blocked(dtype):
