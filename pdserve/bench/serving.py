@@ -41,7 +41,7 @@ from loadtest.clients import make_client
 from loadtest.metrics import percentile, request_tpot
 from loadtest.records import RequestRecord
 from loadtest.report import load_results, results_document, write_results
-from loadtest.runner import RunResult, run_closed_loop, run_open_loop
+from loadtest.runner import RunResult, run_closed_loop, run_open_loop, warm_up
 from loadtest.workload import RequestSpec, build_workload, run_seed
 
 PEER = "vllm"  # the server the SLOs are scaled to
@@ -119,11 +119,24 @@ def _stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
+SATURATED_WAVES = 3  # waves of `--concurrency` requests a saturated run measures at least
+
+
+def saturated_counts(num_requests: int, concurrency: int) -> tuple[int, int]:
+    """A saturated run's requests: (warm-up, measured). One wave of `concurrency` warms up and is left out
+    (it arrives as one burst of prompts, which is not the steady state), then at least `SATURATED_WAVES`
+    waves are measured."""
+    return concurrency, max(num_requests, SATURATED_WAVES * concurrency)
+
+
 async def _drive(base: str, w: Workload, args: argparse.Namespace, closed: bool) -> list:
     client = make_client("openai", base, model="model", timeout_s=args.request_timeout)
     try:  # fresh prompts for every run: a server's prefix cache must not serve a later run from an earlier one
         if closed:
-            specs = _specs(w, args.num_requests, args.seed + 1000, args.vocab_size)
+            warm, measured = saturated_counts(args.num_requests, args.concurrency)
+            await warm_up(client, _specs(w, warm, args.seed + 3000, args.vocab_size), args.concurrency,
+                          args.max_duration)
+            specs = _specs(w, measured, args.seed + 1000, args.vocab_size)
             return [await run_closed_loop(client, specs, args.concurrency, args.max_duration)]
         return [await run_open_loop(client, _specs(w, args.num_requests, run_seed(args.seed, i), args.vocab_size),
                                     rate, args.seed, args.max_duration) for i, rate in enumerate(w.rates)]
@@ -319,7 +332,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-rates", type=_floats, default=[0.2, 0.4])
     p.add_argument("--mixed-rates", type=_floats, default=[0.2, 0.4])
     p.add_argument("--num-requests", type=int, default=12, help="requests per run")
-    p.add_argument("--concurrency", type=int, default=12, help="closed-loop concurrency (saturated throughput)")
+    p.add_argument("--concurrency", type=int, default=12, help="closed-loop concurrency (saturated throughput: "
+                   f"a wave of this many warms up, then at least {SATURATED_WAVES} waves are measured)")
     p.add_argument("--max-duration", type=float, default=150.0, help="longest run, seconds")
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--ttft-target", type=_positive, default=None,

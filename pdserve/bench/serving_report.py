@@ -11,6 +11,7 @@ from loadtest.plots import plot_goodput_vs_rate, plot_phase_breakdown
 from loadtest.records import RequestRecord
 from loadtest.report import write_results
 from pdserve.bench.report import write_report as write_section
+from pdserve.bench.serving import saturated_counts
 
 LABELS = {"ratio": "pdserve ratio", "always_remote": "pdserve always_remote", "colocated": "pdserve colocated",
           "single": "pdserve one worker, both cores", "fixed": "pdserve ratio, no lending",
@@ -108,7 +109,9 @@ def write_report(out: Path, args: argparse.Namespace, workloads: list, machine: 
         section += [(f"**{w.name}** (prompt/output tokens: {parts}; open loop, Poisson). Goodput: TTFT ≤ "
                      f"{slo.ttft_s:.2f} s and TPOT ≤ {slo.tpot_s * 1e3:.0f} ms ({slo.basis})"), ""]
         section += _open_table(docs, w.name) + [""]
-    section += ["**Saturated throughput**, decode-heavy, closed loop", ""] + _closed_table(docs) + [""]
+    warm, measured = saturated_counts(args.num_requests, args.concurrency)
+    title = f"**Saturated throughput**, decode-heavy, closed loop: {measured} requests measured after a wave of {warm}"
+    section += [f"{title} that warms up", ""] + _closed_table(docs) + [""]
     section += _plots(out, docs, workloads, Path(args.report)) + [""]
     text = "\n".join(section)
     write_section(Path(args.report), text, cls, "serving")

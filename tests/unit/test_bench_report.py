@@ -99,3 +99,11 @@ def test_the_linear_table_compares_each_batch_and_names_what_auto_packed():
     assert "| 1 | 10 | 250 ms (40.0) | 200 ms (50.0) | 1.25x |" in text
     assert "| 1 | prefill 1024 | 10.00 s (102) | 8.00 s (128) | 1.25x |" in text
     assert "auto chose linear packed lm_head 49152x576" in text and text.startswith("AVX2 + FMA (test cpu)")
+
+
+def test_a_saturated_run_warms_up_with_one_wave_and_measures_three():
+    from pdserve.bench.serving import saturated_counts
+
+    assert saturated_counts(12, 12) == (12, 36)  # the report's defaults: not one burst of 12
+    assert saturated_counts(100, 12) == (12, 100)  # asked for more: all measured
+    assert saturated_counts(1, 4) == (4, 12)
