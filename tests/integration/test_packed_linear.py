@@ -158,16 +158,30 @@ def test_a_model_packed_already_is_taken_as_it_is():
     assert engine.linear_choice.groups == {"lm_head 512x64"} and engine.describe()["linear"] == "packed lm_head 512x64"
 
 
-def needs_kernel(dtype: torch.dtype):
-    return pytest.mark.skipif(not packed_linear.kernel_available(dtype), reason=f"no {dtype} linear kernel here "
+_AVAILABLE = {"kernel": packed_linear.kernel_available, "blocked": packed_linear.blocked_available}
+
+
+def needs(way: str, dtype: torch.dtype):
+    """Skip where pdserve's kernel does not run `way` ("kernel" or "blocked") in `dtype` here."""
+    return pytest.mark.skipif(not _AVAILABLE[way](dtype), reason=f"no {dtype} {way} linear kernel here "
                               "(fp32: a C compiler and AVX2 + FMA; bf16: AVX-512 BF16)")
 
 
-KERNEL_DTYPES = [pytest.param(torch.float32, 1e-5, marks=needs_kernel(torch.float32), id="fp32"),
-                 pytest.param(torch.bfloat16, 2e-2, marks=needs_kernel(torch.bfloat16), id="bf16")]
+def needs_kernel(dtype: torch.dtype):
+    return needs("kernel", dtype)
 
 
-@pytest.mark.parametrize("dtype,tol", KERNEL_DTYPES)
+def needs_blocked(dtype: torch.dtype):
+    return needs("blocked", dtype)
+
+
+def dtypes_with_tolerance(way: str) -> list:
+    """(dtype, relative tolerance) parameters for a layer test of `way`, each skipped where it cannot run."""
+    return [pytest.param(torch.float32, 1e-5, marks=needs(way, torch.float32), id="fp32"),
+            pytest.param(torch.bfloat16, 2e-2, marks=needs(way, torch.bfloat16), id="bf16")]
+
+
+@pytest.mark.parametrize("dtype,tol", dtypes_with_tolerance("kernel"))
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 10, 17, 33, 64, 257])  # bf16 > 64, fp32 > 256: torch's
 @pytest.mark.parametrize("shape", [(96, 160), (20, 13)])  # 13 rows of w, K = 20: both tails; K = 96: AMX tiles
 @pytest.mark.parametrize("bias", [False, True])
@@ -185,16 +199,7 @@ def test_a_kernel_layer_equals_the_plain_one(dtype, tol, rows, shape, bias):
         assert torch.equal(torch.ops.pdserve_cpu.linear(x, linear.weight, linear.bias), got)
 
 
-def needs_blocked(dtype: torch.dtype):
-    return pytest.mark.skipif(not packed_linear.blocked_available(dtype), reason=f"no {dtype} blocked linear "
-                              "kernel here (fp32: a C compiler and AVX2 + FMA; bf16: AVX-512 BF16)")
-
-
-BLOCKED_DTYPES = [pytest.param(torch.float32, 1e-5, marks=needs_blocked(torch.float32), id="fp32"),
-                  pytest.param(torch.bfloat16, 2e-2, marks=needs_blocked(torch.bfloat16), id="bf16")]
-
-
-@pytest.mark.parametrize("dtype,tol", BLOCKED_DTYPES)
+@pytest.mark.parametrize("dtype,tol", dtypes_with_tolerance("blocked"))
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 12, 33, 64, 65, 257])  # tiles of 4 / 6 rows, passes of 64
 @pytest.mark.parametrize("shape", [(96, 160), (41, 13), (64, 70)])  # odd K, a part block of columns
 @pytest.mark.parametrize("bias", [False, True])
