@@ -13,6 +13,7 @@
  * k, v [KVH, NB, BS, D]; tables [B, MAXNB]; ctx [B].
  * Query head h uses kv head h / (H / KVH), as transformers' repeat_kv does. */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -36,6 +37,25 @@ static inline uint16_t bf16_store(float f) {
  * vector exps below share it). */
 static const float EXP2_POLY[7] = {1.5403530393381608e-4f, 1.3333558146428443e-3f, 9.618129107628477e-3f,
                                    5.550410866482158e-2f,  2.402265069591007e-1f,  6.931471805599453e-1f, 1.f};
+
+/* The decode kernels' tasks (sequence b, kv head kh; task b * KVH + kh) split into `nt` contiguous ranges
+ * of about equal work (a task's work: its context plus a fixed part), [*lo, *hi) for thread `id`. Being
+ * contiguous, a thread knows its next task and prefetches that task's keys while it finishes the current
+ * one; dynamic scheduling hands tasks out in an order no thread knows ahead. */
+static void task_range(const int64_t* ctx, int B, int KVH, int nt, int id, int* lo, int* hi) {
+    int64_t total = 0, acc = 0;
+    for (int b = 0; b < B; b++) total += (ctx[b] + 16) * KVH;
+    *lo = *hi = 0;
+    for (int i = 0, first = 1; i < B * KVH; i++) {
+        const int64_t w = ctx[i / KVH] + 16;
+        const int owner = (int)((2 * acc + w) * nt / (2 * total)); /* by the task's midpoint: non-decreasing */
+        if (owner == id) {
+            if (first) *lo = i, first = 0;
+            *hi = i + 1;
+        }
+        acc += w;
+    }
+}
 
 static inline float f32_load(float f) { return f; }
 static inline float f32_store(float f) { return f; }
@@ -155,10 +175,17 @@ static inline __m512 bf16x16_to_f32(const uint16_t* src) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)src)), 16));
 }
 
-/* Query heads are taken GB at a time (grouped queries: 4 at D = 64, 2 at D = 128; one without
- * grouping): each K and V row is read once for all of them. Scores: TPR = 16 / GB tokens x GB heads
- * fill the 16 slots of one transposing reduction (lane h * TPR + t: head h, token t). P.V: GB x NF
- * accumulators. */
+/* Lanes that interleave an even-dims and an odd-dims vector back into dims order: the low 16, the high 16. */
+#define INTERLEAVE_LO _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0)
+#define INTERLEAVE_HI _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8)
+
+/* Query heads are taken GB at a time (grouped queries: 4 at D = 64, or 3 where the group is a multiple
+ * of 3 but not of 4; 2 at D = 128; one without grouping): each K and V row is read once for all of them.
+ * Scores: TPR = 16 / GB tokens x GB heads fill the slots of one transposing reduction (lane h * TPR + t:
+ * head h, token t). P.V: GB x NF accumulators, V's bf16 pairs widened in place (even dims by a shift, odd
+ * ones by a mask: no cross-lane shuffle), so accumulator 2i holds dims 32i, 32i + 2, ... and 2i + 1 the
+ * odd ones, interleaved back when stored. Each thread runs a contiguous range of tasks (`task_range`)
+ * and, while it sums the last head group's values, prefetches its next task's keys. */
 #define PAGED_DECODE_AVX512(NAME, NF, HEADS)                                                            \
     static void NAME(const uint16_t* q, const uint16_t* k_new, const uint16_t* v_new,                  \
                      const int64_t* slots, uint16_t* k, uint16_t* v, const int64_t* tables,             \
@@ -166,16 +193,23 @@ static inline __m512 bf16x16_to_f32(const uint16_t* src) {
                      int MAXNB, float scale, int nthreads) {                                            \
         enum { D = 16 * (NF), NQ = (NF) / 2, GB = (HEADS), TPR = 16 / GB };                             \
         const int G = H / KVH;                                                                          \
-        _Pragma("omp parallel for collapse(2) schedule(dynamic, 1) num_threads(nthreads)")              \
-        for (int b = 0; b < B; b++) {                                                                   \
-            for (int kh = 0; kh < KVH; kh++) {                                                          \
-                const int L = (int)ctx[b], LP = (L + 15) & ~15;                                         \
+        _Pragma("omp parallel num_threads(nthreads)")                                                   \
+        {                                                                                               \
+            int lo, hi;                                                                                 \
+            task_range(ctx, B, KVH, omp_get_num_threads(), omp_get_thread_num(), &lo, &hi);             \
+            for (int task = lo; task < hi; task++) {                                                    \
+                const int b = task / KVH, kh = task % KVH;                                              \
+                const int L = (int)ctx[b], LP = (L + TPR + 15) & ~15;                                   \
                 const int64_t dst = ((int64_t)kh * NB * BS + slots[b]) * D;                             \
                 memcpy(k + dst, k_new + ((int64_t)kh * B + b) * D, sizeof(uint16_t) * D);               \
                 memcpy(v + dst, v_new + ((int64_t)kh * B + b) * D, sizeof(uint16_t) * D);               \
                 const int64_t* tb = tables + (int64_t)b * MAXNB;                                        \
                 const uint16_t* kbase = k + (int64_t)kh * NB * BS * D;                                  \
                 const uint16_t* vbase = v + (int64_t)kh * NB * BS * D;                                  \
+                /* the next task's keys, prefetched while this one finishes (none past the range) */   \
+                const int nb = (task + 1) / KVH, nL = task + 1 < hi ? (int)ctx[nb] : 0;                 \
+                const int64_t* ntb = tables + (int64_t)nb * MAXNB;                                      \
+                const uint16_t* nk = k + (int64_t)((task + 1) % KVH) * NB * BS * D;                     \
                 float* sc = (float*)malloc(sizeof(float) * (size_t)(GB * LP) + sizeof(int64_t) * (size_t)L); \
                 int64_t* row = (int64_t*)(sc + GB * LP); /* element offset of token t's row */          \
                 for (int t = 0, bi = 0, o = 0; t < L; t++) {                                            \
@@ -194,17 +228,19 @@ static inline __m512 bf16x16_to_f32(const uint16_t* src) {
                     __m512 vmax = _mm512_set1_ps(-INFINITY);                                            \
                     for (int t0 = 0; t0 < L; t0 += TPR) {                                               \
                         const int m = L - t0 < TPR ? L - t0 : TPR;                                      \
-                        if (g0 == 0 && t0 % 16 == 0) { /* scattered blocks: the next K rows, these V */ \
-                            const int m2 = L - t0 - 16 < 16 ? L - t0 - 16 : 16;                         \
+                        const int c16 = (t0 + 15) & ~15; /* a 16-token chunk starts in this slice */     \
+                        if (g0 == 0 && c16 < t0 + TPR && c16 < L) { /* the next chunk's K rows, this V */ \
+                            const int m2 = L - c16 - 16 < 16 ? L - c16 - 16 : 16;                       \
                             for (int j = 0; j < m2; j++)                                                \
                                 for (int c = 0; c < D; c += 32)                                         \
-                                    _mm_prefetch((const char*)(kbase + row[t0 + 16 + j] + c), _MM_HINT_T0); \
-                            const int m1 = L - t0 < 16 ? L - t0 : 16;                                   \
+                                    _mm_prefetch((const char*)(kbase + row[c16 + 16 + j] + c), _MM_HINT_T0); \
+                            const int m1 = L - c16 < 16 ? L - c16 : 16;                                 \
                             for (int j = 0; j < m1; j++)                                                \
                                 for (int c = 0; c < D; c += 32)                                         \
-                                    _mm_prefetch((const char*)(vbase + row[t0 + j] + c), _MM_HINT_T1);  \
+                                    _mm_prefetch((const char*)(vbase + row[c16 + j] + c), _MM_HINT_T1); \
                         }                                                                               \
                         __m512 acc[16];                                                                 \
+                        for (int j = GB * TPR; j < 16; j++) acc[PERM16[j]] = _mm512_setzero_ps();       \
                         for (int t = 0; t < TPR; t++) {                                                 \
                             __m512bh kr[NQ];                                                            \
                             for (int i = 0; i < NQ; i++)                                                \
@@ -244,10 +280,19 @@ static inline __m512 bf16x16_to_f32(const uint16_t* src) {
                     __m512 o[GB][NF];                                                                   \
                     for (int h = 0; h < GB; h++)                                                        \
                         for (int i = 0; i < NF; i++) o[h][i] = _mm512_setzero_ps();                     \
+                    const int last = g0 + GB >= G;                                                      \
                     for (int t = 0; t < L; t++) {                                                       \
+                        if (last && t < nL) {                                                           \
+                            const uint16_t* nr = nk + (ntb[t / BS] * BS + t % BS) * D;                  \
+                            for (int c = 0; c < D; c += 32) _mm_prefetch((const char*)(nr + c), _MM_HINT_T1); \
+                        }                                                                               \
                         const uint16_t* vr = vbase + row[t];                                            \
                         __m512 vv[NF];                                                                  \
-                        for (int i = 0; i < NF; i++) vv[i] = bf16x16_to_f32(vr + 16 * i);               \
+                        for (int i = 0; i < NQ; i++) {                                                  \
+                            const __m512i x = _mm512_loadu_si512(vr + 32 * i);                          \
+                            vv[2 * i] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));                  \
+                            vv[2 * i + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xFFFF0000u))); \
+                        }                                                                               \
                         for (int h = 0; h < GB; h++) {                                                  \
                             if (h >= hb) break;                                                         \
                             const __m512 p = _mm512_set1_ps(sc[h * LP + t]);                            \
@@ -256,9 +301,14 @@ static inline __m512 bf16x16_to_f32(const uint16_t* src) {
                     }                                                                                   \
                     for (int h = 0; h < hb; h++) {                                                      \
                         uint16_t* og = out + ((int64_t)b * H + kh * G + g0 + h) * D;                    \
-                        for (int i = 0; i < NF; i++)                                                    \
-                            _mm256_storeu_si256((__m256i*)(og + 16 * i), (__m256i)_mm512_cvtneps_pbh(   \
-                                _mm512_mul_ps(o[h][i], _mm512_set1_ps(inv[h]))));                       \
+                        const __m512 ih = _mm512_set1_ps(inv[h]);                                       \
+                        for (int i = 0; i < NQ; i++) {                                                  \
+                            const __m512 ev = _mm512_mul_ps(o[h][2 * i], ih), od = _mm512_mul_ps(o[h][2 * i + 1], ih); \
+                            _mm256_storeu_si256((__m256i*)(og + 32 * i), (__m256i)_mm512_cvtneps_pbh(   \
+                                _mm512_permutex2var_ps(ev, INTERLEAVE_LO, od)));                        \
+                            _mm256_storeu_si256((__m256i*)(og + 32 * i + 16), (__m256i)_mm512_cvtneps_pbh( \
+                                _mm512_permutex2var_ps(ev, INTERLEAVE_HI, od)));                        \
+                        }                                                                               \
                     }                                                                                   \
                 }                                                                                       \
                 free(sc);                                                                               \
@@ -267,6 +317,7 @@ static inline __m512 bf16x16_to_f32(const uint16_t* src) {
     }
 
 PAGED_DECODE_AVX512(decode_bf16_avx512_d64, 4, 4)
+PAGED_DECODE_AVX512(decode_bf16_avx512_d64_g3, 4, 3)
 PAGED_DECODE_AVX512(decode_bf16_avx512_d128, 8, 2)
 PAGED_DECODE_AVX512(decode_bf16_avx512_d64_mha, 4, 1)
 PAGED_DECODE_AVX512(decode_bf16_avx512_d128_mha, 8, 1)
@@ -319,9 +370,12 @@ static inline __m256 lanes_below(int m) {
                      int NB, int BS, int MAXNB, float scale, int nthreads) {                            \
         const int G = H / KVH;                                                                          \
         const int DD = (DIM) > 0 ? (DIM) : D;                                                           \
-        _Pragma("omp parallel for collapse(2) schedule(dynamic, 1) num_threads(nthreads)")              \
-        for (int b = 0; b < B; b++) {                                                                   \
-            for (int kh = 0; kh < KVH; kh++) {                                                          \
+        _Pragma("omp parallel num_threads(nthreads)")                                                   \
+        {                                                                                               \
+            int lo, hi;                                                                                 \
+            task_range(ctx, B, KVH, omp_get_num_threads(), omp_get_thread_num(), &lo, &hi);             \
+            for (int task = lo; task < hi; task++) {                                                    \
+                const int b = task / KVH, kh = task % KVH;                                              \
                 const int L = (int)ctx[b], LP = (L + 7) & ~7;                                           \
                 const int64_t dst = ((int64_t)kh * NB * BS + slots[b]) * DD;                            \
                 memcpy(k + dst, k_new + ((int64_t)kh * B + b) * DD, sizeof(T) * (size_t)DD);            \
@@ -329,6 +383,10 @@ static inline __m256 lanes_below(int m) {
                 const int64_t* tb = tables + (int64_t)b * MAXNB;                                        \
                 const T* kbase = k + (int64_t)kh * NB * BS * DD;                                        \
                 const T* vbase = v + (int64_t)kh * NB * BS * DD;                                        \
+                /* the next task's keys, prefetched while this one finishes (none past the range) */   \
+                const int nb = (task + 1) / KVH, nL = task + 1 < hi ? (int)ctx[nb] : 0;                 \
+                const int64_t* ntb = tables + (int64_t)nb * MAXNB;                                      \
+                const T* nk = k + (int64_t)((task + 1) % KVH) * NB * BS * DD;                           \
                 int64_t* row = (int64_t*)malloc(sizeof(int64_t) * (size_t)L                             \
                                                 + sizeof(float) * (size_t)(G * DD + G * LP));           \
                 float* qf = (float*)(row + L);                                                          \
@@ -388,7 +446,13 @@ static inline __m256 lanes_below(int m) {
                         const int nv = DD - c < 64 ? (DD - c) / 8 : 8;                                  \
                         __m256 o[8];                                                                    \
                         for (int i = 0; i < 8; i++) o[i] = _mm256_setzero_ps();                         \
+                        const int ahead = g == G - 1 && c == 0 ? nL : 0;                                \
                         for (int t = 0; t < L; t++) {                                                   \
+                            if (t < ahead) {                                                            \
+                                const T* nr = nk + (ntb[t / BS] * BS + t % BS) * DD;                    \
+                                for (int x = 0; x < DD; x += 64 / (int)sizeof(T))                       \
+                                    _mm_prefetch((const char*)(nr + x), _MM_HINT_T1);                   \
+                            }                                                                           \
                             const __m256 p = _mm256_set1_ps(sg[t]);                                     \
                             const T* vr = vbase + row[t] + c;                                           \
                             for (int i = 0; i < nv; i++) o[i] = _mm256_fmadd_ps(p, LD8(vr + 8 * i), o[i]); \
@@ -438,6 +502,7 @@ void paged_decode_bf16 SIGNATURE(uint16_t) {
 #define AVX512_ARGS q, k_new, v_new, slots, k, v, tables, ctx, out, B, H, KVH, NB, BS, MAXNB, scale, nthreads
     if (D == 64) {
         if (H == KVH) decode_bf16_avx512_d64_mha(AVX512_ARGS);
+        else if ((H / KVH) % 3 == 0 && (H / KVH) % 4 != 0) decode_bf16_avx512_d64_g3(AVX512_ARGS);
         else decode_bf16_avx512_d64(AVX512_ARGS);
         return;
     }
