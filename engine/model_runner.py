@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 from transformers import PreTrainedModel
 
-from engine import hardware, kernels, triton_attention
+from engine import hardware, host_memory, kernels, triton_attention
 from engine.attention import ATTN_NAME, AttnMetadata, PrefillSlice
 from engine.config import KVLayout
 from engine.sampling_params import SamplingParams
@@ -62,8 +62,10 @@ class ModelRunner:
         self.dtype = next(model.parameters()).dtype
         # the pool's blocks, then CHECK_BLOCKS of the runner's own for the compiled step's checks (which may
         # run while the pool's blocks hold live sequences: `prepare_threads`)
-        self.kv = torch.zeros(layout.num_layers, 2, layout.num_kv_heads, layout.num_blocks + CHECK_BLOCKS,
-                              layout.block_size, layout.head_dim, dtype=self.dtype, device=self.device)
+        self.kv, self.kv_pages = host_memory.zeros(
+            (layout.num_layers, 2, layout.num_kv_heads, layout.num_blocks + CHECK_BLOCKS, layout.block_size,
+             layout.head_dim), self.dtype, self.device)
+        log.info("KV pool: %.2f GiB on %s", self.kv.numel() * self.kv.element_size() / 2**30, self.kv_pages)
         group = model.config.get_text_config().num_attention_heads // layout.num_kv_heads
         if self.device.type == "cuda":
             self.use_kernel = triton_attention.available()
