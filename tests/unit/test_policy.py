@@ -588,3 +588,47 @@ def test_a_local_prompt_waiting_for_kv_on_its_way_to_d_takes_no_lent_threads_bac
     assert _local(COST, req(1024, 16), pools([borrowing], [arriving]), 0).delay_s == 0.0
     assert _local(COST, req(1024, 16), pools([borrowing], [held]), 0).delay_s > 0
     assert RatioPolicy(COST, *TARGETS).place(req(1024, 16), pools([borrowing], [arriving])).path == "local"
+
+
+def test_a_local_stall_costs_each_running_stream_by_its_own_length() -> None:
+    """D's book knows how long its streams are: a long prompt's stall costs streams of 500 tokens a tenth
+    of what it costs streams of 50 (unknown ones count as long as the request), and only the short ones'
+    TPOT goes over the target."""
+    n, out = 1000, 50
+
+    def state(outputs: tuple[int, ...]) -> PoolState:
+        return pools([PrefillLoad("p", 0)], [dec(4, outputs=outputs)])
+    step = COST.step_s(5)
+    stall = COST.local_stall_s(n, 4)
+    long_, short, unknown = (_local(COST, req(n, out), state(o), 0) for o in ((500,) * 4, (50,) * 4, ()))
+    assert long_.slowdown == pytest.approx(1 + 4 * stall / (500 * step) + stall / (out * step))
+    assert unknown.slowdown == pytest.approx(1 + 5 * stall / (out * step)) == short.slowdown
+    assert long_.stalled == (500,) * 4 and unknown.stalled == (out,) * 4
+    target = step + stall / 100  # a 500-token stream stays under it, a 50-token one does not
+    assert long_.tpot_misses(target) == 0 and short.tpot_misses(target) == 4
+    mixed = _local(COST, req(n, out), state((500, 50)), 0)  # two known, two as long as the request
+    assert mixed.stalled == (500, 50, 50, 50) and mixed.tpot_misses(target) == 3
+    assert _local(COST, req(n, out), state((500,) * 4), 0).tpot_misses(step / 2) == 1  # this one's own step
+
+
+def test_loads_reject_more_lengths_than_decoding_requests() -> None:
+    with pytest.raises(ValueError, match="outputs"):
+        dec(2, awaiting_kv=1, outputs=(10, 10))
+    with pytest.raises(ValueError, match="outputs"):
+        dec(2, outputs=(0,))
+    with pytest.raises(ValueError, match="outputs"):
+        PrefillLoad("p", 0, decoding=1, outputs=(5, 5))
+
+
+def test_the_book_lists_each_decoding_request_s_expected_length() -> None:
+    book = PoolBook([PrefillSlot("p")], [DecodeSlot("d", 1000, 16, 64)])
+    local = book.admit(Placement("local", None, 0, "r", 0.1, 0.01), 100, 300, expected_output=40)
+    remote = book.admit(Placement("remote", 0, 0, "r", 0.1, 0.01), 100, 200, expected_output=500)  # capped at 200
+    assert book.state().decode[0].outputs == (40,)  # the remote one awaits its KV
+    book.prefilled(remote)
+    assert book.state().decode[0].outputs == (40, 200)
+    book.finished(local)
+    book.finished(local)  # idempotent
+    assert book.state().decode[0].outputs == (200,)
+    book.finished(remote)
+    assert book.state().decode[0].outputs == () and book.decode[0].running == 0
