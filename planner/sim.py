@@ -389,8 +389,7 @@ class Simulator:
             req.error = "invalid"  # the router refuses it: longer than a prefill worker's KV pool
             return True
         arriving = placement.prefill is None and self.prefix.arriving("decode", placement.decode, req.keys)
-        req.booking = booking = self.book.admit(placement, spec.prompt_tokens, spec.max_tokens, arriving,
-                                                req.features.expected_output_tokens)
+        req.booking = booking = self.book.admit(placement, spec.prompt_tokens, spec.max_tokens, arriving)
         req.placed_at = self.now
         if req.keys:  # as the placer promises: to the worker computing the prompt and to D
             booking.promise = self.prefix.promise_placed(placement.prefill, ("decode", placement.decode), req.keys)

@@ -13,7 +13,7 @@ indices to actors.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from router.policy import DecodeLoad, Placement, PoolState, PrefillLoad
 from router.prefix_index import Promise
@@ -39,9 +39,6 @@ class DecodeSlot:
     healthy: bool = True
     flex: bool = False  # a prefill worker's: local path only (it never receives KV)
     accepting: bool = True  # takes new requests (a flex slot: while its prefill worker is flipped)
-    # expected output tokens of each request that decodes (or prefills) here: of `running`, all but those
-    # awaiting KV. What a stall costs each of them in TPOT depends on its length.
-    outputs: list[int] = field(default_factory=list)
 
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
@@ -59,10 +56,8 @@ class Booking:
     blocks: int
     computed_tokens: int  # the prompt tokens queued on the worker that prefills it (its cache holds the rest)
     awaits_kv: bool = False  # its KV (or, local, its prefix) comes from a prefill worker: D computes nothing yet
-    expected_output: int = 1  # output tokens the estimator expects (in `decode.outputs` while listed)
     prefill_open: bool = True
     open: bool = True
-    listed: bool = False
     promise: Promise | None = None  # its prompt's prefix keys, promised to the workers computing and receiving it
 
     @property
@@ -95,8 +90,7 @@ class PoolBook:
         flex = self.flex or [None] * len(self.prefill)
         flipped = [bool(f and f.accepting) and not unflipped for f in flex]
         shared = [f.queued_prefill_tokens if f else 0 for f in flex]
-        prefill = tuple(PrefillLoad(p.worker_id, p.queued_tokens + q, p.healthy and not flip, f.running if f else 0,
-                                    outputs=tuple(f.outputs) if f else ())
+        prefill = tuple(PrefillLoad(p.worker_id, p.queued_tokens + q, p.healthy and not flip, f.running if f else 0)
                         for p, f, q, flip in zip(self.prefill, flex, shared, flipped))
         decode = [(d, d.queued_prefill_tokens, d.healthy) for d in self.decode]
         decode += [(f, f.queued_prefill_tokens + p.queued_tokens, f.healthy and flip and p.healthy)
@@ -104,23 +98,18 @@ class PoolBook:
         return PoolState(prefill, tuple(
             DecodeLoad(d.worker_id, d.running,
                        0 if d.running >= d.max_num_seqs else max(0, d.num_blocks - d.reserved_blocks),
-                       d.block_size, queued, healthy, local_only=d.flex, awaiting_kv=d.awaiting_kv,
-                       outputs=tuple(d.outputs))
+                       d.block_size, queued, healthy, local_only=d.flex, awaiting_kv=d.awaiting_kv)
             for d, queued, healthy in decode))
 
-    def admit(self, placement: Placement, prompt_tokens: int, max_tokens: int, arriving: bool = False,
-              expected_output: int | None = None) -> Booking:
+    def admit(self, placement: Placement, prompt_tokens: int, max_tokens: int, arriving: bool = False) -> Booking:
         """Book a placed request on its workers. `arriving`: placed local, it waits on D for its prefix,
         which another request's remote prefill is bringing there; until its first token it awaits KV as
-        a remote request does. `expected_output`: the output tokens expected of it (default max_tokens)."""
+        a remote request does."""
         d = self.decode_slot(placement.decode)
         p = self.prefill[placement.prefill] if placement.path == "remote" else None
         computed = min(prompt_tokens, placement.computed_tokens or prompt_tokens)
         booking = Booking(placement, p, d, prompt_tokens, max_tokens, d.blocks_for(prompt_tokens + max_tokens),
-                          computed, awaits_kv=p is not None or arriving,
-                          expected_output=max(1, min(max_tokens, expected_output or max_tokens)))
-        if not booking.awaits_kv:
-            self._list(booking)
+                          computed, awaits_kv=p is not None or arriving)
         d.running += 1
         d.reserved_blocks += booking.blocks
         d.awaiting_kv += booking.awaits_kv
@@ -136,8 +125,6 @@ class PoolBook:
         if booking.prefill_open:
             booking.prefill_open = False
             booking.decode.awaiting_kv -= booking.awaits_kv
-            if booking.open and not booking.listed:
-                PoolBook._list(booking)
             if booking.prefill is not None:
                 booking.prefill.queued_tokens -= booking.computed_tokens
             else:
@@ -150,13 +137,4 @@ class PoolBook:
             booking.open = False
             booking.decode.running -= 1
             booking.decode.reserved_blocks -= booking.blocks
-            if booking.listed:
-                booking.decode.outputs.remove(booking.expected_output)
-                booking.listed = False
             assert booking.decode.running >= 0 and booking.decode.reserved_blocks >= 0, booking.decode
-
-    @staticmethod
-    def _list(booking: Booking) -> None:
-        """`booking` decodes (or prefills) on its decode worker from now on: its length joins the slot's."""
-        booking.decode.outputs.append(booking.expected_output)
-        booking.listed = True

@@ -84,8 +84,7 @@ class Placer:
         placement = await self._place(features, keys, self.policy, frozenset(), deadline)
         self._metrics.decisions.labels(self.policy.name, placement.path, placement.reason).inc()
         self._metrics.prompt_tokens.inc(features.prompt_tokens)
-        return self._admit(placement, features.prompt_tokens, features.max_tokens, keys,
-                           features.expected_output_tokens)
+        return self._admit(placement, features.prompt_tokens, features.max_tokens, keys)
 
     async def replan(self, prompt: list[int], max_tokens: int, avoid: set[str], local: bool) -> Booking:
         """Place a running request again, away from the workers in `avoid`; `local` forces local prefill."""
@@ -146,8 +145,7 @@ class Placer:
         n = len(self.book.decode)
         return ("decode", decode) if decode < n else ("prefill", decode - n)
 
-    def _admit(self, placement: Placement, prompt_tokens: int, max_tokens: int, keys: list[int],
-               expected_output: int | None = None) -> Booking:
+    def _admit(self, placement: Placement, prompt_tokens: int, max_tokens: int, keys: list[int]) -> Booking:
         # A local prompt whose prefix is on its way to D (the `n` choices of one prompt) computes nothing until
         # that KV lands: it awaits KV like a remote one, and D's threads come back then (`prefilled`), not now.
         arriving = placement.prefill is None and self.prefix.arriving(*self._engine(placement.decode), keys)
@@ -156,7 +154,7 @@ class Placer:
                 self.elastic.reclaim(placement.prefill)  # back to prefill (its threads, its role) before its prompt
             elif not arriving:
                 self.elastic.occupy(placement.decode)  # D prefills it: its threads come back first
-        booking = self.book.admit(placement, prompt_tokens, max_tokens, arriving, expected_output)
+        booking = self.book.admit(placement, prompt_tokens, max_tokens, arriving)
         if self.elastic is not None and placement.prefill is not None:
             self.elastic.nudge(*self.computing())
         if keys:  # the workers computing and receiving the prompt hold its prefix from now on, as the next prompt sees it

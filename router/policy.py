@@ -7,8 +7,7 @@ transfer (of what D lacks) not hidden behind the last chunk's later layers and t
 local pays D's queued local prefills and the prefill in chunks, each in a step that also decodes D's
 running batch (what that adds is measured), and D's batch loses what those steps take beyond its own
 decode steps (requests there still waiting for their KV lose nothing: under a burst of long prompts
-D prefills its share instead of leaving every prompt queued on P), each stream in proportion to its own
-expected length (D's book knows them): a stall of s costs an n-token stream s / (n · step) of slowdown. A decode worker computing with a
+D prefills its share instead of leaving every prompt queued on P). A decode worker computing with a
 prefill worker's lent threads (`Loan`) decodes and prefills that much faster (each by its own
 measured factor: a prefill gains more from a core than a decode step), and a prompt sent to that
 prefill worker takes the threads back, priced as what the borrower's running batch loses until they
@@ -16,8 +15,7 @@ are lent again; a prefill worker computing with a decode worker's threads prefil
 and a local prefill on that decode worker takes them back, priced as the delay it adds to P's
 queue. Each option costs (TTFT + that delay) / TTFT target + decode slowdown + crowding (what one
 more sequence in D's batch costs those already there)
-+ 1 per missed SLO (a lost request of goodput: this request's TTFT or TPOT, and for a local prefill each
-stream on D whose TPOT its stall pushes over the target); the cheapest wins, ties go remote. So the switch
++ 1 per missed SLO (a lost request of goodput); the cheapest wins, ties go remote. So the switch
 point follows measured prefill, transfer and decode-step costs; no hard-coded thresholds. With a
 `Correction`, every estimate is multiplied by what serving has shown the cost model to miss (actual /
 predicted, per path), before it is priced. Only healthy workers, and decode workers with KV room for
@@ -83,30 +81,12 @@ class Loan:
             raise ValueError(f"relend_s must be a finite number >= 0, got {self.relend_s!r}")
 
 
-def _check_outputs(outputs: tuple[int, ...], decoding: int) -> None:
-    if len(outputs) > decoding or any(o < 1 for o in outputs):
-        raise ValueError(f"outputs must be at most {decoding} lengths >= 1 (one per decoding request), got {outputs}")
-
-
-def _lengths(outputs: tuple[int, ...], decoding: int, default: int) -> tuple[int, ...]:
-    """The expected lengths of `decoding` streams: those known, the rest `default` (the request's own)."""
-    known = outputs[:decoding]
-    return (*known, *[default] * (decoding - len(known)))
-
-
-def _stall_cost(stall_s: float, lengths: tuple[int, ...], step_s: float) -> float:
-    """What a stall of `stall_s` costs streams of these expected lengths: each decodes that much later, a
-    slowdown relative to its own decode (n steps of `step_s`)."""
-    return sum(stall_s / (n * step_s) for n in lengths)
-
-
 @dataclass(frozen=True)
 class PrefillLoad:
     """Args: worker_id: the worker. queued_tokens: prompt tokens waiting on it (>= 0). healthy: usable.
     decoding: requests it runs whole (flipped to decode), whose decode rows ride in its prefill steps.
     cached_tokens: leading tokens of the request's prompt its prefix cache holds (it computes the rest).
-    loan: threads lent between it and a decode worker now, either way (None: each computes with its own).
-    outputs: expected output tokens of up to `decoding` of those requests (as `DecodeLoad.outputs`)."""
+    loan: threads lent between it and a decode worker now, either way (None: each computes with its own)."""
 
     worker_id: str
     queued_tokens: int
@@ -114,14 +94,11 @@ class PrefillLoad:
     decoding: int = 0
     cached_tokens: int = 0
     loan: Loan | None = None
-    outputs: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "outputs", tuple(self.outputs))
         for name in ("queued_tokens", "decoding", "cached_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        _check_outputs(self.outputs, self.decoding)
 
 
 @dataclass(frozen=True)
@@ -133,9 +110,7 @@ class DecodeLoad:
     cached_tokens: leading tokens of the request's prompt its prefix cache holds: a local prefill computes
     only the rest, and a remote one ships only the rest.
     arriving: the first of those blocks it lacks is on its way to it (another request's remote prefill):
-    a local prefill waits there for it and takes no lent threads back meanwhile.
-    outputs: expected output tokens of requests decoding (or prefilling) on it, up to running - awaiting_kv of
-    them (the rest count as long as the request being placed): a stall costs a short one more of its TPOT."""
+    a local prefill waits there for it and takes no lent threads back meanwhile."""
 
     worker_id: str
     running: int
@@ -147,16 +122,13 @@ class DecodeLoad:
     awaiting_kv: int = 0
     cached_tokens: int = 0
     arriving: bool = False
-    outputs: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "outputs", tuple(self.outputs))
         for name in ("running", "free_blocks", "queued_prefill_tokens", "awaiting_kv", "cached_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.awaiting_kv > self.running:
             raise ValueError(f"awaiting_kv must be <= running={self.running}, got {self.awaiting_kv}")
-        _check_outputs(self.outputs, self.running - self.awaiting_kv)
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
 
@@ -239,18 +211,6 @@ class _Option:
     crowding: float = 0.0  # what joining D's batch costs the sequences already there (see `_crowding`)
     delay_s: float = 0.0  # what it adds to the TTFT of prompts queued elsewhere (taking lent threads back)
     cost: float = 0.0
-    step_s: float = 0.0  # local: D's decode step with it, which its own TPOT is
-    stall_s: float = 0.0  # local: what its prefill's steps hold each of D's decoding streams up
-    stalled: tuple[int, ...] = ()  # local: the expected lengths of those streams
-
-    def tpot_misses(self, target_s: float) -> int:
-        """Requests this option makes miss `target_s`. Remote: this one, by its predicted TPOT. Local: this
-        one by its decode step, and each stream on D that the stall pushes over the target (a stall of s
-        adds s / (n - 1) to an n-token stream's TPOT; one already over it is not counted again)."""
-        if self.path == "remote":
-            return int(self.tpot_s > target_s)
-        return int(self.step_s > target_s) + sum(
-            1 for n in self.stalled if self.step_s <= target_s < self.step_s + self.stall_s / max(1, n - 1))
 
     def describe(self) -> str:
         return (f"{self.path} ttft={self.ttft_s:.4f}s tpot={self.tpot_s:.4f}s slowdown={self.slowdown:.4f} "
@@ -283,14 +243,12 @@ def _remote(cost: CostModel, req: RequestFeatures, state: PoolState, p: int, d: 
     prefill, slowdown = cost.prefill_s(n) / fast, 1.0
     if load.decoding:  # flipped to decode: the prompt's chunks run beside P's own batch, which they hold up
         prefill = cost.local_prefill_wall_s(n, load.decoding)
-        slowdown += _stall_cost(cost.local_stall_s(n, load.decoding),
-                                _lengths(load.outputs, load.decoding, req.expected_output_tokens), step)
+        slowdown += load.decoding * cost.local_stall_s(n, load.decoding) / (req.expected_output_tokens * step)
     queued = load.queued_tokens * cost.prefill.per_unit_s / fast
     if lent:  # the borrower's decoding batch runs 1 / speedup as fast until the threads are lent again
         borrower = state.decode[lent.decode]
         lost = (queued + prefill + lent.relend_s) * (1 - 1 / lent.decode_speedup)
-        slowdown += _stall_cost(lost, _lengths(borrower.outputs, borrower.running - borrower.awaiting_kv,
-                                               req.expected_output_tokens), step)
+        slowdown += (borrower.running - borrower.awaiting_kv) * lost / (req.expected_output_tokens * step)
     alone = not load.queued_tokens and not load.decoding  # P prefills the prompt whole (engine.scheduler)
     ttft = (queued + prefill + cost.exposed_transfer_s(_uncached(req, state.decode[d].cached_tokens), alone, borrowing)
             + cost.hop_s + step / 2)
@@ -306,18 +264,15 @@ def _local(cost: CostModel, req: RequestFeatures, state: PoolState, d: int) -> _
     queued = cost.local_prefill_s(load.queued_prefill_tokens) if load.queued_prefill_tokens else 0.0
     ttft = (queued + cost.local_prefill_wall_s(n, decoding)) / prefill_speedup + step / 2
     # what the chunks cost the sequences they hold up (D's decoding batch + this request, standing for its
-    # co-arrivals): each decodes `stall` later, a slowdown relative to its own decode (its expected length;
-    # a stream whose length D's book does not know, and the co-arrivals, count as long as this request)
+    # co-arrivals), spread over this request's output
     stall = cost.local_stall_s(n, decoding) / prefill_speedup
-    stalled = _lengths(load.outputs, decoding, req.expected_output_tokens)
-    slowdown = 1.0 + _stall_cost(stall, (*stalled, req.expected_output_tokens), step)
+    slowdown = 1.0 + (decoding + 1) * stall / (req.expected_output_tokens * step)
     delay = 0.0
     if (p := state.lending(d)) is not None and not load.arriving:  # D takes its threads back: P's queue computes
         # 1 / speedup as fast
         delay = (state.prefill[p].queued_tokens * cost.prefill.per_unit_s
                  * (1 - 1 / state.prefill[p].loan.prefill_speedup))
-    return _Option("local", None, d, ttft, step * slowdown, slowdown, n, _crowding(cost, load.running), delay,
-                   step_s=step, stall_s=stall, stalled=stalled)
+    return _Option("local", None, d, ttft, step * slowdown, slowdown, n, _crowding(cost, load.running), delay)
 
 
 def _candidates(request: RequestFeatures, state: PoolState) -> tuple[list[int], list[int]]:
@@ -351,9 +306,8 @@ def _least_decode(state: PoolState, decode: list[int]) -> int:
 def _corrected(opt: _Option, correction: Correction | None) -> _Option:
     if correction is None:
         return opt
-    tpot = correction.factor("tpot", opt.path)
-    return replace(opt, ttft_s=opt.ttft_s * correction.factor("ttft", opt.path), tpot_s=opt.tpot_s * tpot,
-                   step_s=opt.step_s * tpot)
+    return replace(opt, ttft_s=opt.ttft_s * correction.factor("ttft", opt.path),
+                   tpot_s=opt.tpot_s * correction.factor("tpot", opt.path))
 
 
 class Policy(ABC):
@@ -452,7 +406,7 @@ class RatioPolicy(Policy):
 
     def _priced(self, opt: _Option) -> _Option:
         cost = ((opt.ttft_s + opt.delay_s) / self.ttft_target_s + (opt.slowdown - 1.0) + opt.crowding
-                + (opt.ttft_s > self.ttft_target_s) + opt.tpot_misses(self.tpot_target_s))
+                + (opt.ttft_s > self.ttft_target_s) + (opt.tpot_s > self.tpot_target_s))
         return replace(opt, cost=float(cost))
 
     def place(self, request: RequestFeatures, state: PoolState) -> Placement:
