@@ -1,4 +1,5 @@
-"""Mixed load past the knee: vLLM-CPU, ratio and single at higher rates, graded by the report's mixed SLO."""
+"""Mixed load past the knee: servers (e.g. vllm,ratio,single) at higher rates, graded by the report's mixed SLO.
+Usage (from the repository): .venv/bin/python THIS OUT_DIR 1.2,1.6 vllm,ratio,single,fixed,colocated"""
 import argparse, sys
 from pathlib import Path
 from pdserve.bench.serving import Slo, Workload, add_arguments, bench_server, resolve_model_and_dtype
