@@ -1,11 +1,11 @@
 """Kernel A/B: the old and new cpu_kernels.c built with the same flags (gcc $FLAGS -mavx2 -mfma -mf16c or the
-AVX-512 BF16 flags, to /tmp/sat/k/{old,new}-{avx2,avx512}.so), loaded in one process, alternating 9 rounds of
+AVX-512 BF16 flags, to $LIBS/{old,new}-{avx2,avx512}.so, LIBS default /tmp/pdserve-ab), loaded in one process, alternating 9 rounds of
 30 layers of paged decode. Usage: python this.py avx512|avx2 bfloat16|float32 CONTEXT [BATCH]."""
 import ctypes, os, sys, time, statistics, torch
 torch.set_num_threads(2)
 P = ctypes.c_void_p
 build, DT = sys.argv[1], getattr(torch, sys.argv[2]); ctx_len = int(sys.argv[3]); B = int(sys.argv[4]) if len(sys.argv) > 4 else 32
-libs = {v: ctypes.CDLL(f"/tmp/sat/k/{v}-{build}.so") for v in ("old", "new")}
+libs = {v: ctypes.CDLL(f"{os.environ.get('LIBS', '/tmp/pdserve-ab')}/{v}-{build}.so") for v in ("old", "new")}
 entry = "paged_decode_f32" if DT == torch.float32 else "paged_decode_bf16"
 def call(lib, q, kn, vn, slots, kp, vp, tables, ctx, scale):
     out = torch.empty_like(q); b, h, d = q.shape; kvh, nb, bs, _ = kp.shape
