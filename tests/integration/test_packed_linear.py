@@ -167,14 +167,6 @@ def needs(way: str, dtype: torch.dtype):
                               "(fp32: a C compiler and AVX2 + FMA; bf16: AVX-512 BF16)")
 
 
-def needs_kernel(dtype: torch.dtype):
-    return needs("kernel", dtype)
-
-
-def needs_blocked(dtype: torch.dtype):
-    return needs("blocked", dtype)
-
-
 def dtypes_with_tolerance(way: str) -> list:
     """(dtype, relative tolerance) parameters for a layer test of `way`, each skipped where it cannot run."""
     return [pytest.param(torch.float32, 1e-5, marks=needs(way, torch.float32), id="fp32"),
@@ -243,7 +235,7 @@ def test_an_fp32_blocked_weight_holds_8_columns_by_single_elements_of_k():
     kernels.check_blocked(blocked, 11, 3)
 
 
-@needs_blocked(torch.bfloat16)
+@needs("blocked", torch.bfloat16)
 def test_the_blocked_operator_names_what_disagrees():
     layer = BlockedLinear(torch.nn.Linear(64, 40).to(torch.bfloat16).requires_grad_(False))
     x = torch.randn(3, 64, dtype=torch.bfloat16)
@@ -263,10 +255,10 @@ def on_way(model, way: str) -> hardware.LinearChoice:
 
 
 @pytest.mark.parametrize("dtype,way", [
-    pytest.param(torch.float32, "kernel", marks=needs_kernel(torch.float32), id="fp32-kernel"),
-    pytest.param(torch.bfloat16, "kernel", marks=needs_kernel(torch.bfloat16), id="bf16-kernel"),
-    pytest.param(torch.float32, "blocked", marks=needs_blocked(torch.float32), id="fp32-blocked"),
-    pytest.param(torch.bfloat16, "blocked", marks=needs_blocked(torch.bfloat16), id="bf16-blocked")])
+    pytest.param(torch.float32, "kernel", marks=needs("kernel", torch.float32), id="fp32-kernel"),
+    pytest.param(torch.bfloat16, "kernel", marks=needs("kernel", torch.bfloat16), id="bf16-kernel"),
+    pytest.param(torch.float32, "blocked", marks=needs("blocked", torch.float32), id="fp32-blocked"),
+    pytest.param(torch.bfloat16, "blocked", marks=needs("blocked", torch.bfloat16), id="bf16-blocked")])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 def test_kernel_engine_matches_generate(dtype, way, arch, compile):
@@ -289,7 +281,7 @@ def test_kernel_engine_matches_generate(dtype, way, arch, compile):
         assert [o[:3] for o in outs] == [e[:3] for e in expected]
 
 
-@needs_kernel(torch.float32)
+@needs("kernel", torch.float32)
 def test_the_engine_benchmarks_bound_times_the_layers_the_way_the_engine_computes_them():
     from pdserve.bench.engine import bound_linears, time_linears
 
@@ -301,7 +293,7 @@ def test_the_engine_benchmarks_bound_times_the_layers_the_way_the_engine_compute
     assert time_linears(layers, 4, 1) > 0
 
 
-@needs_blocked(torch.bfloat16)
+@needs("blocked", torch.bfloat16)
 def test_the_bound_times_blocked_layers_as_the_engine_computes_them():
     from pdserve.bench.engine import bound_linears, time_linears
 
