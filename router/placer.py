@@ -73,6 +73,10 @@ class Placer:
         self.queue = WaitQueue(config.max_queued, config.queue_timeout_s, metrics)
         self.elastic: Elastic | None = RoleFlipper(self.book) if config.flip_roles else lender
         self.prefix = PrefixIndex()  # what each worker's prefix cache holds (the health poll keeps it)
+        # Remote bookings whose decode worker has not yet reserved blocks for their prompt: (engine, keys, set once
+        # it has); and the local bookings that wait for such a reservation before they start (`reservations_made`).
+        self._unreserved: dict[Booking, tuple[tuple[str, int], frozenset[int], asyncio.Event]] = {}
+        self._waits: dict[Booking, list[asyncio.Event]] = {}
         self._block_size, self._kv_bytes_per_token = decode[0].block_size, decode[0].kv_bytes_per_token
 
     # -- placing ---------------------------------------------------------------------------------
@@ -158,13 +162,34 @@ class Placer:
         if self.elastic is not None and placement.prefill is not None:
             self.elastic.nudge(*self.computing())
         if keys:  # the workers computing and receiving the prompt hold its prefix from now on, as the next prompt sees it
-            booking.promise = self.prefix.promise_placed(placement.prefill, self._engine(placement.decode), keys)
+            engine = self._engine(placement.decode)
+            if placement.prefill is not None:
+                self._unreserved[booking] = (engine, frozenset(keys), asyncio.Event())
+            elif arriving:  # it waits on D for the first block D lacks: D must know that block is coming first
+                first = keys[self.prefix.matched(*engine, keys, promises=False)]
+                self._waits[booking] = [made for at, shipped, made in self._unreserved.values()
+                                        if at == engine and first in shipped]
+            booking.promise = self.prefix.promise_placed(placement.prefill, engine, keys)
         self._metrics.in_flight.inc()
         return booking
 
     # -- a running request -----------------------------------------------------------------------
+    async def reservations_made(self, booking: Booking) -> None:
+        """Returns once the decode worker has reserved the blocks of every remote prompt whose KV this local
+        booking waits for (placed `arriving`; at once for any other). Sent before that reservation, a local
+        prompt would find nothing pending there and compute the prefix on its way to it again."""
+        for made in self._waits.pop(booking, ()):
+            await made.wait()
+
+    def _reserved(self, booking: Booking) -> None:
+        """D reserved the booking's prompt blocks (or never will): the local prompts waiting for that start."""
+        if (entry := self._unreserved.pop(booking, None)) is not None:
+            entry[2].set()
+
     def shipping(self, booking: Booking, held_blocks: int) -> None:
-        """Its remote prefill ships the prompt's KV but the `held_blocks` leading blocks D's cache holds."""
+        """D reserved blocks for the prompt: its remote prefill ships the prompt's KV but the `held_blocks`
+        leading blocks D's cache holds."""
+        self._reserved(booking)
         blocks = booking.decode.blocks_for(booking.prompt_tokens) - held_blocks
         self._metrics.kv_transfer_bytes.observe(blocks * booking.decode.block_size * self._kv_bytes_per_token)
 
@@ -176,6 +201,8 @@ class Placer:
 
     def release(self, booking: Booking, output_tokens: int, outcome: str) -> None:
         """It left its decode worker with `outcome`. Idempotent."""
+        self._reserved(booking)
+        self._waits.pop(booking, None)
         if not booking.open:
             return
         if booking.promise is not None:

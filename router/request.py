@@ -55,6 +55,8 @@ class Planner(Protocol):
 
     def shipping(self, booking: Booking, held_blocks: int) -> None: ...
 
+    async def reservations_made(self, booking: Booking) -> None: ...
+
     def release(self, booking: Booking, output_tokens: int, outcome: str) -> None: ...
 
     def worker_failed(self, booking: Booking, pool: str) -> None: ...
@@ -223,6 +225,7 @@ class RouterStream:
         rid, p_idx, d_idx = self._worker_rid, b.placement.prefill, b.placement.decode
         d = self._pools.decoder(d_idx)
         if b.placement.path == "local":
+            await self._planner.reservations_made(b)
             await _call("decode", d.submit_local.remote(rid, prompt, sampling, feed=True),
                         ErrorKind.PREFILL_FAILED)
             return

@@ -109,3 +109,35 @@ def test_a_remote_prompt_is_promised_to_its_decode_worker_and_a_local_one_waitin
             placer.release(b, 8, "length")
         assert placer.prefix.matched("decode", 0, keys) == placer.prefix.matched("prefill", 0, keys) == 0
     asyncio.run(main())
+
+
+def test_a_local_prompt_waiting_for_kv_starts_once_its_decode_worker_reserved_that_kv() -> None:
+    """The n choices of one prompt, round robin: the 2nd and 4th go local on d0 and wait there for the KV the
+    1st and 3rd ship. Each starts only after d0 reserved the blocks of every remote choice placed before it (else
+    d0 might not yet know them pending, and would compute the prefix again): `shipping` for one, or its release
+    when it never reserves. An unrelated local prompt waits for nothing."""
+    async def main():
+        prefill, decode = [info("p0")], [info("d0")]
+        placer = Placer(prefill, decode, ModelLimits.from_infos(prefill, decode), RouterConfig(policy="round_robin"),
+                        COST, Metrics(model_name="m"), OutputLengthEstimator())
+        prompt = list(range(200))
+        choices = [await placer.place(RequestFeatures(200, 8, 8), None, prompt) for _ in range(4)]
+        assert [b.placement.path for b in choices] == ["remote", "local", "remote", "local"]
+        second, fourth = (asyncio.ensure_future(placer.reservations_made(b)) for b in choices[1::2])
+        await asyncio.sleep(0.01)
+        assert not second.done() and not fourth.done()
+        placer.shipping(choices[0], 0)  # d0 reserved the 1st's blocks
+        await asyncio.wait_for(second, 1)
+        await asyncio.sleep(0.01)
+        assert not fourth.done()  # the 3rd's reservation is still to come
+        placer.release(choices[2], 0, "cancelled")  # it never reserved: nothing to wait for any more
+        await asyncio.wait_for(fourth, 1)
+        other = await placer.place(RequestFeatures(40, 8, 8), None, list(range(900, 940)))
+        assert other.placement.path == "remote"
+        alone = await placer.place(RequestFeatures(40, 8, 8), None, list(range(700, 740)))
+        assert alone.placement.path == "local" and not alone.awaits_kv
+        await asyncio.wait_for(placer.reservations_made(alone), 1)
+        for b in (*choices, other, alone):
+            placer.release(b, 8, "length")
+        assert not placer._unreserved and not placer._waits
+    asyncio.run(main())
