@@ -80,6 +80,7 @@ class EngineStats:
     ride_tokens: int = 0  # decode tokens of mixed steps (they rode along a prompt chunk)
     prefill_steps: int = 0  # steps that computed prompt chunks
     decode_steps: int = 0  # steps of decode tokens only
+    decode_context: int = 0  # tokens of context the decode-only steps' sequences held, summed over those steps
     mixed_steps: int = 0  # prefill steps that also decoded running sequences
 
 
@@ -276,6 +277,7 @@ class LLMEngine:
         else:
             s.decode_seconds += seconds
             s.decode_steps += 1
+            s.decode_context += sum(seq.num_tokens for seq in batch.decode)
 
     def _output(self, seq: Sequence, new_ids: list[int], logprob: TokenLogprob | None = None) -> RequestOutput:
         text = seq.detok.take(final=seq.is_finished) if seq.detok is not None else ""

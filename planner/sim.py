@@ -24,12 +24,13 @@ Life of a simulated request (the order of calls of `router.placer.Placer` and of
 Each worker calls `schedule()`, then, when the step's time has passed, `update()` with made-up token
 ids, as `LLMEngine.step` does; nothing is sampled.
 
-Step times, from the `CostModel` (it carries no context-length term: a decode step costs the same at
-any context length, and a prompt chunk the same wherever it sits in its prompt):
+Step times, from the `CostModel` (a decode step's time grows with its sequences' context, `decode_s`; a
+prompt chunk costs the same wherever it sits in its prompt):
 - a prefill worker's step of N prompt tokens (chunks of one or more prompts): `prefill_s(N)`;
-- a decode worker's step of B decoding sequences and N prompt tokens: `step_s(B)` when N = 0,
-  `local_prefill_s(N)` when B = 0, else `local_prefill_s(N)` plus what B decoding rows add to one
-  chunk's step (`local_prefill_wall_s(1, B) - local_prefill_s(1)` = decode_ride x `step_s(B)`).
+- a decode worker's step of B decoding sequences holding C tokens of context and N prompt tokens:
+  `decode_s(B, C)` when N = 0, `local_prefill_s(N)` when B = 0, else `local_prefill_s(N)` plus what B
+  decoding rows add to one chunk's step (`local_prefill_wall_s(1, B) - local_prefill_s(1)` = decode_ride
+  x `step_s(B)`) and what their context adds (`decode_s(B, C) - step_s(B)`).
 Every step pays the fits' fixed cost, so a prompt prefilled in k chunks pays it k times. With
 `ServingFactors` (what serving adds to the engine's calibrated times, measured by `--validate`), a
 step's prompt tokens take `prefill` times those times and its decode rows `decode` times theirs, a step
@@ -466,14 +467,16 @@ class Simulator:
         cost, f, n, b = self.cost, self.factors, batch.num_prefill_tokens, len(batch.decode)
         if w.pool == "prefill":
             return cost.prefill_s(n) * f.prefill
-        if not n:
-            return cost.step_s(b) * f.decode + f.decode_step_s
         if not b:
             return cost.local_prefill_s(n) * f.prefill
+        step = cost.step_s(b)
+        context = cost.decode_s(b, sum(seq.num_tokens for seq in batch.decode)) - step  # its KV reads beyond
+        if not n:
+            return (step + context) * f.decode + f.decode_step_s
         ride = self._ride.get(b)
         if ride is None:
             ride = self._ride[b] = cost.local_prefill_wall_s(1, b) - cost.local_prefill_s(1)
-        return cost.local_prefill_s(n) * f.prefill + ride * f.decode + f.decode_step_s
+        return cost.local_prefill_s(n) * f.prefill + (ride + context) * f.decode + f.decode_step_s
 
     def _step_end(self, w: _Worker, batch: Batch) -> None:
         sampled = batch.sampled

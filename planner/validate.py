@@ -95,8 +95,8 @@ def _grown(before: dict[str, float], after: dict[str, float]) -> dict[str, float
 @dataclass(frozen=True)
 class ServedSteps:
     """The workers' engine steps during a run (what `pdserve_engine_*` grew by), beside the cost model.
-    Decode workers' decode-only steps: how many, their mean batch, seconds each took in the engine and what
-    the cost model gives for that batch (`CostModel.step_s`), and the engine loop's seconds per step beyond
+    Decode workers' decode-only steps: how many, their mean batch and context, seconds each took in the engine
+    and what the cost model gives for that batch and context (`CostModel.decode_s`), and the engine loop's seconds per step beyond
     the steps themselves (scheduling, outputs, the feed, commands). Steps that computed prompt chunks, on
     either pool: how many, their seconds in all and the cost model's for the same steps (`prefill_s` of
     each pool's mean chunk on a prefill worker, `local_prefill_s` on a decode worker)."""
@@ -109,6 +109,7 @@ class ServedSteps:
     between_steps_s: float
     prefill_s: float = 0.0
     model_prefill_s: float = 0.0
+    mean_context: float = 0.0  # tokens of context a decode-only step's rows held in all
 
     @staticmethod
     def of(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]],
@@ -119,7 +120,7 @@ class ServedSteps:
         steps, local_steps = int(grew.get("steps:decode", 0)), int(grew.get("steps:prefill", 0))
         if steps <= 0:
             return None
-        batch = grew.get("step_tokens:decode", 0.0) / steps
+        batch, context = grew.get("step_tokens:decode", 0.0) / steps, grew.get("step_tokens:context", 0.0) / steps
         seconds = grew.get("step_seconds:decode", 0.0)
         between = grew.get("busy_seconds", 0.0) - seconds - grew.get("step_seconds:prefill", 0.0)
         remote = _grown(before.get("prefill", {}), after.get("prefill", {}))
@@ -130,8 +131,8 @@ class ServedSteps:
                 prefill_steps += n
                 prefill_s += totals.get("step_seconds:prefill", 0.0)
                 model_prefill_s += n * time_of(totals.get("step_tokens:prompt", 0.0) / n)
-        return ServedSteps(steps, batch, seconds / steps, cost.step_s(batch), prefill_steps,
-                           max(0.0, between) / (steps + local_steps), prefill_s, model_prefill_s)
+        return ServedSteps(steps, batch, seconds / steps, cost.decode_s(batch, context), prefill_steps,
+                           max(0.0, between) / (steps + local_steps), prefill_s, model_prefill_s, context)
 
     @property
     def factor(self) -> float:
@@ -162,7 +163,8 @@ class ServedSteps:
     def describe(self) -> str:
         prompt = (f"; {self.prefill_steps} steps with prompt chunks, {self.prefill_s:.1f} s (cost model "
                   f"{self.model_prefill_s:.1f} s: x{self.prefill_factor:.2f})" if self.prefill_factor else "")
-        return (f"served steps: {self.decode_steps} decode-only at mean batch {self.mean_batch:.1f}, "
+        return (f"served steps: {self.decode_steps} decode-only at mean batch {self.mean_batch:.1f} and context "
+                f"{self.mean_context / max(self.mean_batch, 1e-9):.0f} tokens a row, "
                 f"{self.step_s * 1e3:.1f} ms each in the engine and {self.between_steps_s * 1e3:.1f} ms between "
                 f"steps (cost model {self.model_step_s * 1e3:.1f} ms: {self.extra_step_s * 1e3:+.1f} ms, x{self.factor:.2f})"
                 + prompt)

@@ -1,8 +1,8 @@
 """Measures the cost model on the actual workers at start-up, before serving.
 
 1. Prefill time by prompt length on a prefill worker, and on a decode worker (local prefill).
-2. Decode step time by batch size on a decode worker, and what a decode batch adds to a step that
-   prefills a chunk beside it. The prefill worker's probes run while the decode worker's do (each
+2. Decode step time by batch size on a decode worker, what a longer context adds to a decode step,
+   and what a decode batch adds to a step that prefills a chunk beside it. The prefill worker's probes run while the decode worker's do (each
    worker computes on its own cores, as when serving).
 3. KV transfer time by size between a prefill and a decode worker, over the configured backend.
 4. The extra round trips of the remote path (actor call latency).
@@ -72,6 +72,19 @@ async def _decode_ride(worker: ray.actor.ActorHandle, prefill: LinearFit, steps:
     return min(1.0, max(0.0, (mixed - prefill(tokens)) / steps[batch]))
 
 
+async def _context_s(worker: ray.actor.ActorHandle, steps: dict[int, float], context: int, long: int,
+                     pool_tokens: int) -> float:
+    """Seconds a decode step adds per token of context beyond `context` per sequence: the steps of a batch of
+    4 (or the largest measured batch below it whose KV fits half the pool) at `long` tokens each against the
+    same batch at `context` (>= 0; 0 when `long` is no longer than `context`)."""
+    fitting = [b for b in steps if b <= 4 and b * long <= pool_tokens // 2]
+    if long <= context or not fitting:
+        return 0.0
+    batch = max(fitting)
+    (at_long,) = await worker.profile_decode.remote([batch], long)
+    return max(0.0, (at_long - steps[batch]) / (batch * (long - context)))
+
+
 async def _round_trip_s(worker: ray.actor.ActorHandle) -> float:
     rtts = []
     for _ in range(6):
@@ -96,33 +109,36 @@ async def calibrate(pools: Pools, info: WorkerInfo, report: Callable[[str], None
     lengths = _lengths(info.max_model_len, info.num_blocks, info.block_size)
     batches = sorted({b for b in (1, 4, 16, 32) if b <= info.max_num_seqs} | {1})
     context = min(64, lengths[-1])
-    progress = Steps("calibrating", 6 if pools.prefill else 4, report or log.info)
+    progress = Steps("calibrating", 7 if pools.prefill else 5, report or log.info)
     sizes = f"{len(lengths)} prompt lengths ({', '.join(map(str, lengths))} tokens)"
 
-    async def decode_side() -> tuple[LinearFit, tuple[tuple[int, float], ...], float, float]:
+    async def decode_side() -> tuple[LinearFit, tuple[tuple[int, float], ...], float, float, float]:
         progress.step(f"prefill on the decode worker: {sizes}")
         local = await _prefill_fit(decode, lengths)
         progress.step(f"decode steps at {len(batches)} batch sizes ({', '.join(map(str, batches))})")
         steps = tuple(zip(batches, await decode.profile_decode.remote(batches, context)))
+        progress.step(f"decode steps at a context of {lengths[-1]} tokens")
+        per_context = await _context_s(decode, dict(steps), context, lengths[-1], info.num_blocks * info.block_size)
         progress.step("a prefill chunk beside a decode batch")
         ride = await _decode_ride(decode, local, dict(steps), context, min(info.prefill_chunk_tokens, lengths[-1]),
                                   info.max_num_seqs)
         progress.step("the round trip of an actor call (6 calls)")
-        return local, steps, ride, await _round_trip_s(decode)
+        return local, steps, ride, await _round_trip_s(decode), per_context
 
     async def prefill_side() -> LinearFit:
         progress.step(f"prefill on the prefill worker: {sizes}")
         return await _prefill_fit(pools.prefill[0], lengths)
 
     if pools.prefill:  # the two workers' own probes at once, then the transfer between them
-        (local, steps, ride, rtt), prefill = await asyncio.gather(decode_side(), prefill_side())
+        (local, steps, ride, rtt, per_context), prefill = await asyncio.gather(decode_side(), prefill_side())
         progress.step(f"KV transfer at {len(lengths)} sizes")
         transfer = await _transfer_fit(pools.prefill[0], decode, pools, info, lengths)
     else:
-        local, steps, ride, rtt = await decode_side()
+        local, steps, ride, rtt, per_context = await decode_side()
         prefill, transfer = local, LinearFit(0.0, 0.0)
     cost = CostModel(prefill=prefill, local_prefill=local, decode_step=steps, transfer=transfer,
                      kv_bytes_per_token=info.kv_bytes_per_token, num_layers=info.num_layers, hop_s=3 * rtt,
-                     prefill_chunk_tokens=info.prefill_chunk_tokens, decode_ride=ride)
+                     prefill_chunk_tokens=info.prefill_chunk_tokens, decode_ride=ride, decode_context=context,
+                     decode_context_s=per_context)
     log.info("calibrated in %.1f s: %s", time.perf_counter() - t0, cost.to_dict())
     return cost

@@ -100,6 +100,9 @@ class CostModel:
         decode_ride: what decoding sequences add to a step that computes a prompt chunk beside them, as a
             fraction of their decode step alone (measured: near 0 where decode is memory-bound and rides
             on the chunk's pass; near 1 on a CPU where both are compute-bound; 1 when unknown).
+        decode_context: the tokens of context each sequence of the `decode_step` points held.
+        decode_context_s: seconds a decode step adds per token of context its sequences hold beyond
+            `decode_context` each (their attention's KV reads; 0 when unknown: any context costs the same).
     """
 
     prefill: LinearFit
@@ -111,6 +114,8 @@ class CostModel:
     hop_s: float
     prefill_chunk_tokens: int | None = None
     decode_ride: float = 1.0
+    decode_context: int = 64
+    decode_context_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("prefill", "local_prefill", "transfer"):
@@ -136,6 +141,9 @@ class CostModel:
             raise ValueError(f"prefill_chunk_tokens must be >= 1 or None, got {self.prefill_chunk_tokens}")
         if not (math.isfinite(self.decode_ride) and 0 <= self.decode_ride <= 1):
             raise ValueError(f"decode_ride must be in [0, 1], got {self.decode_ride!r}")
+        if self.decode_context < 1:
+            raise ValueError(f"decode_context must be >= 1, got {self.decode_context}")
+        _check_nonneg("decode_context_s", self.decode_context_s)
 
     def prefill_s(self, tokens: int) -> float:
         """Args: tokens: prompt tokens. Returns: prefill seconds on a prefill worker."""
@@ -183,6 +191,12 @@ class CostModel:
         (b0, s0), (b1, s1) = pts[-2], pts[-1]
         return s1 + max(0.0, (s1 - s0) / (b1 - b0)) * (batch - b1)
 
+    def decode_s(self, batch: float, context_tokens: float) -> float:
+        """Seconds of a decode step whose `batch` sequences hold `context_tokens` tokens of context in all:
+        `step_s(batch)` and `decode_context_s` per token beyond `decode_context` each (never less than
+        `step_s(batch)`)."""
+        return self.step_s(batch) + self.decode_context_s * max(0.0, context_tokens - batch * self.decode_context)
+
     def transfer_s(self, tokens: int) -> float:
         """Args: tokens: tokens whose KV moves. Returns: seconds for the whole transfer."""
         return self.transfer(tokens * self.kv_bytes_per_token)
@@ -218,6 +232,8 @@ class CostModel:
             "hop_s": self.hop_s,
             "prefill_chunk_tokens": self.prefill_chunk_tokens,
             "decode_ride": self.decode_ride,
+            "decode_context": self.decode_context,
+            "decode_context_s": self.decode_context_s,
         }
 
     @classmethod
@@ -238,6 +254,9 @@ class CostModel:
             # absent from a model written before prompts were chunked: whole prompts, nothing shared
             prefill_chunk_tokens=d.get("prefill_chunk_tokens"),
             decode_ride=float(d.get("decode_ride", 1.0)),
+            # absent from a model written before decode steps were timed at two contexts: context costs nothing
+            decode_context=int(d.get("decode_context", 64)),
+            decode_context_s=float(d.get("decode_context_s", 0.0)),
         )
 
 

@@ -197,7 +197,8 @@ class Metrics:
         self.steps = Counter("pdserve_engine_steps", "A worker's engine steps, by kind: decode, prefill, and mixed "
                              "(the prefill steps that also decoded)", ["pool", "worker", "kind"], registry=r)
         self.step_tokens = Counter("pdserve_engine_step_tokens", "Tokens a worker's engine steps computed, by kind: "
-                                   "decode (rows of decode-only steps), ride (decode rows of mixed steps), prompt",
+                                   "decode (rows of decode-only steps), ride (decode rows of mixed steps), prompt, and "
+                                   "context (the tokens of context the rows of decode-only steps held)",
                                    ["pool", "worker", "kind"], registry=r)
         self.busy_seconds = Counter("pdserve_engine_busy_seconds", "Wall seconds a worker's engine loop had work: its "
                                     "steps and what ran between them (scheduling, outputs, the feed, commands)",
@@ -220,6 +221,7 @@ class Metrics:
                                     (self.step_tokens, "decode", t.decode_rows),
                                     (self.step_tokens, "ride", t.ride_rows),
                                     (self.step_tokens, "prompt", t.prefill_tokens),
+                                    (self.step_tokens, "context", t.decode_context),
                                     (self.busy_seconds, "", t.busy_seconds)):
             self._advance(series, pool, worker, kind, total)
         if pool == "decode":

@@ -157,7 +157,7 @@ class WorkerBase:
         st = self.engine.stats
         steps = StepTotals(st.decode_seconds, st.decode_steps, st.decode_tokens - st.ride_tokens, st.prefill_seconds,
                            st.prefill_steps, st.mixed_steps, st.ride_tokens, st.prefill_tokens,
-                           self._owner.busy_s)
+                           self._owner.busy_s, st.decode_context)
         self._load: LoadReport | None = dataclasses.replace(self._load_now(), threads=torch.get_num_threads(),
                                                             preemptions=self.engine.scheduler.num_preemptions,
                                                             steps=steps)

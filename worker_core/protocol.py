@@ -84,7 +84,7 @@ class StepTotals:
     """A worker's engine steps since its engine started (`LoadReport.steps`): the phase split of its
     time that `pdserve_engine_*` shows, and what `pdserve plan --validate` sets beside the cost
     model.
-    Decode-only steps: seconds, steps, rows. Steps that compute prompt chunks: seconds, steps, those of
+    Decode-only steps: seconds, steps, rows, and the tokens of context their rows held. Steps that compute prompt chunks: seconds, steps, those of
     them that also decoded (`mixed_steps`) and the decode rows riding in them, prompt tokens computed.
     Step seconds are the model's pass and sampling (the cost model's calibration steps count too);
     `busy_seconds` is the engine loop's wall time while it had work: the served steps plus what runs
@@ -99,6 +99,7 @@ class StepTotals:
     ride_rows: int = 0
     prefill_tokens: int = 0
     busy_seconds: float = 0.0
+    decode_context: int = 0
 
 
 @dataclass(frozen=True)

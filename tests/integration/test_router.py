@@ -58,6 +58,7 @@ def test_calibrated_cost_model_is_plausible(cluster):
     assert cost.step_s(1) > 0 and cost.transfer_s(512) > 0 and cost.hop_s > 0
     assert cost.num_layers == 3 and cost.prefill_chunk_tokens == 256
     assert 0 <= cost.decode_ride <= 1
+    assert cost.decode_context == 64  # the context its decode steps were timed at (and again at a longer one)
 
 
 @pytest.mark.parametrize("policy", ["always_remote", "always_local", "round_robin", "ratio"])

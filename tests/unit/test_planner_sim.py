@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -61,6 +62,19 @@ def test_one_local_request_matches_the_hand_schedule():
     assert out.path == "local"
     assert out.ttft_s == pytest.approx(0.22)  # 0.02 + 100 * 0.002, alone on D: the prompt goes whole
     assert out.e2e_s == pytest.approx(0.24)
+
+
+def test_decode_steps_pay_for_their_sequences_context():
+    """With 1 us per token of context beyond 64 a sequence, a decode step of one 100-token prompt's sequence
+    (101 tokens at its first decode step, 102 at the second) takes 10 ms + 37 / 38 us."""
+    cost = replace(COST, decode_context=64, decode_context_s=1e-6)
+    out = simulate(trace((0.0, 100, 3)), cost, Layout(1, 1), WORKER, RouterConfig(policy="always_local")).outcomes[0]
+    assert out.ttft_s == pytest.approx(0.22)  # the prompt's own step: no decode rows
+    assert out.e2e_s == pytest.approx(0.22 + 0.01 + 37e-6 + 0.01 + 38e-6)
+    # a mixed step: the ride of 100-token a's row, and its context beyond 64 tokens
+    b = simulate(trace((0.0, 100, 3), (0.05, 50, 2)), cost, Layout(0, 1), WORKER,
+                 RouterConfig(policy="always_local")).outcomes[1]
+    assert b.ttft_s == pytest.approx(0.22 + (0.02 + 0.1) + 0.5 * 0.01 + 37e-6 - 0.05)
 
 
 def test_serving_factors_stretch_each_phase_of_the_hand_schedule():

@@ -62,7 +62,7 @@ async def _answer(value):
 
 def _pools(prefill: bool) -> SimpleNamespace:
     lengths_s = lambda lengths: [1e-3 + 1e-5 * n for n in lengths]
-    decode = _Actor(profile_prefill=lengths_s, profile_decode=lambda batches, _ctx: [0.01 + 1e-3 * b for b in batches],
+    decode = _Actor(profile_prefill=lengths_s, profile_decode=lambda batches, ctx: [0.01 + 1e-3 * b + 1e-6 * b * ctx for b in batches],
                     profile_mixed=lambda _b, _ctx, chunk: (0.02, chunk), load=lambda: LoadReport(8, 8),
                     reserve=lambda *a, **kw: 0, transfer_state=lambda _rid: TransferState.DONE,
                     abort=lambda _rid: True)
@@ -76,13 +76,15 @@ INFO = WorkerInfo(worker_id="d0", num_blocks=256, block_size=16, kv_bytes_per_to
                   dtype_reason="test", attention="torch", compiled=False, linear="plain")
 
 
-@pytest.mark.parametrize("prefill,n", [(True, 6), (False, 4)])
+@pytest.mark.parametrize("prefill,n", [(True, 7), (False, 5)])
 def test_calibration_reports_each_measurement_as_it_starts(prefill, n):
     lines: list[str] = []
     cost = asyncio.run(calibrate(_pools(prefill), INFO, report=lines.append))
     assert cost.decode_step  # it measured, with the fakes' numbers
+    assert cost.decode_context == 64 and cost.decode_context_s == pytest.approx(1e-6)  # the fake's context slope
     assert len(lines) == n and all(line.startswith("calibrating [") for line in lines)
     assert sorted(int(re.match(r"calibrating \[(\d+)/", line)[1]) for line in lines) == list(range(1, n + 1))
     assert all(f"/{n}]" in line for line in lines)
     assert any("decode steps at 4 batch sizes (1, 4, 16, 32)" in line for line in lines)
+    assert any("decode steps at a context of 512 tokens" in line for line in lines)
     assert any("KV transfer" in line for line in lines) == prefill
