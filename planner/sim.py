@@ -31,6 +31,9 @@ prompt chunk costs the same wherever it sits in its prompt):
   `decode_s(B, C)` when N = 0, `local_prefill_s(N)` when B = 0, else `local_prefill_s(N)` plus what B
   decoding rows add to one chunk's step (`local_prefill_wall_s(1, B) - local_prefill_s(1)` = decode_ride
   x `step_s(B)`) and what their context adds (`decode_s(B, C) - step_s(B)`).
+A prefill worker's step that starts while a decode worker computes takes `prefill_beside_decode` times
+longer, and a decode worker's decode-only step that starts while a prefill worker computes
+`decode_beside_prefill` times (measured at start-up; 1 where they do not share a node's memory).
 Every step pays the fits' fixed cost, so a prompt prefilled in k chunks pays it k times. With
 `ServingFactors` (what serving adds to the engine's calibrated times, measured by `--validate`), a
 step's prompt tokens take `prefill` times those times and its decode rows `decode` times theirs, a step
@@ -203,7 +206,10 @@ class Summary:
 class SimResult:
     """Args: outcomes: one per trace request, in trace order. wall_time_s: first arrival to last end.
     prefill_steps / decode_steps: steps the pools ran. decode_rows: decoding sequences summed over decode
-    workers' steps. preemptions: sequences preempted. remote: requests placed on the remote path."""
+    workers' steps. preemptions: sequences preempted. remote: requests placed on the remote path.
+    decode_only_steps: the decode workers' steps without prompt tokens. prefill_beside / decode_beside: the
+    prefill workers' steps, and the decode workers' decode-only ones, that started while a worker of the
+    other pool computed."""
 
     outcomes: tuple[RequestOutcome, ...]
     wall_time_s: float
@@ -212,6 +218,16 @@ class SimResult:
     decode_rows: int
     preemptions: int
     remote: int
+    decode_only_steps: int = 0
+    prefill_beside: int = 0
+    decode_beside: int = 0
+
+    @property
+    def beside(self) -> tuple[float, float]:
+        """The shares of the prefill workers' steps and of the decode workers' decode-only steps that started
+        while a worker of the other pool computed (0 without such steps)."""
+        return (self.prefill_beside / self.prefill_steps if self.prefill_steps else 0.0,
+                self.decode_beside / self.decode_only_steps if self.decode_only_steps else 0.0)
 
     @property
     def mean_decode_batch(self) -> float:
@@ -260,6 +276,8 @@ class _Worker:
         self.reserving: list[tuple[str, list[int], SamplingParams, int]] = []
         self.prefilling: dict[str, Sequence] = {}  # decode side: local prefills without their first token yet
         self.steps = self.rows = 0
+        self.decode_only = 0  # decode side: steps without prompt tokens
+        self.beside = 0  # steps started while a worker of the other pool computed (decode side: decode-only ones)
 
 
 # event kinds, in the heap as (time, number, kind, a, b)
@@ -460,19 +478,24 @@ class Simulator:
         w.busy = True
         w.steps += 1
         w.rows += len(batch.decode)
-        self._push(self.now + self._duration(w, batch), _STEP, w, batch)
+        decode_only = w.pool == "decode" and not batch.is_prefill
+        w.decode_only += decode_only
+        beside = (w.pool == "prefill" or decode_only) and any(o.busy for o in (self.decode if w.pool == "prefill"
+                                                                                else self.prefill))
+        w.beside += beside
+        self._push(self.now + self._duration(w, batch, beside), _STEP, w, batch)
 
-    def _duration(self, w: _Worker, batch: Batch) -> float:
-        """A step's seconds (see the module docstring)."""
+    def _duration(self, w: _Worker, batch: Batch, beside: bool) -> float:
+        """A step's seconds (see the module docstring); `beside`: a worker of the other pool computes."""
         cost, f, n, b = self.cost, self.factors, batch.num_prefill_tokens, len(batch.decode)
         if w.pool == "prefill":
-            return cost.prefill_s(n) * f.prefill
+            return cost.prefill_s(n) * f.prefill * (cost.prefill_beside_decode if beside else 1.0)
         if not b:
             return cost.local_prefill_s(n) * f.prefill
         step = cost.step_s(b)
         context = cost.decode_s(b, sum(seq.num_tokens for seq in batch.decode)) - step  # its KV reads beyond
         if not n:
-            return (step + context) * f.decode + f.decode_step_s
+            return (step + context) * f.decode * (cost.decode_beside_prefill if beside else 1.0) + f.decode_step_s
         ride = self._ride.get(b)
         if ride is None:
             ride = self._ride[b] = cost.local_prefill_wall_s(1, b) - cost.local_prefill_s(1)
@@ -551,7 +574,8 @@ class Simulator:
         return SimResult(tuple(outcomes), end - start, sum(w.steps for w in self.prefill),
                          sum(w.steps for w in self.decode), sum(w.rows for w in self.decode),
                          sum(w.scheduler.num_preemptions for w in self.prefill + self.decode),
-                         sum(o.path == "remote" for o in outcomes))
+                         sum(o.path == "remote" for o in outcomes), sum(w.decode_only for w in self.decode),
+                         sum(w.beside for w in self.prefill), sum(w.beside for w in self.decode))
 
 
 def simulate(trace: Trace, cost: CostModel, layout: Layout, worker: WorkerSpec, router: RouterConfig | None = None,

@@ -24,7 +24,7 @@ from loadtest.records import RequestRecord
 from loadtest.workload import RequestSpec, build_workload, safe_token_range
 from planner.plan import Slo
 from planner.profiles import AS_CALIBRATED, ServingFactors
-from planner.sim import Layout, Summary, WorkerSpec, prompt_ids, simulate
+from planner.sim import Layout, SimResult, Summary, WorkerSpec, prompt_ids, simulate
 from planner.traces import Trace
 from router.config import RouterConfig
 from router.cost_model import CostModel
@@ -112,9 +112,12 @@ class ServedSteps:
     mean_context: float = 0.0  # tokens of context a decode-only step's rows held in all
 
     @staticmethod
-    def of(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]],
-           cost: CostModel) -> ServedSteps | None:
-        """Args: before / after: `engine_totals` of each pool ("decode", "prefill"). None when the decode
+    def of(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]], cost: CostModel,
+           beside: tuple[float, float] = (0.0, 0.0)) -> ServedSteps | None:
+        """Args: before / after: `engine_totals` of each pool ("decode", "prefill"). beside: the shares of the
+        prefill workers' steps and of the decode workers' decode-only steps that computed while the other
+        pool did (`SimResult.beside` of the run simulated): the cost model's time for them is the calibrated
+        one stretched that often by `prefill_beside_decode` / `decode_beside_prefill`. None when the decode
         workers ran no decode-only step (or report no step totals)."""
         grew = _grown(before.get("decode", {}), after.get("decode", {}))
         steps, local_steps = int(grew.get("steps:decode", 0)), int(grew.get("steps:prefill", 0))
@@ -125,13 +128,15 @@ class ServedSteps:
         between = grew.get("busy_seconds", 0.0) - seconds - grew.get("step_seconds:prefill", 0.0)
         remote = _grown(before.get("prefill", {}), after.get("prefill", {}))
         prefill_steps, prefill_s, model_prefill_s = 0, 0.0, 0.0
-        for totals, time_of in ((grew, cost.local_prefill_s), (remote, cost.prefill_s)):
+        remote_beside = 1 + (cost.prefill_beside_decode - 1) * beside[0]
+        for totals, time_of in ((grew, cost.local_prefill_s), (remote, lambda n: cost.prefill_s(n) * remote_beside)):
             n = int(totals.get("steps:prefill", 0))
             if n > 0:  # the fits are linear in tokens: n steps of the mean chunk cost what the steps cost
                 prefill_steps += n
                 prefill_s += totals.get("step_seconds:prefill", 0.0)
                 model_prefill_s += n * time_of(totals.get("step_tokens:prompt", 0.0) / n)
-        return ServedSteps(steps, batch, seconds / steps, cost.decode_s(batch, context), prefill_steps,
+        model_step_s = cost.decode_s(batch, context) * (1 + (cost.decode_beside_prefill - 1) * beside[1])
+        return ServedSteps(steps, batch, seconds / steps, model_step_s, prefill_steps,
                            max(0.0, between) / (steps + local_steps), prefill_s, model_prefill_s, context)
 
     @property
@@ -302,13 +307,18 @@ def simulate_server(trace: Trace, cost: CostModel, server: ServerLayout, policy:
                     factors: ServingFactors = AS_CALIBRATED) -> Summary:
     """`trace` simulated on a server's own pools (`server`, from its /metrics), cost model and placement
     policy, summarised against `slo`. max_num_seqs: the server's `--max-num-seqs`."""
+    return simulate_server_run(trace, cost, server, policy, slo, max_num_seqs, factors).summary(slo.ttft_s, slo.tpot_s)
+
+
+def simulate_server_run(trace: Trace, cost: CostModel, server: ServerLayout, policy: str, slo: Slo,
+                        max_num_seqs: int, factors: ServingFactors = AS_CALIBRATED) -> SimResult:
+    """As `simulate_server`, the whole simulated run."""
     decode = WorkerSpec(server.decode_blocks, max_num_seqs=max_num_seqs,
                         prefill_chunk_tokens=cost.prefill_chunk_tokens or WorkerSpec.prefill_chunk_tokens)
     prefill = WorkerSpec(server.prefill_blocks, max_num_seqs=max_num_seqs,
                          prefill_chunk_tokens=decode.prefill_chunk_tokens) if server.prefill_blocks else None
     router = RouterConfig(policy=policy, ttft_target_s=slo.ttft_s, tpot_target_s=slo.tpot_s)
-    return simulate(trace, cost, server.layout, decode, router, prefill_worker=prefill,
-                    factors=factors).summary(slo.ttft_s, slo.tpot_s)
+    return simulate(trace, cost, server.layout, decode, router, prefill_worker=prefill, factors=factors)
 
 
 def validate(base: str, trace: Trace, slo: Slo, max_num_seqs: int, vocab_size: int = 49152,
@@ -332,13 +342,14 @@ def validate(base: str, trace: Trace, slo: Slo, max_num_seqs: int, vocab_size: i
                                             [r.arrival_s for r in trace.requests], request_timeout_s))
     metrics_after = fetch_text(base.rstrip("/") + "/metrics")
     after = server_layout(metrics_after)
-    served = ServedSteps.of(engine_totals(metrics_before), engine_totals(metrics_after), cost)
     policy = after.policy or before.policy or fallback_policy
 
     def simulated(with_factors: ServingFactors) -> Summary:
         return simulate_server(trace, cost, before, policy, slo, max_num_seqs, with_factors)
 
+    main = simulate_server_run(trace, cost, before, policy, slo, max_num_seqs, factors)
+    served = ServedSteps.of(engine_totals(metrics_before), engine_totals(metrics_after), cost, main.beside)
     plain = simulated(AS_CALIBRATED) if factors != AS_CALIBRATED else None
     at_served = simulated(served.factors(factors)) if served is not None else None
-    return Comparison(simulated(factors), Summary.of(records, wall, slo.ttft_s, slo.tpot_s), before.layout, policy,
-                      factors, plain, served, at_served)
+    return Comparison(main.summary(slo.ttft_s, slo.tpot_s), Summary.of(records, wall, slo.ttft_s, slo.tpot_s),
+                      before.layout, policy, factors, plain, served, at_served)

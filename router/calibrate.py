@@ -5,7 +5,10 @@
    and what a decode batch adds to a step that prefills a chunk beside it. The prefill worker's probes run while the decode worker's do (each
    worker computes on its own cores, as when serving).
 3. KV transfer time by size between a prefill and a decode worker, over the configured backend.
-4. The extra round trips of the remote path (actor call latency).
+4. What each of the two computes slower while the other computes too (they share a node's memory
+   bandwidth and caches; on separate devices, nothing): decode steps during prompts, prompts during
+   decode steps.
+5. The extra round trips of the remote path (actor call latency).
 Each probe runs on an idle worker and leaves every block free. The first call of each kind is
 a warm-up and is not counted. Each measurement reports its start (`engine.progress.Steps`: i of n,
 seconds so far, an estimate of the time left).
@@ -85,6 +88,26 @@ async def _context_s(worker: ray.actor.ActorHandle, steps: dict[int, float], con
     return max(0.0, (at_long - steps[batch]) / (batch * (long - context)))
 
 
+async def _neighbours(prefill: ray.actor.ActorHandle, decode: ray.actor.ActorHandle, steps: dict[int, float],
+                      context: int, length: int, max_model_len: int) -> tuple[float, float]:
+    """What a decode worker's steps and a prefill worker's prompts take while the other computes, over
+    what they take alone (each >= 1). Two prompts of `length` tokens on the prefill worker alone; decode
+    steps (a batch of 4, or the largest measured below it, timed alone before) inside two such prompts;
+    then two prompts inside a run of decode steps that outlasts them."""
+    batch = max(b for b in steps if b <= 4)
+    alone = await prefill.profile_prefill.remote([length] * 2, seed=100)  # prompts no other probe computed
+    prompt_s, step_s = statistics.median(alone), steps[batch]
+    room = max_model_len - context - 4  # a decode sequence's steps end before its context fills the model
+
+    def run(seconds: float) -> int:
+        return max(4, min(room, int(seconds / step_s)))
+    _, (beside_prompts,) = await asyncio.gather(prefill.profile_prefill.remote([length] * 2, seed=102),
+                                                decode.profile_decode.remote([batch], context, run(1.2 * prompt_s)))
+    prompts, _ = await asyncio.gather(prefill.profile_prefill.remote([length] * 2, seed=104),
+                                      decode.profile_decode.remote([batch], context, run(2.6 * prompt_s) + 8))
+    return max(1.0, beside_prompts / step_s), max(1.0, statistics.median(prompts) / prompt_s)
+
+
 async def _round_trip_s(worker: ray.actor.ActorHandle) -> float:
     rtts = []
     for _ in range(6):
@@ -109,7 +132,7 @@ async def calibrate(pools: Pools, info: WorkerInfo, report: Callable[[str], None
     lengths = _lengths(info.max_model_len, info.num_blocks, info.block_size)
     batches = sorted({b for b in (1, 4, 16, 32) if b <= info.max_num_seqs} | {1})
     context = min(64, lengths[-1])
-    progress = Steps("calibrating", 7 if pools.prefill else 5, report or log.info)
+    progress = Steps("calibrating", 8 if pools.prefill else 5, report or log.info)
     sizes = f"{len(lengths)} prompt lengths ({', '.join(map(str, lengths))} tokens)"
 
     async def decode_side() -> tuple[LinearFit, tuple[tuple[int, float], ...], float, float, float]:
@@ -133,12 +156,15 @@ async def calibrate(pools: Pools, info: WorkerInfo, report: Callable[[str], None
         (local, steps, ride, rtt, per_context), prefill = await asyncio.gather(decode_side(), prefill_side())
         progress.step(f"KV transfer at {len(lengths)} sizes")
         transfer = await _transfer_fit(pools.prefill[0], decode, pools, info, lengths)
+        chunk = min(info.prefill_chunk_tokens, lengths[-1])  # the prompt steps a loaded prefill worker runs
+        progress.step(f"decode steps during prompts of {chunk} tokens on the prefill worker, and back")
+        beside = await _neighbours(pools.prefill[0], decode, dict(steps), context, chunk, info.max_model_len)
     else:
         local, steps, ride, rtt, per_context = await decode_side()
-        prefill, transfer = local, LinearFit(0.0, 0.0)
+        prefill, transfer, beside = local, LinearFit(0.0, 0.0), (1.0, 1.0)
     cost = CostModel(prefill=prefill, local_prefill=local, decode_step=steps, transfer=transfer,
                      kv_bytes_per_token=info.kv_bytes_per_token, num_layers=info.num_layers, hop_s=3 * rtt,
                      prefill_chunk_tokens=info.prefill_chunk_tokens, decode_ride=ride, decode_context=context,
-                     decode_context_s=per_context)
+                     decode_context_s=per_context, decode_beside_prefill=beside[0], prefill_beside_decode=beside[1])
     log.info("calibrated in %.1f s: %s", time.perf_counter() - t0, cost.to_dict())
     return cost

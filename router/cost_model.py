@@ -103,6 +103,10 @@ class CostModel:
         decode_context: the tokens of context each sequence of the `decode_step` points held.
         decode_context_s: seconds a decode step adds per token of context its sequences hold beyond
             `decode_context` each (their attention's KV reads; 0 when unknown: any context costs the same).
+        decode_beside_prefill / prefill_beside_decode: what a decode worker's decode step takes while a
+            prefill worker computes a prompt, and a prefill worker's prompt while a decode worker decodes,
+            over what each takes alone (>= 1; measured: above 1 where the two share a node's memory
+            bandwidth and caches, 1 on separate devices or when unknown).
     """
 
     prefill: LinearFit
@@ -116,6 +120,8 @@ class CostModel:
     decode_ride: float = 1.0
     decode_context: int = 64
     decode_context_s: float = 0.0
+    decode_beside_prefill: float = 1.0
+    prefill_beside_decode: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("prefill", "local_prefill", "transfer"):
@@ -144,6 +150,9 @@ class CostModel:
         if self.decode_context < 1:
             raise ValueError(f"decode_context must be >= 1, got {self.decode_context}")
         _check_nonneg("decode_context_s", self.decode_context_s)
+        for name in ("decode_beside_prefill", "prefill_beside_decode"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 1):
+                raise ValueError(f"{name} must be a finite number >= 1, got {getattr(self, name)!r}")
 
     def prefill_s(self, tokens: int) -> float:
         """Args: tokens: prompt tokens. Returns: prefill seconds on a prefill worker."""
@@ -234,6 +243,8 @@ class CostModel:
             "decode_ride": self.decode_ride,
             "decode_context": self.decode_context,
             "decode_context_s": self.decode_context_s,
+            "decode_beside_prefill": self.decode_beside_prefill,
+            "prefill_beside_decode": self.prefill_beside_decode,
         }
 
     @classmethod
@@ -257,6 +268,8 @@ class CostModel:
             # absent from a model written before decode steps were timed at two contexts: context costs nothing
             decode_context=int(d.get("decode_context", 64)),
             decode_context_s=float(d.get("decode_context_s", 0.0)),
+            decode_beside_prefill=float(d.get("decode_beside_prefill", 1.0)),  # absent: measured apart, never
+            prefill_beside_decode=float(d.get("prefill_beside_decode", 1.0)),
         )
 
 

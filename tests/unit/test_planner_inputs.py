@@ -7,6 +7,7 @@ import json
 import math
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -329,6 +330,12 @@ def test_a_validation_sets_the_workers_served_steps_beside_the_cost_model():
     assert ServedSteps.of(before, before, COST) is None  # no decode-only step ran
     no_prompts = ServedSteps(10, 1.0, 0.05, 0.04, 0, 0.0)
     assert no_prompts.prefill_factor is None and no_prompts.factors(ServingFactors(prefill=1.2)).prefill == 1.2
+    # workers that slow each other: the cost model's time for the steps that ran beside the other pool is
+    # stretched, here half of p0's prompt steps (x2) and a fifth of the decode-only steps (x1.5)
+    crowded = replace(COST, decode_beside_prefill=1.5, prefill_beside_decode=2.0)
+    stretched = ServedSteps.of(before, after, crowded, beside=(0.5, 0.2))
+    assert stretched.model_step_s == pytest.approx(COST.step_s(8) * 1.1)
+    assert stretched.model_prefill_s == pytest.approx(10 * COST.prefill_s(200) * 1.5)
 
 
 def test_a_validation_with_served_steps_fits_its_factors_from_them_and_simulates_with_them():

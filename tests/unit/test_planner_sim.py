@@ -77,6 +77,23 @@ def test_decode_steps_pay_for_their_sequences_context():
     assert b.ttft_s == pytest.approx(0.22 + (0.02 + 0.1) + 0.5 * 0.01 + 37e-6 - 0.05)
 
 
+def test_a_worker_steps_slower_while_the_other_pool_computes():
+    """With decode steps 2x and prompts 1.5x as long while a worker of the other pool computes: a (100
+    tokens, 3 out) is prefilled alone (0.11 s) and decodes from 0.12 s. b (100 tokens) arrives at 0.125, in
+    a's first decode step; D reserves it at 0.13 and P computes it while D steps: 0.165 s, to 0.295. a's
+    second decode step starts beside it: 20 ms, to 0.15. b's KV lands 0.005 + 0.005 s after its prefill,
+    D idle by then: its first token at 0.305."""
+    cost = replace(COST, decode_beside_prefill=2.0, prefill_beside_decode=1.5)
+    result = simulate(trace((0.0, 100, 3), (0.125, 100, 2)), cost, Layout(1, 1), WORKER,
+                      RouterConfig(policy="always_remote"))
+    a, b = result.outcomes
+    assert a.ttft_s == pytest.approx(0.12) and a.e2e_s == pytest.approx(0.15)
+    assert result.beside == (1 / 2, 1 / 3)  # b's prompt of P's two; a's second decode step of D's three
+    assert b.ttft_s == pytest.approx(0.305 - 0.125)
+    alone = run(trace((0.0, 100, 3), (0.125, 100, 2)), Layout(1, 1), "always_remote").outcomes
+    assert alone[0].e2e_s == pytest.approx(0.14) and alone[1].ttft_s == pytest.approx(0.25 - 0.125)
+
+
 def test_serving_factors_stretch_each_phase_of_the_hand_schedule():
     """Prompt tokens take `prefill` times their cost-model time, decode rows `decode` times; the KV
     transfer and the hops stay as calibrated."""

@@ -183,10 +183,13 @@ def test_a_prompt_prefilled_on_borrowed_threads_pays_its_whole_transfer_after_th
 def test_a_cost_model_written_before_chunking_reads_as_whole_prompts() -> None:
     d = measured_cost().to_dict()
     assert CostModel.from_dict(d) == measured_cost()
-    del d["prefill_chunk_tokens"], d["decode_ride"], d["decode_context"], d["decode_context_s"]
+    for name in ("prefill_chunk_tokens", "decode_ride", "decode_context", "decode_context_s", "decode_beside_prefill",
+                 "prefill_beside_decode"):
+        del d[name]
     old = CostModel.from_dict(d)
     assert old.prefill_chunk_tokens is None and old.decode_ride == 1.0
     assert old.decode_context_s == 0.0 and old.decode_s(4, 4 * 2000) == old.step_s(4)  # context costs nothing
+    assert old.decode_beside_prefill == old.prefill_beside_decode == 1.0  # and workers never slow each other
 
 
 def test_a_decode_step_pays_for_the_context_its_sequences_hold_beyond_the_calibrated_one() -> None:
@@ -195,7 +198,8 @@ def test_a_decode_step_pays_for_the_context_its_sequences_hold_beyond_the_calibr
     assert cost.decode_s(4, 4 * 64) == cost.step_s(4)
     assert cost.decode_s(4, 4 * 1064) == pytest.approx(cost.step_s(4) + 4 * 1000 * 2e-6)
     assert cost.decode_s(4, 10) == cost.step_s(4)  # shorter contexts than calibrated: never cheaper
-    for bad in ({"decode_context": 0}, {"decode_context_s": -1.0}, {"decode_context_s": float("nan")}):
+    for bad in ({"decode_context": 0}, {"decode_context_s": -1.0}, {"decode_context_s": float("nan")},
+                {"decode_beside_prefill": 0.9}, {"prefill_beside_decode": float("inf")}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             replace(cost, **bad)
 
