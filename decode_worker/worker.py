@@ -28,7 +28,7 @@ from engine import EngineConfig, RequestOutput, SamplingParams
 from engine.command_loop import Round, Stopped
 from engine.errors import SamplingError
 from engine.logprobs import TokenLogprob
-from engine.profiling import time_decode_steps, time_mixed_step
+from engine.profiling import time_context_cost, time_decode_steps, time_mixed_step
 from engine.sequence import Sequence
 from kv_transfer import PeerInfo, TransferConfig, TransferState
 from worker_core import WorkerBase
@@ -157,6 +157,11 @@ class DecodeWorker(WorkerBase):
     def profile_decode(self, batches: list[int], context: int, steps: int = 4) -> list[float]:
         """Seconds of one decode step at each batch size, sequences of about `context` tokens (call while idle)."""
         return self._owner.call(lambda: time_decode_steps(self.engine, batches, context, steps))
+
+    def profile_context(self, batch: int, short: int, long: int) -> float:
+        """Seconds a decode step of `batch` sequences adds per token of context a sequence holds, between `short`
+        and `long` tokens (call while idle)."""
+        return self._owner.call(lambda: time_context_cost(self.engine, batch, short, long))
 
     def profile_mixed(self, batch: int, context: int, chunk: int) -> tuple[float, int]:
         """Seconds of one step that prefills a prompt chunk of at most `chunk` tokens beside a decode

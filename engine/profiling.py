@@ -41,13 +41,15 @@ def time_prefill(engine: LLMEngine, num_tokens: int, seed: int = 0) -> float:
     return seconds
 
 
-def _decoding(engine: LLMEngine, batch: int, context: int, steps: int, rng: random.Random, name: str) -> list[str]:
-    """Start `batch` sequences of `context` random tokens, good for `steps` more decode steps, and run
-    their prefills. Returns their ids (the caller aborts them)."""
+def _decoding(engine: LLMEngine, batch: int, context: int, steps: int, rng: random.Random, name: str,
+              prompts: list[list[int]] | None = None) -> list[str]:
+    """Start `batch` sequences of `context` random tokens (or those `prompts`), good for `steps` more decode
+    steps, and run their prefills. Returns their ids (the caller aborts them)."""
     assert not engine.has_unfinished(), "profile an idle engine"
     params = SamplingParams(max_tokens=steps + 2, ignore_eos=True)
-    ids = [engine.add_request(_prompt(engine, context, rng), params, request_id=f"profile-{name}-{batch}-{i}")
-           for i in range(batch)]
+    prompts = prompts or [_prompt(engine, context, rng) for _ in range(batch)]
+    ids = [engine.add_request(prompt, params, request_id=f"profile-{name}-{batch}-{i}")
+           for i, prompt in enumerate(prompts)]
     while engine.scheduler.has_prefill_work():
         engine.step()
     return ids
@@ -80,6 +82,34 @@ def time_decode_steps(engine: LLMEngine, batches: list[int], context: int, steps
         return [median[b] for b in batches]
     finally:
         _abort(engine, ids)
+
+
+def time_context_cost(engine: LLMEngine, batch: int, short: int, long: int, rounds: int = 3, steps: int = 8,
+                      seed: int = 0) -> float:
+    """Seconds a decode step adds per token of context a sequence holds: `batch` sequences of `long` tokens
+    against `batch` of `short` (`long` > `short`), the median of `rounds` pairs timed one right after the
+    other (the machine's drift between pairs cancels; one pair alone was off by 2x at times). The long
+    prompts are the same every round: after the first, the prefix cache holds them."""
+    assert long > short, "the long context must be longer"
+    rng = _rng(seed)
+    prompts = [_prompt(engine, long, rng) for _ in range(batch)]
+    slopes = []
+    for r in range(rounds):
+        pair = []
+        for context, given in ((short, None), (long, prompts)):
+            ids = _decoding(engine, batch, context, steps + 1, rng, f"context-{context}-{r}-{seed}", given)
+            try:
+                engine.step()  # a first step pays one-off costs
+                times = []
+                for _ in range(steps):
+                    t0 = time.perf_counter()
+                    engine.step()
+                    times.append(time.perf_counter() - t0)
+                pair.append(statistics.median(times))
+            finally:
+                _abort(engine, ids)
+        slopes.append((pair[1] - pair[0]) / (batch * (long - short)))
+    return statistics.median(slopes)
 
 
 def time_mixed_step(engine: LLMEngine, batch: int, context: int, chunk: int, steps: int = 3,

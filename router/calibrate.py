@@ -77,15 +77,13 @@ async def _decode_ride(worker: ray.actor.ActorHandle, prefill: LinearFit, steps:
 
 async def _context_s(worker: ray.actor.ActorHandle, steps: dict[int, float], context: int, long: int,
                      pool_tokens: int) -> float:
-    """Seconds a decode step adds per token of context beyond `context` per sequence: the steps of a batch of
-    4 (or the largest measured batch below it whose KV fits half the pool) at `long` tokens each against the
-    same batch at `context` (>= 0; 0 when `long` is no longer than `context`)."""
+    """Seconds a decode step adds per token of context beyond `context` per sequence, between `context` and
+    `long` tokens, on a batch of 4 (or the largest measured batch below it whose KV fits half the pool;
+    0 when `long` is no longer than `context`)."""
     fitting = [b for b in steps if b <= 4 and b * long <= pool_tokens // 2]
     if long <= context or not fitting:
         return 0.0
-    batch = max(fitting)
-    (at_long,) = await worker.profile_decode.remote([batch], long)
-    return max(0.0, (at_long - steps[batch]) / (batch * (long - context)))
+    return max(0.0, await worker.profile_context.remote(max(fitting), context, long))
 
 
 async def _neighbours(prefill: ray.actor.ActorHandle, decode: ray.actor.ActorHandle, steps: dict[int, float],
@@ -95,15 +93,15 @@ async def _neighbours(prefill: ray.actor.ActorHandle, decode: ray.actor.ActorHan
     steps (a batch of 4, or the largest measured below it, timed alone before) inside two such prompts;
     then two prompts inside a run of decode steps that outlasts them."""
     batch = max(b for b in steps if b <= 4)
-    alone = await prefill.profile_prefill.remote([length] * 2, seed=100)  # prompts no other probe computed
+    alone = await prefill.profile_prefill.remote([length] * 2)  # each probe draws prompts of its own
     prompt_s, step_s = statistics.median(alone), steps[batch]
     room = max_model_len - context - 4  # a decode sequence's steps end before its context fills the model
 
     def run(seconds: float) -> int:
         return max(4, min(room, int(seconds / step_s)))
-    _, (beside_prompts,) = await asyncio.gather(prefill.profile_prefill.remote([length] * 2, seed=102),
+    _, (beside_prompts,) = await asyncio.gather(prefill.profile_prefill.remote([length] * 2),
                                                 decode.profile_decode.remote([batch], context, run(1.2 * prompt_s)))
-    prompts, _ = await asyncio.gather(prefill.profile_prefill.remote([length] * 2, seed=104),
+    prompts, _ = await asyncio.gather(prefill.profile_prefill.remote([length] * 2),
                                       decode.profile_decode.remote([batch], context, run(2.6 * prompt_s) + 8))
     return max(1.0, beside_prompts / step_s), max(1.0, statistics.median(prompts) / prompt_s)
 

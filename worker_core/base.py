@@ -218,10 +218,9 @@ class WorkerBase:
         decode, prefill = self._owner.call(lambda: time_threads_speedup(self.engine, threads))
         return ThreadSpeedup(decode, prefill)
 
-    def profile_prefill(self, lengths: list[int], seed: int = 0) -> list[float]:
-        """Seconds of a prefill of each prompt length, on this worker's engine (call while idle). The prompts
-        are random, drawn from `seed` on (a call with other seeds finds none of them in the prefix cache)."""
-        return self._owner.call(lambda: [time_prefill(self.engine, n, seed=seed + i) for i, n in enumerate(lengths)])
+    def profile_prefill(self, lengths: list[int]) -> list[float]:
+        """Seconds of a prefill of each prompt length, on this worker's engine (call while idle)."""
+        return self._owner.call(lambda: [time_prefill(self.engine, n, seed=i) for i, n in enumerate(lengths)])
 
     def configs(self) -> tuple[EngineConfig, TransferConfig]:
         """What this worker was started with (its transfer secret too): a router that adopts it starts

@@ -61,10 +61,16 @@ async def _answer(value):
 
 
 def _pools(prefill: bool) -> SimpleNamespace:
-    lengths_s = lambda lengths, seed=0: [(1e-3 + 1e-5 * n) * (1.2 if seed == 104 else 1.0) for n in lengths]
+    probes = []
+
+    def lengths_s(lengths):  # the third pair of chunk-long prompts: the probe beside a decode worker's steps
+        probes.append(lengths)
+        beside = lengths == [256, 256] and probes.count([256, 256]) == 3
+        return [(1e-3 + 1e-5 * n) * (1.2 if beside else 1.0) for n in lengths]
+
     def steps_s(batches, ctx, steps=4):  # one batch at 64 tokens: the probe beside the prefill worker's prompts
         return [(0.01 + 1e-3 * b + 1e-6 * b * ctx) * (1.1 if (len(batches), ctx) == (1, 64) else 1.0) for b in batches]
-    decode = _Actor(profile_prefill=lengths_s, profile_decode=steps_s,
+    decode = _Actor(profile_prefill=lengths_s, profile_decode=steps_s, profile_context=lambda _b, _s, _l: 1e-6,
                     profile_mixed=lambda _b, _ctx, chunk: (0.02, chunk), load=lambda: LoadReport(8, 8),
                     reserve=lambda *a, **kw: 0, transfer_state=lambda _rid: TransferState.DONE,
                     abort=lambda _rid: True)
@@ -84,7 +90,7 @@ def test_calibration_reports_each_measurement_as_it_starts(prefill, n):
     cost = asyncio.run(calibrate(_pools(prefill), INFO, report=lines.append))
     assert cost.decode_step  # it measured, with the fakes' numbers
     assert cost.decode_context == 64 and cost.decode_context_s == pytest.approx(1e-6)  # the fake's context slope
-    # the fakes' steps beside prompts and prompts beside steps (the last probe's seeds)
+    # the fakes' steps beside prompts and prompts beside steps
     assert (cost.decode_beside_prefill, cost.prefill_beside_decode) == ((1.1, 1.2) if prefill else (1.0, 1.0))
     assert len(lines) == n and all(line.startswith("calibrating [") for line in lines)
     assert sorted(int(re.match(r"calibrating \[(\d+)/", line)[1]) for line in lines) == list(range(1, n + 1))
