@@ -480,8 +480,8 @@ class Simulator:
         w.rows += len(batch.decode)
         decode_only = w.pool == "decode" and not batch.is_prefill
         w.decode_only += decode_only
-        beside = (w.pool == "prefill" or decode_only) and any(o.busy for o in (self.decode if w.pool == "prefill"
-                                                                                else self.prefill))
+        others = self.decode if w.pool == "prefill" else self.prefill
+        beside = (w.pool == "prefill" or decode_only) and any(o.busy for o in others)
         w.beside += beside
         self._push(self.now + self._duration(w, batch, beside), _STEP, w, batch)
 

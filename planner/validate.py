@@ -95,9 +95,9 @@ def _grown(before: dict[str, float], after: dict[str, float]) -> dict[str, float
 @dataclass(frozen=True)
 class ServedSteps:
     """The workers' engine steps during a run (what `pdserve_engine_*` grew by), beside the cost model.
-    Decode workers' decode-only steps: how many, their mean batch and context, seconds each took in the engine
-    and what the cost model gives for that batch and context (`CostModel.decode_s`), and the engine loop's seconds per step beyond
-    the steps themselves (scheduling, outputs, the feed, commands). Steps that computed prompt chunks, on
+    Decode workers' decode-only steps: how many, their mean batch and context, seconds each took in the
+    engine and what the cost model gives for that batch and context (`CostModel.decode_s`), and the engine
+    loop's seconds per step beyond the steps themselves (scheduling, outputs, the feed, commands). Steps that computed prompt chunks, on
     either pool: how many, their seconds in all and the cost model's for the same steps (`prefill_s` of
     each pool's mean chunk on a prefill worker, `local_prefill_s` on a decode worker)."""
 

@@ -2,8 +2,8 @@
 
 1. Prefill time by prompt length on a prefill worker, and on a decode worker (local prefill).
 2. Decode step time by batch size on a decode worker, what a longer context adds to a decode step,
-   and what a decode batch adds to a step that prefills a chunk beside it. The prefill worker's probes run while the decode worker's do (each
-   worker computes on its own cores, as when serving).
+   and what a decode batch adds to a step that prefills a chunk beside it. The prefill worker's
+   probes run while the decode worker's do (each worker computes on its own cores, as when serving).
 3. KV transfer time by size between a prefill and a decode worker, over the configured backend.
 4. What each of the two computes slower while the other computes too (they share a node's memory
    bandwidth and caches; on separate devices, nothing): decode steps during prompts, prompts during
@@ -138,7 +138,7 @@ async def calibrate(pools: Pools, info: WorkerInfo, report: Callable[[str], None
         local = await _prefill_fit(decode, lengths)
         progress.step(f"decode steps at {len(batches)} batch sizes ({', '.join(map(str, batches))})")
         steps = tuple(zip(batches, await decode.profile_decode.remote(batches, context)))
-        progress.step(f"decode steps at a context of {lengths[-1]} tokens")
+        progress.step(f"decode steps at {context} and at {lengths[-1]} tokens of context (3 pairs)")
         per_context = await _context_s(decode, dict(steps), context, lengths[-1], info.num_blocks * info.block_size)
         progress.step("a prefill chunk beside a decode batch")
         ride = await _decode_ride(decode, local, dict(steps), context, min(info.prefill_chunk_tokens, lengths[-1]),

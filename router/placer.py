@@ -5,7 +5,9 @@ Request lifecycle here:
    each worker with the part of the prompt its prefix cache holds or is promised (`PrefixIndex`,
    which the health poll keeps up): remote prefill on P and decode on D, or local prefill on D.
    With no decode worker that has room it waits in the `WaitQueue` and tries again. The worst-case
-   KV blocks are booked on D, and the prompt's prefix is promised to the worker computing it.
+   KV blocks are booked on D, and the prompt's prefix is promised to the worker computing it. A local
+   prompt placed where another's KV is on its way starts once D has reserved that KV
+   (`reservations_made`, then `shipping` of the remote one), so D knows to wait for it.
 2. `prefilled`: the first token is known (or the request ended before): P's queue shrinks.
 3. `release`: the request left D (finished, failed or moved): its blocks are unbooked, its promise
    withdrawn, and the waiters try again. `replan` places a running request again after a failure,

@@ -96,5 +96,5 @@ def test_calibration_reports_each_measurement_as_it_starts(prefill, n):
     assert sorted(int(re.match(r"calibrating \[(\d+)/", line)[1]) for line in lines) == list(range(1, n + 1))
     assert all(f"/{n}]" in line for line in lines)
     assert any("decode steps at 4 batch sizes (1, 4, 16, 32)" in line for line in lines)
-    assert any("decode steps at a context of 512 tokens" in line for line in lines)
+    assert any("decode steps at 64 and at 512 tokens of context (3 pairs)" in line for line in lines)
     assert any("KV transfer" in line for line in lines) == prefill
