@@ -213,7 +213,7 @@ def test_format_status_flags_silent_and_dead_workers():
     assert "pdserve: UNHEALTHY: prefill 0/1 and decode 1/1" in text
     as_json = json.loads(status_json(status))  # `pdserve status --json`: load reports as plain objects
     steps = {"decode_seconds": 1.5, "decode_steps": 10, "decode_rows": 30, "prefill_seconds": 0.0, "prefill_steps": 0,
-             "mixed_steps": 0, "ride_rows": 0, "prefill_tokens": 0, "busy_seconds": 0.0}
+             "mixed_steps": 0, "ride_rows": 0, "prefill_tokens": 0, "busy_seconds": 0.0, "decode_context": 0}
     assert as_json["workers"][1]["load"] == {"free_blocks": 60, "num_blocks": 100, "running": 3, "receiving": 1,
                                              "queued_tokens": 0, "sending": 0, "threads": 0, "preemptions": 0,
                                              "steps": steps}
