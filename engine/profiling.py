@@ -60,6 +60,16 @@ def _abort(engine: LLMEngine, ids: list[str]) -> None:
         engine.abort(rid)
 
 
+def _median_step_s(engine: LLMEngine, steps: int) -> float:
+    """Median seconds of the engine's next `steps` steps."""
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def time_decode_steps(engine: LLMEngine, batches: list[int], context: int, steps: int = 4,
                       seed: int = 0) -> list[float]:
     """Median seconds of one decode step at each batch size of `batches`, sequences of about `context`
@@ -73,12 +83,7 @@ def time_decode_steps(engine: LLMEngine, batches: list[int], context: int, steps
         for size in sizes:
             _abort(engine, ids[size:])
             del ids[size:]
-            times = []
-            for _ in range(steps):
-                t0 = time.perf_counter()
-                engine.step()
-                times.append(time.perf_counter() - t0)
-            median[size] = statistics.median(times)
+            median[size] = _median_step_s(engine, steps)
         return [median[b] for b in batches]
     finally:
         _abort(engine, ids)
@@ -100,12 +105,7 @@ def time_context_cost(engine: LLMEngine, batch: int, short: int, long: int, roun
             ids = _decoding(engine, batch, context, steps + 1, rng, f"context-{context}-{r}-{seed}", given)
             try:
                 engine.step()  # a first step pays one-off costs
-                times = []
-                for _ in range(steps):
-                    t0 = time.perf_counter()
-                    engine.step()
-                    times.append(time.perf_counter() - t0)
-                pair.append(statistics.median(times))
+                pair.append(_median_step_s(engine, steps))
             finally:
                 _abort(engine, ids)
         slopes.append((pair[1] - pair[0]) / (batch * (long - short)))

@@ -489,13 +489,13 @@ class Simulator:
         """A step's seconds (see the module docstring); `beside`: a worker of the other pool computes."""
         cost, f, n, b = self.cost, self.factors, batch.num_prefill_tokens, len(batch.decode)
         if w.pool == "prefill":
-            return cost.prefill_s(n) * f.prefill * (cost.prefill_beside_decode if beside else 1.0)
+            return cost.prefill_s(n) * f.prefill * cost.beside("prefill", float(beside))
         if not b:
             return cost.local_prefill_s(n) * f.prefill
         step = cost.step_s(b)
         context = cost.decode_s(b, sum(seq.num_tokens for seq in batch.decode)) - step  # its KV reads beyond
         if not n:
-            return (step + context) * f.decode * (cost.decode_beside_prefill if beside else 1.0) + f.decode_step_s
+            return (step + context) * f.decode * cost.beside("decode", float(beside)) + f.decode_step_s
         ride = self._ride.get(b)
         if ride is None:
             ride = self._ride[b] = cost.local_prefill_wall_s(1, b) - cost.local_prefill_s(1)

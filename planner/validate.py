@@ -128,14 +128,14 @@ class ServedSteps:
         between = grew.get("busy_seconds", 0.0) - seconds - grew.get("step_seconds:prefill", 0.0)
         remote = _grown(before.get("prefill", {}), after.get("prefill", {}))
         prefill_steps, prefill_s, model_prefill_s = 0, 0.0, 0.0
-        remote_beside = 1 + (cost.prefill_beside_decode - 1) * beside[0]
+        remote_beside = cost.beside("prefill", beside[0])
         for totals, time_of in ((grew, cost.local_prefill_s), (remote, lambda n: cost.prefill_s(n) * remote_beside)):
             n = int(totals.get("steps:prefill", 0))
             if n > 0:  # the fits are linear in tokens: n steps of the mean chunk cost what the steps cost
                 prefill_steps += n
                 prefill_s += totals.get("step_seconds:prefill", 0.0)
                 model_prefill_s += n * time_of(totals.get("step_tokens:prompt", 0.0) / n)
-        model_step_s = cost.decode_s(batch, context) * (1 + (cost.decode_beside_prefill - 1) * beside[1])
+        model_step_s = cost.decode_s(batch, context) * cost.beside("decode", beside[1])
         return ServedSteps(steps, batch, seconds / steps, model_step_s, prefill_steps,
                            max(0.0, between) / (steps + local_steps), prefill_s, model_prefill_s, context)
 

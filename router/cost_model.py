@@ -206,6 +206,12 @@ class CostModel:
         `step_s(batch)`)."""
         return self.step_s(batch) + self.decode_context_s * max(0.0, context_tokens - batch * self.decode_context)
 
+    def beside(self, pool: str, share: float) -> float:
+        """What `pool`'s steps ("prefill": prompts; "decode": decode-only steps) take over alone when `share` of
+        them (0 to 1) run while a worker of the other pool computes."""
+        factor = self.prefill_beside_decode if pool == "prefill" else self.decode_beside_prefill
+        return 1 + (factor - 1) * share
+
     def transfer_s(self, tokens: int) -> float:
         """Args: tokens: tokens whose KV moves. Returns: seconds for the whole transfer."""
         return self.transfer(tokens * self.kv_bytes_per_token)

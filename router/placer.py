@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import replace
+from typing import NamedTuple
 
 from engine.block_manager import prefix_keys
 from engine.errors import InvalidRequestError
@@ -38,6 +39,14 @@ from router.wait_queue import WaitQueue
 from worker_core.protocol import WorkerInfo
 
 log = logging.getLogger(__name__)
+
+
+class _Unreserved(NamedTuple):
+    """A remote booking whose decode worker has not yet reserved blocks for its prompt."""
+
+    engine: tuple[str, int]  # the engine receiving the KV (`Placer._engine`)
+    keys: frozenset[int]  # its prompt's prefix keys
+    made: asyncio.Event  # set once the reservation is made (or never will be)
 
 
 def _decode_slot(info: WorkerInfo) -> DecodeSlot:
@@ -75,9 +84,9 @@ class Placer:
         self.queue = WaitQueue(config.max_queued, config.queue_timeout_s, metrics)
         self.elastic: Elastic | None = RoleFlipper(self.book) if config.flip_roles else lender
         self.prefix = PrefixIndex()  # what each worker's prefix cache holds (the health poll keeps it)
-        # Remote bookings whose decode worker has not yet reserved blocks for their prompt: (engine, keys, set once
-        # it has); and the local bookings that wait for such a reservation before they start (`reservations_made`).
-        self._unreserved: dict[Booking, tuple[tuple[str, int], frozenset[int], asyncio.Event]] = {}
+        # Remote bookings not yet reserved on their decode worker, and the local bookings that wait for such a
+        # reservation before they start (`reservations_made`).
+        self._unreserved: dict[Booking, _Unreserved] = {}
         self._waits: dict[Booking, list[asyncio.Event]] = {}
         self._block_size, self._kv_bytes_per_token = decode[0].block_size, decode[0].kv_bytes_per_token
 
@@ -166,11 +175,11 @@ class Placer:
         if keys:  # the workers computing and receiving the prompt hold its prefix from now on, as the next prompt sees it
             engine = self._engine(placement.decode)
             if placement.prefill is not None:
-                self._unreserved[booking] = (engine, frozenset(keys), asyncio.Event())
+                self._unreserved[booking] = _Unreserved(engine, frozenset(keys), asyncio.Event())
             elif arriving:  # it waits on D for the first block D lacks: D must know that block is coming first
                 first = keys[self.prefix.matched(*engine, keys, promises=False)]
-                self._waits[booking] = [made for at, shipped, made in self._unreserved.values()
-                                        if at == engine and first in shipped]
+                self._waits[booking] = [u.made for u in self._unreserved.values()
+                                        if u.engine == engine and first in u.keys]
             booking.promise = self.prefix.promise_placed(placement.prefill, engine, keys)
         self._metrics.in_flight.inc()
         return booking
@@ -186,7 +195,7 @@ class Placer:
     def _reserved(self, booking: Booking) -> None:
         """D reserved the booking's prompt blocks (or never will): the local prompts waiting for that start."""
         if (entry := self._unreserved.pop(booking, None)) is not None:
-            entry[2].set()
+            entry.made.set()
 
     def shipping(self, booking: Booking, held_blocks: int) -> None:
         """D reserved blocks for the prompt: its remote prefill ships the prompt's KV but the `held_blocks`
