@@ -154,9 +154,10 @@ class DecodeWorker(WorkerBase):
         """The receive side's `TransferState` of a request (calibration probes)."""
         return self._owner.call(lambda: self.connector.poll(request_id))
 
-    def profile_decode(self, batches: list[int], context: int, steps: int = 4) -> list[float]:
-        """Seconds of one decode step at each batch size, sequences of about `context` tokens (call while idle)."""
-        return self._owner.call(lambda: time_decode_steps(self.engine, batches, context, steps))
+    def profile_decode(self, batches: list[int], context: int, steps: int = 4, repeat: bool = False) -> list[float]:
+        """Seconds of one decode step at each batch size, sequences of about `context` tokens (call while idle;
+        `repeat`: the same prompts as the last such call, which the prefix cache holds, `time_decode_steps`)."""
+        return self._owner.call(lambda: time_decode_steps(self.engine, batches, context, steps, repeat=repeat))
 
     def profile_context(self, batch: int, short: int, long: int) -> float:
         """Seconds a decode step of `batch` sequences adds per token of context a sequence holds, between `short`

@@ -71,12 +71,15 @@ def _median_step_s(engine: LLMEngine, steps: int) -> float:
 
 
 def time_decode_steps(engine: LLMEngine, batches: list[int], context: int, steps: int = 4,
-                      seed: int = 0) -> list[float]:
+                      seed: int = 0, repeat: bool = False) -> list[float]:
     """Median seconds of one decode step at each batch size of `batches`, sequences of about `context`
     tokens. One prefill serves every size: the largest batch is started and stepped once untimed (a
-    first step pays one-off costs), then timed, then aborted down to each smaller size in turn."""
+    first step pays one-off costs), then timed, then aborted down to each smaller size in turn.
+    `repeat`: the prompts of every call with `repeat` and this `seed` (new ones otherwise); once the
+    prefix cache holds them, the steps start at once, for a probe timed beside another worker's."""
     sizes = sorted(set(batches), reverse=True)
-    ids = _decoding(engine, sizes[0], context, len(sizes) * steps + 1, _rng(seed), f"decode-{seed}")
+    rng = random.Random(f"{seed}:repeat") if repeat else _rng(seed)
+    ids = _decoding(engine, sizes[0], context, len(sizes) * steps + 1, rng, f"decode-{seed}")
     try:
         engine.step()
         median: dict[int, float] = {}

@@ -147,23 +147,32 @@ class ServingFactors:
     adds what that leaves out: engines computing side by side on one node slow each other down, and the
     worker's loop and the token feed take their share (`decode`, a factor on a step's decode rows, and
     `decode_step_s`, seconds each step with decode rows takes beyond that at any batch; `prefill`, a
-    factor on its prompt tokens), and the router, its hops to the workers and the HTTP server put a
-    latency between the engine and the client (`latency_s`, added to when each request's first and last
-    token arrive; it holds no worker up). KV transfers stay as calibrated. The placement policy still
+    factor on its prompt tokens; `prefill_beside`, what a prefill worker's step takes while a decode
+    worker computes, over its time alone, in place of the cost model's `prefill_beside_decode`: start-up
+    times the two engines beside each other with nothing else running, serving streams the decode
+    worker's tokens through the router on the same cores), and the router, its hops to the workers and
+    the HTTP server put a latency between the engine and the client (`latency_s`, added to when each
+    request's first and last token arrive; it holds no worker up). KV transfers stay as calibrated. The placement policy still
     prices with the plain cost model, as the server's does (its `Correction` learns the rest in both).
     `pdserve plan --validate` measures them (`Comparison.measured_factors`: from the workers' served steps
     over the cost model's, `planner.validate.ServedSteps`, and measured minus simulated TTFT p50);
     `--factors` applies them.
 
     Args: prefill, decode: finite numbers > 0. decode_step_s, latency_s: seconds, finite, >= 0.
+        prefill_beside: a finite number >= 1, or 0: the cost model's.
     """
 
     prefill: float = 1.0
     decode: float = 1.0
     latency_s: float = 0.0
     decode_step_s: float = 0.0
+    prefill_beside: float = 0.0
 
     def __post_init__(self) -> None:
+        beside = self.prefill_beside
+        if not (isinstance(beside, (int, float)) and math.isfinite(beside) and (beside == 0 or beside >= 1)):
+            raise ValueError(f"serving factor prefill_beside must be 0 (the cost model's) or a finite number >= 1, "
+                             f"got {beside!r}")
         for name in ("prefill", "decode"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
@@ -174,13 +183,18 @@ class ServingFactors:
                 raise ValueError(f"serving factor {name} must be a finite number >= 0 seconds, got {value!r}")
 
     def with_overrides(self, text: str) -> ServingFactors:
-        """Args: "prefill=X,decode=Y,decode_step_s=S,latency_s=Z" (any of them). Raises: ValueError naming a
-        bad part."""
+        """Args: "prefill=X,decode=Y,decode_step_s=S,latency_s=Z,prefill_beside=B" (any of them). Raises:
+        ValueError naming a bad part."""
         return _overridden(self, text, "serving factor")
+
+    def applied(self, cost: CostModel) -> CostModel:
+        """`cost` with `prefill_beside` in place of its `prefill_beside_decode` (`cost` itself where it is 0)."""
+        return replace(cost, prefill_beside_decode=self.prefill_beside) if self.prefill_beside else cost
 
     def describe(self) -> str:
         return (f"prefill={self.prefill:.3g},decode={self.decode:.3g},decode_step_s={self.decode_step_s:.3g},"
-                f"latency_s={self.latency_s:.3g}")
+                f"latency_s={self.latency_s:.3g}" + (f",prefill_beside={self.prefill_beside:.3g}"
+                                                     if self.prefill_beside else ""))
 
 
 AS_CALIBRATED = ServingFactors()  # served steps take the cost model's times

@@ -32,8 +32,9 @@ prompt chunk costs the same wherever it sits in its prompt):
   decoding rows add to one chunk's step (`local_prefill_wall_s(1, B) - local_prefill_s(1)` = decode_ride
   x `step_s(B)`) and what their context adds (`decode_s(B, C) - step_s(B)`).
 A prefill worker's step that starts while a decode worker computes takes `prefill_beside_decode` times
-longer, and a decode worker's decode-only step that starts while a prefill worker computes
-`decode_beside_prefill` times (measured at start-up; 1 where they do not share a node's memory).
+longer (`ServingFactors.prefill_beside` where given), and a decode worker's decode-only step that starts
+while a prefill worker computes `decode_beside_prefill` times (measured at start-up; 1 where they do not
+share a node's memory).
 Every step pays the fits' fixed cost, so a prompt prefilled in k chunks pays it k times. With
 `ServingFactors` (what serving adds to the engine's calibrated times, measured by `--validate`), a
 step's prompt tokens take `prefill` times those times and its decode rows `decode` times theirs, a step
@@ -321,6 +322,7 @@ class Simulator:
         if router.flip_roles:
             raise ValueError("flip_roles is not simulated: plan with flip_roles off")
         self.trace, self.cost, self.layout, self.router, self.factors = trace, cost, layout, router, factors
+        self._served_cost = factors.applied(cost)  # what steps take when served; the policy prices with `cost`
         self.worker, self.prefill_worker = worker, prefill_worker or worker
         self.book = PoolBook([PrefillSlot(f"prefill-{i}") for i in range(layout.prefill)],
                              [DecodeSlot(f"decode-{i}", worker.num_blocks, worker.block_size, worker.max_num_seqs)
@@ -487,7 +489,7 @@ class Simulator:
 
     def _duration(self, w: _Worker, batch: Batch, beside: bool) -> float:
         """A step's seconds (see the module docstring); `beside`: a worker of the other pool computes."""
-        cost, f, n, b = self.cost, self.factors, batch.num_prefill_tokens, len(batch.decode)
+        cost, f, n, b = self._served_cost, self.factors, batch.num_prefill_tokens, len(batch.decode)
         if w.pool == "prefill":
             return cost.prefill_s(n) * f.prefill * cost.beside("prefill", float(beside))
         if not b:

@@ -17,6 +17,7 @@ import json
 import time
 import urllib.request
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from loadtest.clients import make_client
@@ -92,6 +93,10 @@ def _grown(before: dict[str, float], after: dict[str, float]) -> dict[str, float
     return {k: v - before.get(k, 0.0) for k, v in after.items()}
 
 
+MIN_BESIDE_SHARE = 0.2  # of a run's prefill steps beside decode, to measure what that costs (`ServedSteps`)
+MIN_LOCAL_STEPS = 4  # decode workers' prompt steps, to measure their own `prefill` factor beside it
+
+
 @dataclass(frozen=True)
 class ServedSteps:
     """The workers' engine steps during a run (what `pdserve_engine_*` grew by), beside the cost model.
@@ -99,7 +104,9 @@ class ServedSteps:
     engine and what the cost model gives for that batch and context (`CostModel.decode_s`), and the engine
     loop's seconds per step beyond the steps themselves (scheduling, outputs, the feed, commands). Steps that computed prompt chunks, on
     either pool: how many, their seconds in all and the cost model's for the same steps (`prefill_s` of
-    each pool's mean chunk on a prefill worker, `local_prefill_s` on a decode worker)."""
+    each pool's mean chunk on a prefill worker, `local_prefill_s` on a decode worker); and each pool's
+    apart: the decode workers' prompt steps (`local_*`), the prefill workers' with the cost model's time
+    for them alone (`remote_*`) and the share of them the simulation ran beside a decode worker's."""
 
     decode_steps: int
     mean_batch: float
@@ -110,6 +117,12 @@ class ServedSteps:
     prefill_s: float = 0.0
     model_prefill_s: float = 0.0
     mean_context: float = 0.0  # tokens of context a decode-only step's rows held in all
+    local_prefill_steps: int = 0
+    local_prefill_s: float = 0.0
+    model_local_prefill_s: float = 0.0
+    remote_prefill_s: float = 0.0
+    model_remote_alone_s: float = 0.0
+    remote_beside_share: float = 0.0
 
     @staticmethod
     def of(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]], cost: CostModel,
@@ -127,17 +140,23 @@ class ServedSteps:
         seconds = grew.get("step_seconds:decode", 0.0)
         between = grew.get("busy_seconds", 0.0) - seconds - grew.get("step_seconds:prefill", 0.0)
         remote = _grown(before.get("prefill", {}), after.get("prefill", {}))
-        prefill_steps, prefill_s, model_prefill_s = 0, 0.0, 0.0
-        remote_beside = cost.beside("prefill", beside[0])
-        for totals, time_of in ((grew, cost.local_prefill_s), (remote, lambda n: cost.prefill_s(n) * remote_beside)):
+
+        def prompt_steps(totals: dict[str, float], time_of: Callable[[float], float]) -> tuple[int, float, float]:
+            """Steps with prompt tokens, their seconds, the cost model's for them (`time_of` a mean chunk's:
+            the fits are linear in tokens, so n steps of the mean chunk cost what the steps cost)."""
             n = int(totals.get("steps:prefill", 0))
-            if n > 0:  # the fits are linear in tokens: n steps of the mean chunk cost what the steps cost
-                prefill_steps += n
-                prefill_s += totals.get("step_seconds:prefill", 0.0)
-                model_prefill_s += n * time_of(totals.get("step_tokens:prompt", 0.0) / n)
+            if n <= 0:
+                return 0, 0.0, 0.0
+            return n, totals.get("step_seconds:prefill", 0.0), n * time_of(totals.get("step_tokens:prompt", 0.0) / n)
+        local = prompt_steps(grew, cost.local_prefill_s)
+        n_remote, remote_s, remote_alone_s = prompt_steps(remote, cost.prefill_s)
+        model_prefill_s = local[2] + remote_alone_s * cost.beside("prefill", beside[0])
         model_step_s = cost.decode_s(batch, context) * cost.beside("decode", beside[1])
-        return ServedSteps(steps, batch, seconds / steps, model_step_s, prefill_steps,
-                           max(0.0, between) / (steps + local_steps), prefill_s, model_prefill_s, context)
+        return ServedSteps(steps, batch, seconds / steps, model_step_s, local[0] + n_remote,
+                           max(0.0, between) / (steps + local_steps), local[1] + remote_s, model_prefill_s, context,
+                           local_prefill_steps=local[0], local_prefill_s=local[1], model_local_prefill_s=local[2],
+                           remote_prefill_s=remote_s, model_remote_alone_s=remote_alone_s,
+                           remote_beside_share=beside[0] if n_remote else 0.0)
 
     @property
     def factor(self) -> float:
@@ -155,19 +174,39 @@ class ServedSteps:
         `prefill` of this run (None without prompt steps)."""
         return self.prefill_s / self.model_prefill_s if self.model_prefill_s > 0 else None
 
+    def prefill_factors(self, base: ServingFactors) -> tuple[float, float]:
+        """(`prefill`, `prefill_beside`) of this run. Where at least `MIN_BESIDE_SHARE` of the prefill workers'
+        steps ran beside a decode worker's: `prefill` from the decode workers' prompt steps (`base`'s with
+        fewer than `MIN_LOCAL_STEPS`), and `prefill_beside` what the prefill workers' steps took beyond that,
+        all of it put on the share beside (start-up times each engine alone, and beside the other with
+        nothing else running: served, with the router streaming the decode worker's tokens on the same
+        cores, a 128-token prompt's steps took 1.2-1.4x their time alone, not 1.0-1.1x). Otherwise
+        `prefill` from every prompt step, and `base`'s `prefill_beside`."""
+        if self.remote_beside_share < MIN_BESIDE_SHARE or self.model_remote_alone_s <= 0:
+            return self.prefill_factor or base.prefill, base.prefill_beside
+        prefill = (self.local_prefill_s / self.model_local_prefill_s if self.local_prefill_steps >= MIN_LOCAL_STEPS
+                   else base.prefill)
+        over = self.remote_prefill_s / (self.model_remote_alone_s * prefill)
+        return prefill, max(1.0, 1 + (over - 1) / self.remote_beside_share)
+
     def factors(self, base: ServingFactors) -> ServingFactors:
-        """`base` with this run's decode steps (and `prefill`, where prompts were computed). What a served
-        decode step adds is a time per step (`decode_step_s`, with `decode` 1): on a 2-core AVX2 machine it
-        stayed at 18-23 ms across loads of mean batch 1.0-3.7, where a factor on the step spread over
-        1.30-1.52. Served steps faster than the cost model's take a factor below 1 instead."""
-        prefill = self.prefill_factor or base.prefill
+        """`base` with this run's decode steps (and `prefill` and `prefill_beside`, where prompts were computed,
+        `prefill_factors`). What a served decode step adds is a time per step (`decode_step_s`, with `decode`
+        1): on a 2-core AVX2 machine it stayed at 18-23 ms across loads of mean batch 1.0-3.7, where a factor
+        on the step spread over 1.30-1.52. Served steps faster than the cost model's take a factor below 1
+        instead."""
+        prefill, beside = self.prefill_factors(base)
+        base = replace(base, prefill=prefill, prefill_beside=beside)
         if self.extra_step_s >= 0:
-            return replace(base, decode=1.0, decode_step_s=self.extra_step_s, prefill=prefill)
-        return replace(base, decode=self.factor, decode_step_s=0.0, prefill=prefill)
+            return replace(base, decode=1.0, decode_step_s=self.extra_step_s)
+        return replace(base, decode=self.factor, decode_step_s=0.0)
 
     def describe(self) -> str:
         prompt = (f"; {self.prefill_steps} steps with prompt chunks, {self.prefill_s:.1f} s (cost model "
                   f"{self.model_prefill_s:.1f} s: x{self.prefill_factor:.2f})" if self.prefill_factor else "")
+        if self.model_remote_alone_s > 0:
+            prompt += (f"; the prefill workers' x{self.remote_prefill_s / self.model_remote_alone_s:.2f} their time "
+                       f"alone, {self.remote_beside_share:.0%} of them simulated beside a decode worker")
         return (f"served steps: {self.decode_steps} decode-only at mean batch {self.mean_batch:.1f} and context "
                 f"{self.mean_context / max(self.mean_batch, 1e-9):.0f} tokens a row, "
                 f"{self.step_s * 1e3:.1f} ms each in the engine and {self.between_steps_s * 1e3:.1f} ms between "

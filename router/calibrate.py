@@ -2,12 +2,14 @@
 
 1. Prefill time by prompt length on a prefill worker, and on a decode worker (local prefill).
 2. Decode step time by batch size on a decode worker, what a longer context adds to a decode step,
-   and what a decode batch adds to a step that prefills a chunk beside it. The prefill worker's
-   probes run while the decode worker's do (each worker computes on its own cores, as when serving).
+   and what a decode batch adds to a step that prefills a chunk beside it. Each worker's probes run
+   while the other is idle: steps 1 and 2 time each worker alone, step 4 what they do to each other
+   (a prefill worker's fit timed beside the decode worker's probes priced prompts 15-22% above their
+   time alone, and a cost model that multiplied them by step 4's factor as well priced that twice).
 3. KV transfer time by size between a prefill and a decode worker, over the configured backend.
 4. What each of the two computes slower while the other computes too (they share a node's memory
    bandwidth and caches; on separate devices, nothing): decode steps during prompts, prompts during
-   decode steps.
+   decode steps, the decode batch holding the long context of step 2, as served sequences do.
 5. The extra round trips of the remote path (actor call latency).
 Each probe runs on an idle worker and leaves every block free. The first call of each kind is
 a warm-up and is not counted. Each measurement reports its start (`engine.progress.Steps`: i of n,
@@ -87,22 +89,27 @@ async def _context_s(worker: ray.actor.ActorHandle, steps: dict[int, float], con
 
 
 async def _neighbours(prefill: ray.actor.ActorHandle, decode: ray.actor.ActorHandle, steps: dict[int, float],
-                      context: int, length: int, max_model_len: int) -> tuple[float, float]:
+                      context: int, length: int, max_model_len: int, pool_tokens: int) -> tuple[float, float]:
     """What a decode worker's steps and a prefill worker's prompts take while the other computes, over
-    what they take alone (each >= 1). Two prompts of `length` tokens on the prefill worker alone; decode
-    steps (a batch of 4, or the largest measured below it, timed alone before) inside two such prompts;
-    then two prompts inside a run of decode steps that outlasts them."""
-    batch = max(b for b in steps if b <= 4)
+    what they take alone (each >= 1). Two prompts of `length` tokens on the prefill worker alone, and
+    decode steps (a batch of 4, or the largest measured below it whose KV fits half the pool) of
+    sequences holding `context` tokens alone; those steps inside two such prompts; then two prompts
+    inside a run of those steps that outlasts them. The decode probes draw the same prompts each time:
+    after the first, the prefix cache holds them and each starts stepping at once, beside the prompts
+    (with new prompts each, the decode worker spent the first prompts' time prefilling its own)."""
+    batch = max((b for b in steps if b <= 4 and b * context <= pool_tokens // 2), default=min(steps))
     alone = await prefill.profile_prefill.remote([length] * 2)  # each probe draws prompts of its own
-    prompt_s, step_s = statistics.median(alone), steps[batch]
+    (step_s,) = await decode.profile_decode.remote([batch], context, 4, True)
+    prompt_s = statistics.median(alone)
     room = max_model_len - context - 4  # a decode sequence's steps end before its context fills the model
 
     def run(seconds: float) -> int:
         return max(4, min(room, int(seconds / step_s)))
     _, (beside_prompts,) = await asyncio.gather(prefill.profile_prefill.remote([length] * 2),
-                                                decode.profile_decode.remote([batch], context, run(1.2 * prompt_s)))
+                                                decode.profile_decode.remote([batch], context, run(1.2 * prompt_s),
+                                                                             True))
     prompts, _ = await asyncio.gather(prefill.profile_prefill.remote([length] * 2),
-                                      decode.profile_decode.remote([batch], context, run(2.6 * prompt_s) + 8))
+                                      decode.profile_decode.remote([batch], context, run(2.6 * prompt_s) + 8, True))
     return max(1.0, beside_prompts / step_s), max(1.0, statistics.median(prompts) / prompt_s)
 
 
@@ -150,13 +157,17 @@ async def calibrate(pools: Pools, info: WorkerInfo, report: Callable[[str], None
         progress.step(f"prefill on the prefill worker: {sizes}")
         return await _prefill_fit(pools.prefill[0], lengths)
 
-    if pools.prefill:  # the two workers' own probes at once, then the transfer between them
-        (local, steps, ride, rtt, per_context), prefill = await asyncio.gather(decode_side(), prefill_side())
+    if pools.prefill:  # each worker's own probes alone, then the transfer between them
+        local, steps, ride, rtt, per_context = await decode_side()
+        prefill = await prefill_side()
         progress.step(f"KV transfer at {len(lengths)} sizes")
         transfer = await _transfer_fit(pools.prefill[0], decode, pools, info, lengths)
         chunk = min(info.prefill_chunk_tokens, lengths[-1])  # the prompt steps a loaded prefill worker runs
-        progress.step(f"decode steps during prompts of {chunk} tokens on the prefill worker, and back")
-        beside = await _neighbours(pools.prefill[0], decode, dict(steps), context, chunk, info.max_model_len)
+        long = lengths[-1]  # the context of the decode steps beside the prompts
+        progress.step(f"decode steps at {long} tokens of context during prompts of {chunk} tokens on the "
+                      "prefill worker, and back")
+        beside = await _neighbours(pools.prefill[0], decode, dict(steps), long, chunk, info.max_model_len,
+                                   info.num_blocks * info.block_size)
     else:
         local, steps, ride, rtt, per_context = await decode_side()
         prefill, transfer, beside = local, LinearFit(0.0, 0.0), (1.0, 1.0)

@@ -336,6 +336,19 @@ def test_a_validation_sets_the_workers_served_steps_beside_the_cost_model():
     stretched = ServedSteps.of(before, after, crowded, beside=(0.5, 0.2))
     assert stretched.model_step_s == pytest.approx(COST.step_s(8) * 1.1)
     assert stretched.model_prefill_s == pytest.approx(10 * COST.prefill_s(200) * 1.5)
+    # half of p0's steps beside: `prefill` stays the base's (no decode worker's prompt steps), and what p0's
+    # steps took beyond their time alone is put on that half
+    over = 6.0 / (10 * COST.prefill_s(200))
+    assert stretched.prefill_factors(ServingFactors()) == pytest.approx((1.0, 1 + (over - 1) / 0.5))
+    assert stretched.factors(ServingFactors()).prefill_beside == pytest.approx(1 + (over - 1) / 0.5)
+    rare = ServedSteps.of(before, after, crowded, beside=(0.1, 0.0))  # too few beside to tell: one factor for all
+    assert rare.prefill_factors(ServingFactors(prefill_beside=1.3)) == pytest.approx((6.0 / rare.model_prefill_s, 1.3))
+    # with enough prompt steps on the decode workers, their factor is `prefill`, and p0's beside it
+    both = ServedSteps(10, 1.0, 0.05, 0.04, 8, 0.0, local_prefill_steps=4, local_prefill_s=1.2, model_local_prefill_s=1.0,
+                       remote_prefill_s=3.0, model_remote_alone_s=2.0, remote_beside_share=0.5)
+    assert both.prefill_factors(ServingFactors()) == pytest.approx((1.2, 1 + (3.0 / 2.4 - 1) / 0.5))
+    quick = replace(both, remote_prefill_s=2.0)  # p0 faster than the decode workers' factor: nothing beside
+    assert quick.prefill_factors(ServingFactors())[1] == 1.0
 
 
 def test_a_validation_with_served_steps_fits_its_factors_from_them_and_simulates_with_them():

@@ -92,6 +92,10 @@ def test_a_worker_steps_slower_while_the_other_pool_computes():
     assert b.ttft_s == pytest.approx(0.305 - 0.125)
     alone = run(trace((0.0, 100, 3), (0.125, 100, 2)), Layout(1, 1), "always_remote").outcomes
     assert alone[0].e2e_s == pytest.approx(0.14) and alone[1].ttft_s == pytest.approx(0.25 - 0.125)
+    # the serving factor in place of the cost model's: b's prompt beside D 1.5x again, its first token at 0.305
+    served = simulate(trace((0.0, 100, 3), (0.125, 100, 2)), replace(cost, prefill_beside_decode=1.1), Layout(1, 1),
+                      WORKER, RouterConfig(policy="always_remote"), factors=ServingFactors(prefill_beside=1.5))
+    assert served.outcomes[1].ttft_s == pytest.approx(0.305 - 0.125)
 
 
 def test_serving_factors_stretch_each_phase_of_the_hand_schedule():
@@ -123,7 +127,11 @@ def test_serving_factors_are_checked_and_read_from_overrides():
     assert AS_CALIBRATED.with_overrides("decode=1.25") == ServingFactors(1.0, 1.25)
     assert AS_CALIBRATED.with_overrides("decode_step_s=0.02").decode_step_s == 0.02
     assert AS_CALIBRATED.with_overrides("") == AS_CALIBRATED
+    beside = AS_CALIBRATED.with_overrides("prefill_beside=1.3")
+    assert beside.applied(COST).prefill_beside_decode == 1.3 and AS_CALIBRATED.applied(COST) is COST
+    assert "prefill_beside=1.3" in beside.describe() and "prefill_beside" not in AS_CALIBRATED.describe()
     for bad, why in (("decode=0", "decode must be a finite number > 0"), ("speed=2", "NAME one of"),
+                     ("prefill_beside=0.9", "prefill_beside must be 0 .the cost model's. or a finite number >= 1"),
                      ("latency_s=-1", "latency_s must be a finite number >= 0"),
                      ("decode_step_s=nan", "decode_step_s must be a finite number >= 0"),
                      ("prefill=x", "is not a number"), ("prefill", "use NAME=VALUE")):

@@ -68,8 +68,11 @@ def _pools(prefill: bool) -> SimpleNamespace:
         beside = lengths == [256, 256] and probes.count([256, 256]) == 3
         return [(1e-3 + 1e-5 * n) * (1.2 if beside else 1.0) for n in lengths]
 
-    def steps_s(batches, ctx, steps=4):  # one batch at 64 tokens: the probe beside the prefill worker's prompts
-        return [(0.01 + 1e-3 * b + 1e-6 * b * ctx) * (1.1 if (len(batches), ctx) == (1, 64) else 1.0) for b in batches]
+    def steps_s(batches, ctx, steps=4, repeat=False):  # the repeated prompts after the first: beside the prompts
+        assert not repeat or ctx == 512, "the decode steps beside the prompts hold the long context"
+        probes.append(repeat)
+        beside = repeat and probes.count(True) > 1
+        return [(0.01 + 1e-3 * b + 1e-6 * b * ctx) * (1.1 if beside else 1.0) for b in batches]
     decode = _Actor(profile_prefill=lengths_s, profile_decode=steps_s, profile_context=lambda _b, _s, _l: 1e-6,
                     profile_mixed=lambda _b, _ctx, chunk: (0.02, chunk), load=lambda: LoadReport(8, 8),
                     reserve=lambda *a, **kw: 0, transfer_state=lambda _rid: TransferState.DONE,
