@@ -4,7 +4,8 @@ from each layout's light run: a factor on the decode rows (`decode`) and a time 
 `--validate` fits them; then each workload's TTFT p50, TPOT p50 and goodput against what it measured.
 
 Usage (from the repository): .venv/bin/python bench/replan_saved.py RESULTS_DIR LAYOUT... \\
-    [--ttft 1.2 --tpot 0.06 --calib-rate 0.5 --decode-rate 1.0 --prompt-rate 0.6 --prompt-requests 40]
+    [--ttft 1.2 --tpot 0.06 --calib-rate 0.5 --decode-rate 1.0 --prompt-rate 0.6 --prompt-requests 40
+     --calib-trace fixed:256:64]
 (the environment `bench/validate_planner.sh` ran with; RESULTS_DIR holds mixed.jsonl and LAYOUT/).
 Writes RESULTS_DIR/replan-<layouts>.txt."""
 from __future__ import annotations
@@ -38,11 +39,11 @@ def main() -> None:
     ap.add_argument("dir", type=Path)
     ap.add_argument("layouts", nargs="+")
     for name, default in (("ttft", 1.2), ("tpot", 0.06), ("calib-rate", 0.5), ("decode-rate", 1.0),
-                          ("prompt-rate", 0.6), ("prompt-requests", 40)):
+                          ("prompt-rate", 0.6), ("prompt-requests", 40), ("calib-trace", "fixed:256:64")):
         ap.add_argument(f"--{name}", type=type(default), default=default)
     args = ap.parse_args()
     slo = Slo(args.ttft, args.tpot)
-    traces = {"calib": load_trace("fixed:256:64", num_requests=16, rate=args.calib_rate, seed=5),
+    traces = {"calib": load_trace(args.calib_trace, num_requests=16, rate=args.calib_rate, seed=5),
               "decode": load_trace("fixed:128:128", num_requests=40, rate=args.decode_rate, seed=0),
               "prompt": load_trace("fixed:1024:16", num_requests=args.prompt_requests, rate=args.prompt_rate, seed=0),
               "mixed": load_trace(str(args.dir / "mixed.jsonl"))}

@@ -3,7 +3,9 @@
 # with those flags, measure its serving factors on a light run, then `pdserve plan --validate` three workloads
 # (decode-heavy, prompt-heavy, RESULTS_DIR/mixed.jsonl) with them; every result into RESULTS_DIR/LABEL.
 # Scaled to the machine through the environment: TTFT, TPOT (the SLO, s), CALIB_RATE, DECODE_RATE,
-# PROMPT_RATE (req/s), PROMPT_REQUESTS; WORKLOADS (default "decode prompt mixed") to run fewer.
+# PROMPT_RATE (req/s), PROMPT_REQUESTS; WORKLOADS (default "decode prompt mixed") to run fewer; CALIB_TRACE
+# (default fixed:256:128: at 0.5 req/s most of its prompts are prefilled while the decode worker decodes, so
+# the light run measures what that costs, `ServingFactors.prefill_beside`; fixed:256:64 was the old one).
 set -u
 cd "$(dirname "$0")/.."  # the repository
 DIR=$1; L=$2; shift 2
@@ -18,7 +20,7 @@ P=".venv/bin/python -m pdserve plan --validate http://127.0.0.1:8011 $SLO"
 # what a later simulation of the same runs needs.
 get() { .venv/bin/python -c "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen('http://127.0.0.1:8011$1').read().decode())"; }
 get /pdserve/cost_model > "$OUT/cost_model.json"
-$P --trace fixed:256:64 --rate "${CALIB_RATE:-0.5}" --num-requests 16 --seed 5 --out "$OUT/calib.json" > "$OUT/calib.txt" 2>&1; get /metrics > "$OUT/calib.metrics"
+$P --trace "${CALIB_TRACE:-fixed:256:128}" --rate "${CALIB_RATE:-0.5}" --num-requests 16 --seed 5 --out "$OUT/calib.json" > "$OUT/calib.txt" 2>&1; get /metrics > "$OUT/calib.metrics"
 F=$(.venv/bin/python -c "import json; f=json.load(open('$OUT/calib.json'))['measured_factors']; print(','.join(f'{k}={v:.4g}' for k, v in f.items()))")
 echo "factors $F" > "$OUT/factors.txt"
 workload() {  # NAME [plan flags...]: one workload validated with the light run's factors, if WORKLOADS names it
