@@ -89,8 +89,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     prof.add_argument("--efficiency", default="", help="override the roofline's efficiency factors, e.g. "
                       "compute=0.5,memory=0.8 (fields: " + ", ".join(vars(DEFAULT_EFFICIENCY["gpu"])) + ")")
     prof.add_argument("--factors", default="", help="serving factors: how much longer than the cost model's "
-                      "times served steps take, e.g. prefill=1.1,decode_step_s=0.02 (what --validate measured; "
-                      "default: as calibrated)")
+                      "times served steps take, e.g. prefill=1.1,decode_step_s=0.02,prefill_beside=1.3 (what "
+                      "--validate measured; default: as calibrated)")
     sw = p.add_argument_group("sweep")
     sw.add_argument("--budget", type=int, default=None, help="workers (devices) in all: every P:D split of them "
                     "(default: 4 unless --layouts)")
