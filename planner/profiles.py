@@ -152,8 +152,9 @@ class ServingFactors:
     times the two engines beside each other with nothing else running, serving streams the decode
     worker's tokens through the router on the same cores), and the router, its hops to the workers and
     the HTTP server put a latency between the engine and the client (`latency_s`, added to when each
-    request's first and last token arrive; it holds no worker up). KV transfers stay as calibrated. The placement policy still
-    prices with the plain cost model, as the server's does (its `Correction` learns the rest in both).
+    request's first and last token arrive; it holds no worker up). KV transfers stay as calibrated. The
+    placement policy still prices with the plain cost model, as the server's does (its `Correction`
+    learns the rest in both).
     `pdserve plan --validate` measures them (`Comparison.measured_factors`: from the workers' served steps
     over the cost model's, `planner.validate.ServedSteps`, and measured minus simulated TTFT p50);
     `--factors` applies them.

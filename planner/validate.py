@@ -148,13 +148,13 @@ class ServedSteps:
             if n <= 0:
                 return 0, 0.0, 0.0
             return n, totals.get("step_seconds:prefill", 0.0), n * time_of(totals.get("step_tokens:prompt", 0.0) / n)
-        local = prompt_steps(grew, cost.local_prefill_s)
+        n_local, local_s, model_local_s = prompt_steps(grew, cost.local_prefill_s)
         n_remote, remote_s, remote_alone_s = prompt_steps(remote, cost.prefill_s)
-        model_prefill_s = local[2] + remote_alone_s * cost.beside("prefill", beside[0])
+        model_prefill_s = model_local_s + remote_alone_s * cost.beside("prefill", beside[0])
         model_step_s = cost.decode_s(batch, context) * cost.beside("decode", beside[1])
-        return ServedSteps(steps, batch, seconds / steps, model_step_s, local[0] + n_remote,
-                           max(0.0, between) / (steps + local_steps), local[1] + remote_s, model_prefill_s, context,
-                           local_prefill_steps=local[0], local_prefill_s=local[1], model_local_prefill_s=local[2],
+        return ServedSteps(steps, batch, seconds / steps, model_step_s, n_local + n_remote,
+                           max(0.0, between) / (steps + local_steps), local_s + remote_s, model_prefill_s, context,
+                           local_prefill_steps=n_local, local_prefill_s=local_s, model_local_prefill_s=model_local_s,
                            remote_prefill_s=remote_s, model_remote_alone_s=remote_alone_s,
                            remote_beside_share=beside[0] if n_remote else 0.0)
 
@@ -180,7 +180,7 @@ class ServedSteps:
         fewer than `MIN_LOCAL_STEPS`), and `prefill_beside` what the prefill workers' steps took beyond that,
         all of it put on the share beside (start-up times each engine alone, and beside the other with
         nothing else running: served, with the router streaming the decode worker's tokens on the same
-        cores, a 128-token prompt's steps took 1.2-1.4x their time alone, not 1.0-1.1x). Otherwise
+        cores, a 128-token prompt's steps took 1.2-1.5x their time alone, not 1.0-1.1x). Otherwise
         `prefill` from every prompt step, and `base`'s `prefill_beside`."""
         if self.remote_beside_share < MIN_BESIDE_SHARE or self.model_remote_alone_s <= 0:
             return self.prefill_factor or base.prefill, base.prefill_beside
