@@ -6,6 +6,8 @@
 3. Calibrate the cost model on them (prefill, decode step, transfer, round trip).
 4. Serve the OpenAI-compatible HTTP API and the gRPC API from one event loop.
 5. On a signal: stop accepting, cancel in-flight streams (their blocks are freed), stop the actors.
+   The handlers are installed right after step 1 (Ray's start takes SIGINT over from Python's own
+   handler, so a Ctrl-C before them was lost): a signal during steps 2-3 ends the start-up there.
 """
 from __future__ import annotations
 
@@ -17,8 +19,9 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from engine import EngineConfig
 from kv_transfer import TransferConfig
@@ -189,6 +192,37 @@ def _start_pools(cfg: ServeConfig):
     return pools, infos[:n], infos[n:], transfer, kept
 
 
+_T = TypeVar("_T")
+
+
+class _Stopped(Exception):
+    """A signal arrived while the server was starting."""
+
+
+def _stop_on_signals(stop: asyncio.Event) -> None:
+    """SIGINT and SIGTERM set `stop` (the event loop's handlers; none outside the main thread, as in tests)."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread (tests)
+            pass
+
+
+async def _unless_stopped(stop: asyncio.Event, work: Awaitable[_T]) -> _T:
+    """`work`'s result, unless `stop` is set first: then `work` is cancelled and `_Stopped` raised (work in a
+    thread goes on until the teardown ends what it waits on)."""
+    task, halt = asyncio.ensure_future(work), asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait([task, halt], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        halt.cancel()
+    if not task.done():
+        task.cancel()
+        raise _Stopped
+    return task.result()
+
+
 async def serve(cfg: ServeConfig, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None) -> None:
     """Run pdserve until `stop` is set or a SIGINT / SIGTERM arrives. Sets `ready` once serving."""
     import ray
@@ -211,13 +245,15 @@ async def serve(cfg: ServeConfig, ready: asyncio.Event | None = None, stop: asyn
         use_chat_template(tokenizer, cfg.engine.chat_template)
         cfg = replace(cfg, engine=replace(cfg.engine, chat_template=None))  # workers take token ids: the router's
     _connect(cfg)
+    stop = stop or asyncio.Event()
+    _stop_on_signals(stop)
     if cfg.address is None and cfg.transfer.host is None:  # a local cluster: KV moves over loopback only
         cfg = replace(cfg, transfer=replace(cfg.transfer, host="127.0.0.1"))
     pools = None
     try:
         t0 = time.perf_counter()
-        pools, p_infos, d_infos, transfer, kept = await asyncio.get_running_loop().run_in_executor(
-            None, _start_pools, cfg)
+        pools, p_infos, d_infos, transfer, kept = await _unless_stopped(
+            stop, asyncio.get_running_loop().run_in_executor(None, _start_pools, cfg))
         up = (f"[pdserve] {len(pools.prefill)} prefill + {len(pools.decode)} decode workers up in "
               f"{time.perf_counter() - t0:.1f} s")
         if isinstance(kept, CostModel):
@@ -225,8 +261,8 @@ async def serve(cfg: ServeConfig, ready: asyncio.Event | None = None, stop: asyn
             print(f"{up}; the deployment's cost model kept", file=sys.stderr, flush=True)
         else:
             print(f"{up}; calibrating the cost model ...", file=sys.stderr, flush=True)
-            cost = await calibrate(pools, d_infos[0],
-                                   report=lambda line: print(f"[pdserve] {line}", file=sys.stderr, flush=True))
+            cost = await _unless_stopped(stop, calibrate(
+                pools, d_infos[0], report=lambda line: print(f"[pdserve] {line}", file=sys.stderr, flush=True)))
         if pools.deployment is not None:  # a restarted router reads it back from any of them
             await asyncio.gather(*(w.keep.remote(cost) for w in pools.prefill + pools.decode))
 
@@ -243,8 +279,8 @@ async def serve(cfg: ServeConfig, ready: asyncio.Event | None = None, stop: asyn
 
             print("[pdserve] measuring what a worker gains with the threads of the other role's worker beside it ...",
                   file=sys.stderr, flush=True)
-            lender = await asyncio.get_running_loop().run_in_executor(
-                None, ThreadLender.on_same_nodes, pools, cfg.engine.num_threads, cfg.router.load_poll_s)
+            lender = await _unless_stopped(stop, asyncio.get_running_loop().run_in_executor(
+                None, ThreadLender.on_same_nodes, pools, cfg.engine.num_threads, cfg.router.load_poll_s))
             print(f"[pdserve] lent threads: {lender.describe()}", file=sys.stderr, flush=True)
         router = Router(pools, p_infos, d_infos, tokenizer, model_dir, cfg.router, cost, respawn=respawn,
                         lender=lender)
@@ -255,13 +291,6 @@ async def serve(cfg: ServeConfig, ready: asyncio.Event | None = None, stop: asyn
         grpc_server, grpc_port = await start_grpc_server(router, cfg.host, cfg.grpc_port, api_keys=cfg.api_keys,
                                                          tls=cfg.tls)
         _announce(router, cfg, cost, http_port, grpc_port)
-        stop = stop or asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                loop.add_signal_handler(sig, stop.set)
-            except (NotImplementedError, RuntimeError):  # not the main thread (tests)
-                pass
         if ready is not None:
             ready.set()
         await stop.wait()
@@ -269,6 +298,8 @@ async def serve(cfg: ServeConfig, ready: asyncio.Event | None = None, stop: asyn
         await grpc_server.stop(grace=2.0)
         await http.cleanup()
         await router.stop_polling()
+    except _Stopped:
+        print("[pdserve] stopped while starting", file=sys.stderr, flush=True)
     finally:
         _teardown(pools, cfg.address)
 

@@ -34,7 +34,8 @@ class Server:
     log: list[str]
 
 
-def start_server(extra: list[str]) -> Server:
+def spawn_server(extra: list[str], until: str = "READY ") -> Server:
+    """`pdserve serve` with `extra` flags, once a line of its output starts with `until`."""
     http_port, grpc_port = free_port(), free_port()
     cmd = [sys.executable, "-m", "pdserve", "serve", "--dtype", "float32", "--kv-memory-gib", "0.25",
            "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--served-model-name", "smollm2",
@@ -43,20 +44,24 @@ def start_server(extra: list[str]) -> Server:
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
     log: list[str] = []
-    ready = threading.Event()
+    reached = threading.Event()
 
     def pump() -> None:
         for line in proc.stdout:
             log.append(line)
-            if line.startswith("READY "):
-                ready.set()
+            if line.startswith(until):
+                reached.set()
     threading.Thread(target=pump, daemon=True).start()
     deadline = time.monotonic() + STARTUP_S
-    while not ready.wait(0.5):
+    while not reached.wait(0.5):
         if proc.poll() is not None or time.monotonic() > deadline:
             stop_server(proc)
-            raise RuntimeError("pdserve serve did not start:\n" + "".join(log[-60:]))
+            raise RuntimeError(f"pdserve serve never printed {until!r}:\n" + "".join(log[-60:]))
     return Server(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", "smollm2", proc, log)
+
+
+def start_server(extra: list[str]) -> Server:
+    return spawn_server(extra)
 
 
 def stop_server(proc: subprocess.Popen, timeout_s: float = 60, log: list[str] | None = None) -> int:
