@@ -104,7 +104,8 @@ class ServedSteps:
     engine and what the cost model gives for that batch and context (`CostModel.decode_s`), and the engine
     loop's seconds per step beyond the steps themselves (scheduling, outputs, the feed, commands). Steps that computed prompt chunks, on
     either pool: how many, their seconds in all and the cost model's for the same steps (`prefill_s` of
-    each pool's mean chunk on a prefill worker, `local_prefill_s` on a decode worker); and each pool's
+    each pool's mean chunk on a prefill worker, `local_prefill_s` on a decode worker, plus the ride of the
+    decode rows beside a decode worker's chunks: the simulator's price for such steps); and each pool's
     apart: the decode workers' prompt steps (`local_*`), the prefill workers' with the cost model's time
     for them alone (`remote_*`) and the share of them the simulation ran beside a decode worker's."""
 
@@ -119,7 +120,8 @@ class ServedSteps:
     mean_context: float = 0.0  # tokens of context a decode-only step's rows held in all
     local_prefill_steps: int = 0
     local_prefill_s: float = 0.0
-    model_local_prefill_s: float = 0.0
+    model_local_prefill_s: float = 0.0  # their prompt tokens and the ride of the decode rows beside them
+    local_mixed_steps: int = 0  # of them, the steps that carried decode rows too
     remote_prefill_s: float = 0.0
     model_remote_alone_s: float = 0.0
     remote_beside_share: float = 0.0
@@ -149,13 +151,16 @@ class ServedSteps:
                 return 0, 0.0, 0.0
             return n, totals.get("step_seconds:prefill", 0.0), n * time_of(totals.get("step_tokens:prompt", 0.0) / n)
         n_local, local_s, model_local_s = prompt_steps(grew, cost.local_prefill_s)
+        n_mixed = int(grew.get("steps:mixed", 0))
+        if n_mixed > 0:  # what the decode rows beside their prompt chunks add (`decode_ride`; the simulator's)
+            model_local_s += n_mixed * cost.step_s(grew.get("step_tokens:ride", 0.0) / n_mixed) * cost.decode_ride
         n_remote, remote_s, remote_alone_s = prompt_steps(remote, cost.prefill_s)
         model_prefill_s = model_local_s + remote_alone_s * cost.beside("prefill", beside[0])
         model_step_s = cost.decode_s(batch, context) * cost.beside("decode", beside[1])
         return ServedSteps(steps, batch, seconds / steps, model_step_s, n_local + n_remote,
                            max(0.0, between) / (steps + local_steps), local_s + remote_s, model_prefill_s, context,
                            local_prefill_steps=n_local, local_prefill_s=local_s, model_local_prefill_s=model_local_s,
-                           remote_prefill_s=remote_s, model_remote_alone_s=remote_alone_s,
+                           local_mixed_steps=n_mixed, remote_prefill_s=remote_s, model_remote_alone_s=remote_alone_s,
                            remote_beside_share=beside[0] if n_remote else 0.0)
 
     @property
@@ -169,10 +174,17 @@ class ServedSteps:
         return self.step_s + self.between_steps_s - self.model_step_s
 
     @property
+    def _mixed_extra_s(self) -> float:
+        """What the simulator adds to the decode workers' steps with prompt chunks and decode rows beyond
+        the cost model's: `decode_step_s` each, where that is what `factors` fits."""
+        return self.local_mixed_steps * max(0.0, self.extra_step_s)
+
+    @property
     def prefill_factor(self) -> float | None:
-        """What the served prompt steps took over the cost model's time for them: the serving factor
-        `prefill` of this run (None without prompt steps)."""
-        return self.prefill_s / self.model_prefill_s if self.model_prefill_s > 0 else None
+        """What the served prompt steps took over the cost model's time for them, net of what the simulator
+        adds to the steps that carried decode rows: the serving factor `prefill` of this run (None without
+        prompt steps)."""
+        return (self.prefill_s - self._mixed_extra_s) / self.model_prefill_s if self.model_prefill_s > 0 else None
 
     def prefill_factors(self, base: ServingFactors) -> tuple[float, float]:
         """(`prefill`, `prefill_beside`) of this run. Where at least `MIN_BESIDE_SHARE` of the prefill workers'
@@ -184,8 +196,8 @@ class ServedSteps:
         `prefill` from every prompt step, and `base`'s `prefill_beside`."""
         if self.remote_beside_share < MIN_BESIDE_SHARE or self.model_remote_alone_s <= 0:
             return self.prefill_factor or base.prefill, base.prefill_beside
-        prefill = (self.local_prefill_s / self.model_local_prefill_s if self.local_prefill_steps >= MIN_LOCAL_STEPS
-                   else base.prefill)
+        prefill = ((self.local_prefill_s - self._mixed_extra_s) / self.model_local_prefill_s
+                   if self.local_prefill_steps >= MIN_LOCAL_STEPS else base.prefill)
         over = self.remote_prefill_s / (self.model_remote_alone_s * prefill)
         return prefill, max(1.0, 1 + (over - 1) / self.remote_beside_share)
 

@@ -349,6 +349,31 @@ def test_a_validation_sets_the_workers_served_steps_beside_the_cost_model():
     assert both.prefill_factors(ServingFactors()) == pytest.approx((1.2, 1 + (3.0 / 2.4 - 1) / 0.5))
     quick = replace(both, remote_prefill_s=2.0)  # p0 faster than the decode workers' factor: nothing beside
     assert quick.prefill_factors(ServingFactors())[1] == 1.0
+    # 2 of the decode workers' 4 prompt steps carried decode rows: the simulator adds `decode_step_s` to
+    # each (here 50 + 0 - 40 = 10 ms), so `prefill` is what the steps took less that
+    mixed = replace(both, step_s=0.05, model_step_s=0.04, local_mixed_steps=2, prefill_s=4.2, model_prefill_s=3.5)
+    assert mixed.prefill_factors(ServingFactors())[0] == pytest.approx((1.2 - 2 * 0.01) / 1.0)
+    assert replace(mixed, remote_beside_share=0.0).prefill_factor == pytest.approx((4.2 - 0.02) / 3.5)
+
+
+def test_served_steps_price_the_decode_rows_beside_a_decode_workers_prompt_chunks():
+    """The cost model's time for a decode worker's prompt steps includes the ride of the decode rows that
+    ran beside their chunks, as the simulator prices such a step."""
+    from planner.validate import ServedSteps, engine_totals
+
+    def page(engine: tuple, mixed: int, ride: int, prompt: int) -> dict:
+        text = ENGINE % engine + (
+            f'pdserve_engine_steps_total{{kind="mixed",pool="decode",worker="d0"}} {mixed}\n'
+            f'pdserve_engine_step_tokens_total{{kind="ride",pool="decode",worker="d0"}} {ride}\n'
+            f'pdserve_engine_step_tokens_total{{kind="prompt",pool="decode",worker="d0"}} {prompt}\n')
+        return engine_totals(text.replace('kind="prefill",pool="decode",worker="d0"} 2.0',
+                                          f'kind="prefill",pool="decode",worker="d0"}} {2 + 4 * (mixed > 0)}.0'))
+    before = page((1.0, 1.0, 2.0, 10, 4, 40, 400, 3.5), 0, 0, 0)
+    after = page((3.0, 2.0, 8.0, 60, 14, 440, 2400, 7.5), 2, 8, 400)  # 4 prompt steps, 2 of them beside 4 rows
+    ride = replace(COST, local_prefill=COST.prefill, decode_ride=0.5)
+    served = ServedSteps.of(before, after, ride, beside=(0.0, 0.0))
+    assert (served.local_prefill_steps, served.local_mixed_steps) == (4, 2)
+    assert served.model_local_prefill_s == pytest.approx(4 * ride.local_prefill_s(100) + 2 * ride.step_s(4) * 0.5)
 
 
 def test_a_validation_with_served_steps_fits_its_factors_from_them_and_simulates_with_them():
