@@ -399,7 +399,9 @@ def validate(base: str, trace: Trace, slo: Slo, max_num_seqs: int, vocab_size: i
         return simulate_server(trace, cost, before, policy, slo, max_num_seqs, with_factors)
 
     main = simulate_server_run(trace, cost, before, policy, slo, max_num_seqs, factors)
-    served = ServedSteps.of(engine_totals(metrics_before), engine_totals(metrics_after), cost, main.beside)
+    # the served steps against the prices the simulation ran with (`prefill_beside` in place of the calibrated one)
+    served = ServedSteps.of(engine_totals(metrics_before), engine_totals(metrics_after), factors.applied(cost),
+                            main.beside)
     plain = simulated(AS_CALIBRATED) if factors != AS_CALIBRATED else None
     at_served = simulated(served.factors(factors)) if served is not None else None
     return Comparison(main.summary(slo.ttft_s, slo.tpot_s), Summary.of(records, wall, slo.ttft_s, slo.tpot_s),

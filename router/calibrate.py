@@ -99,7 +99,7 @@ async def _neighbours(prefill: ray.actor.ActorHandle, decode: ray.actor.ActorHan
     (with new prompts each, the decode worker spent the first prompts' time prefilling its own)."""
     batch = max((b for b in steps if b <= 4 and b * context <= pool_tokens // 2), default=min(steps))
     alone = await prefill.profile_prefill.remote([length] * 2)  # each probe draws prompts of its own
-    (step_s,) = await decode.profile_decode.remote([batch], context, 4, True)
+    (step_s,) = await decode.profile_decode.remote([batch], context, repeat=True)
     prompt_s = statistics.median(alone)
     room = max_model_len - context - 4  # a decode sequence's steps end before its context fills the model
 
@@ -107,9 +107,10 @@ async def _neighbours(prefill: ray.actor.ActorHandle, decode: ray.actor.ActorHan
         return max(4, min(room, int(seconds / step_s)))
     _, (beside_prompts,) = await asyncio.gather(prefill.profile_prefill.remote([length] * 2),
                                                 decode.profile_decode.remote([batch], context, run(1.2 * prompt_s),
-                                                                             True))
+                                                                             repeat=True))
     prompts, _ = await asyncio.gather(prefill.profile_prefill.remote([length] * 2),
-                                      decode.profile_decode.remote([batch], context, run(2.6 * prompt_s) + 8, True))
+                                      decode.profile_decode.remote([batch], context, run(2.6 * prompt_s) + 8,
+                                                                   repeat=True))
     return max(1.0, beside_prompts / step_s), max(1.0, statistics.median(prompts) / prompt_s)
 
 
