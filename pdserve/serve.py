@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import re
@@ -19,7 +20,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, TypeVar
 
@@ -209,6 +210,20 @@ def _stop_on_signals(stop: asyncio.Event) -> None:
             pass
 
 
+def _on_own_thread(fn: Callable[..., _T], *args: object) -> Awaitable[_T]:
+    """`fn(*args)` on a daemon thread of its own. Not the loop's executor: `asyncio.run` joins that at exit,
+    and a start-up phase a signal abandoned may block in Ray for minutes after the teardown."""
+    done: concurrent.futures.Future[_T] = concurrent.futures.Future()
+
+    def work() -> None:
+        try:
+            done.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 -- handed to the awaiting coroutine
+            done.set_exception(e)
+    threading.Thread(target=work, daemon=True, name=f"pdserve-{getattr(fn, '__name__', 'start')}").start()
+    return asyncio.wrap_future(done)
+
+
 async def _unless_stopped(stop: asyncio.Event, work: Awaitable[_T]) -> _T:
     """`work`'s result, unless `stop` is set first: then `work` is cancelled and `_Stopped` raised (work in a
     thread goes on until the teardown ends what it waits on)."""
@@ -252,8 +267,7 @@ async def serve(cfg: ServeConfig, ready: asyncio.Event | None = None, stop: asyn
     pools = None
     try:
         t0 = time.perf_counter()
-        pools, p_infos, d_infos, transfer, kept = await _unless_stopped(
-            stop, asyncio.get_running_loop().run_in_executor(None, _start_pools, cfg))
+        pools, p_infos, d_infos, transfer, kept = await _unless_stopped(stop, _on_own_thread(_start_pools, cfg))
         up = (f"[pdserve] {len(pools.prefill)} prefill + {len(pools.decode)} decode workers up in "
               f"{time.perf_counter() - t0:.1f} s")
         if isinstance(kept, CostModel):
@@ -279,8 +293,8 @@ async def serve(cfg: ServeConfig, ready: asyncio.Event | None = None, stop: asyn
 
             print("[pdserve] measuring what a worker gains with the threads of the other role's worker beside it ...",
                   file=sys.stderr, flush=True)
-            lender = await _unless_stopped(stop, asyncio.get_running_loop().run_in_executor(
-                None, ThreadLender.on_same_nodes, pools, cfg.engine.num_threads, cfg.router.load_poll_s))
+            lender = await _unless_stopped(stop, _on_own_thread(
+                ThreadLender.on_same_nodes, pools, cfg.engine.num_threads, cfg.router.load_poll_s))
             print(f"[pdserve] lent threads: {lender.describe()}", file=sys.stderr, flush=True)
         router = Router(pools, p_infos, d_infos, tokenizer, model_dir, cfg.router, cost, respawn=respawn,
                         lender=lender)
@@ -300,12 +314,13 @@ async def serve(cfg: ServeConfig, ready: asyncio.Event | None = None, stop: asyn
         await router.stop_polling()
     except _Stopped:
         print("[pdserve] stopped while starting", file=sys.stderr, flush=True)
+        _stuck.set()  # the abandoned phase may still be in a Ray call: Ray's exit hooks would wait on it
     finally:
         _teardown(pools, cfg.address)
 
 
 _TEARDOWN_S = 30.0
-_stuck = threading.Event()  # teardown did not finish: `run` exits without waiting for Ray any longer
+_stuck = threading.Event()  # Ray work was left behind: `run` exits without waiting for Ray any longer
 
 
 def _teardown(pools: object | None, address: str | None = None) -> None:
