@@ -44,10 +44,9 @@ class EngineConfig:
         max_num_seqs: most sequences in one batch.
         max_num_batched_tokens: most tokens one step computes: prompt chunks plus one per decoding sequence
             (those always run).
-        prefill_chunk_tokens: most prompt tokens in all of a step that also decodes: the longest a
-            prompt holds up the running batch. A step of prompts only computes the one with the fewest
-            tokens left whole (within `max_num_batched_tokens`), and more of others only up to that
-            many tokens, or this many, in all.
+        prefill_chunk_tokens: most prompt tokens of one sequence in one step, and of all prompts in a
+            step that also decodes: the longest a prompt holds up the running batch or other prompts
+            (a prompt alone in its step goes whole, within `max_num_batched_tokens`).
         max_model_len: context limit; None means the model's own.
         num_threads: torch intra-op threads on CPU; None leaves torch's default.
         linear: how linear layers compute on CPU: "packed" (weights packed once for oneDNN,
@@ -73,8 +72,8 @@ class EngineConfig:
     max_num_batched_tokens: int = field(default=8192, metadata={
         "help": "most tokens one step computes: prompt chunks plus one per decoding sequence"})
     prefill_chunk_tokens: int = field(default=256, metadata={
-        "help": "most prompt tokens in a step that also decodes (longer prompts are prefilled in chunks next "
-        "to the running batch); without decoding sequences, the shortest prompt goes whole, the others wait"})
+        "help": "most prompt tokens of one sequence per step, and of all prompts in a step that also decodes "
+        "(longer prompts are prefilled in chunks next to the running batch or other prompts; alone, whole)"})
     max_model_len: int | None = field(default=None, metadata={"help": "context limit (default: the model's)"})
     num_threads: int | None = field(default=None, metadata={
         "flag": "--threads", "help": "torch threads per engine (default: torch's choice; serve: --cpus-per-worker)"})

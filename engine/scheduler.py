@@ -2,24 +2,22 @@
 
 A step computes, under a token budget, one token for every decoding sequence and a chunk of the
 prompt of sequences still prefilling, in one forward pass ("mixed" steps): a long prompt never
-stops the running batch for longer than one chunk. A step with no decoding sequence computes the
-prompt with the fewest tokens left whole, within the budget, and more prompts only up to that many
-tokens or a chunk's worth: a chunk would hold nobody up less, smaller products run slower (a
-2000-token prompt in 256-token chunks took 1.5x as long on an AMX CPU in bf16, 1.12x on AVX2), and
-prompts shared out in chunks all reach their first token late (two 1024-token prompts side by side
-both finish at the time of the second; one after the other, the first at half of it).
+stops the running batch for longer than one chunk, and prompts prefilled side by side each move
+every step (shortest-first, one prompt after the other, measured worse on a 1 + 1 node that lends
+threads: prompts that finish apart each take a decode worker's threads back for their decode, and
+the one computing next runs on half of them; prompt-heavy TTFT p99 1.2-1.3x, BENCHMARKS.md). A
+prompt alone in its step (nothing decodes, no other prompt waits or prefills) goes whole, within
+the budget: a chunk would hold nobody up less, and smaller products run slower (a 2000-token
+prompt in 256-token chunks took 1.5x as long on an AMX CPU in bf16, 1.12x on AVX2).
 A sequence is sampled once the KV of all its tokens is computed (after its last chunk; every
 decode step). Per step:
 1. decoding sequences (one uncomputed token) get a slot for it; when none is free, the most
    recently admitted sequence is preempted: its blocks are freed and it waits to be recomputed
    (its cached prefix blocks usually survive);
-2. with decoding sequences: those part-way through their prompt get their next chunk, then waiting
-   ones are admitted in order, while a sequence slot, blocks and the chunk's budget remain;
-   with none: prompts, part-way or waiting, go shortest first (ties in arrival order), waiting ones
-   admitted while a slot and blocks remain;
-3. either way, a waiting sequence whose next uncached prefix block another sequence is computing,
-   or is receiving from a prefill worker, waits for it (its KV is reused once there) and the next
-   ones are considered.
+2. sequences part-way through their prompt get their next chunk;
+3. waiting sequences are admitted, in order, while a sequence slot, blocks and budget remain; one
+   whose next uncached prefix block another sequence is computing, or is receiving from a prefill
+   worker, waits for it (its KV is reused once there) and the next ones are considered.
 Blocks are keyed for prefix reuse once their KV is computed, never before.
 """
 from __future__ import annotations
@@ -83,9 +81,9 @@ class Scheduler:
         max_num_seqs: most sequences running at once.
         max_num_batched_tokens: most tokens one step computes (decoding sequences always run).
         stop_check: decides after each new token whether a sequence is done.
-        prefill_chunk_tokens: most prompt tokens in all of a step while sequences decode in it (the
-            longest a prompt stalls them); without them, a step computes its shortest prompt whole and
-            more of others only up to that many tokens, or this many, in all.
+        prefill_chunk_tokens: most prompt tokens of one sequence in a step that it shares (with
+            decoding sequences or other prompts), and most prompt tokens in all of a step while
+            sequences decode in it (the longest a prompt stalls them).
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
@@ -141,20 +139,16 @@ class Scheduler:
     def schedule(self) -> Batch | None:
         """Pick the next step's work (see the module docstring). None when there is none."""
         decode, prefilling = self._schedule_running()
+        budget = self.max_num_batched_tokens - len(decode)
         if decode:
-            chunks = self._beside(prefilling, min(self.max_num_batched_tokens - len(decode), self.prefill_chunk_tokens))
-        else:
-            chunks = self._shortest_first(prefilling)
-        return Batch(decode, chunks) if decode or chunks else None
-
-    def _beside(self, prefilling: list[Sequence], budget: int) -> list[Chunk]:
-        """A step that decodes: `budget` prompt tokens, to the prompts in admission order (those part-way
-        through theirs first, then waiting ones admitted in order), each at most a chunk."""
+            budget = min(budget, self.prefill_chunk_tokens)
+        alone = not decode and len(prefilling) + len(self.waiting) == 1  # one prompt, nobody to hold up
+        chunk = budget if alone else self.prefill_chunk_tokens
         chunks = []
         for seq in prefilling:
             if budget <= 0:
                 break
-            chunks.append(self._chunk(seq, min(budget, self.prefill_chunk_tokens)))
+            chunks.append(self._chunk(seq, min(budget, chunk)))
             budget -= chunks[-1].end - chunks[-1].start
         i = 0  # waiting sequences are admitted in order, passing over those whose prefix is being computed
         while budget > 0 and i < len(self.waiting) and len(self.running) < self.max_num_seqs:
@@ -164,48 +158,15 @@ class Scheduler:
                 continue
             if not self.block_manager.can_allocate(seq):
                 break
-            self._admit(i)
-            chunks.append(self._chunk(seq, min(budget, self.prefill_chunk_tokens)))
+            del self.waiting[i]
+            self.block_manager.allocate(seq)
+            self.block_manager.computing(seq)
+            seq.num_computed_tokens = seq.num_cached_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            chunks.append(self._chunk(seq, min(budget, chunk)))
             budget -= chunks[-1].end - chunks[-1].start
-        return chunks
-
-    def _shortest_first(self, prefilling: list[Sequence]) -> list[Chunk]:
-        """A step with prompts only: the prompt with the fewest tokens left goes whole (within the budget),
-        and the step holds the next ones too while it stays within that many tokens or a chunk's worth.
-        One prompt goes whole: a chunk would hold nobody up less, and smaller products run slower. Of
-        several, none is shared out in chunks with the others (each would take them all the longer to
-        reach its first token); the shortest finishes first, and equal ones in arrival order."""
-        waiting = [s for s in self.waiting if not self.block_manager.computing_prefix(s.token_ids)]
-        order = sorted(prefilling + waiting, key=lambda s: s.num_uncomputed)  # stable: arrival order on ties
-        if not order:
-            return []
-        budget = min(self.max_num_batched_tokens, max(order[0].num_uncomputed, self.prefill_chunk_tokens))
-        chunks: list[Chunk] = []
-        admitting = True  # waiting ones are admitted while blocks last, none past one that does not fit
-        for seq in order:
-            if budget <= 0:
-                break
-            if seq.status is SequenceStatus.WAITING:
-                if not admitting or self.block_manager.computing_prefix(seq.token_ids):  # one admitted here computes it
-                    continue
-                if len(self.running) >= self.max_num_seqs or not self.block_manager.can_allocate(seq):
-                    admitting = False
-                    continue
-                self._admit(self.waiting.index(seq))  # by identity (`Sequence` has no value equality)
-            chunks.append(self._chunk(seq, budget))
-            budget -= chunks[-1].end - chunks[-1].start
-        return chunks
-
-    def _admit(self, i: int) -> Sequence:
-        """Waiting sequence `i` starts: blocks for all its tokens (its cached prefix reused), running."""
-        seq = self.waiting[i]
-        del self.waiting[i]
-        self.block_manager.allocate(seq)
-        self.block_manager.computing(seq)
-        seq.num_computed_tokens = seq.num_cached_tokens
-        seq.status = SequenceStatus.RUNNING
-        self.running.append(seq)
-        return seq
+        return Batch(decode, chunks) if decode or chunks else None
 
     def has_prefill_work(self) -> bool:
         """Whether prompts wait or are part-way through their prefill."""

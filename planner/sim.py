@@ -9,8 +9,8 @@ Life of a simulated request (the order of calls of `router.placer.Placer` and of
    ("overloaded") when `RouterConfig.max_queued` already wait, or once it waited `queue_timeout_s`.
 2. Remote path: decode worker D reserves the prompt's blocks (`Scheduler.reserve`, its cached prefix
    reused; a command its engine thread runs between steps: after the step under way), then prefill
-   worker P queues it prefill-only; P's steps (the real `Scheduler`) prefill it, the prompt with the
-   fewest tokens left first, and the step computing its last chunk samples the first token:
+   worker P queues it prefill-only; P's steps (the real `Scheduler`) prefill it in
+   chunks beside other prompts, and the step computing its last chunk samples the first token:
    `PoolBook.prefilled`. The KV not hidden behind that chunk's later layers
    (`CostModel.exposed_transfer_s`) then travels; P frees the prompt's blocks once it is sent, and D
    starts the sequence (`Scheduler.activate`) `hop_s` after that, at its next step boundary (a step

@@ -222,8 +222,7 @@ class CostModel:
 
         Args:
             tokens: prompt tokens.
-            whole: the prompt is prefilled in one step, its one chunk (on a prefill worker that does not
-                decode, prompts go whole, the shortest first: `engine.scheduler`).
+            whole: the prompt is prefilled in one step (alone on its prefill worker), its one chunk.
             held: the prefill worker computes with borrowed threads, and holds the layers until the last
                 (`PrefillWorker._after_layer`): the whole transfer follows the prefill.
         Returns:

@@ -249,8 +249,8 @@ def _remote(cost: CostModel, req: RequestFeatures, state: PoolState, p: int, d: 
         borrower = state.decode[lent.decode]
         lost = (queued + prefill + lent.relend_s) * (1 - 1 / lent.decode_speedup)
         slowdown += (borrower.running - borrower.awaiting_kv) * lost / (req.expected_output_tokens * step)
-    whole = not load.decoding  # P prefills its prompts whole, one after the other (engine.scheduler)
-    ttft = (queued + prefill + cost.exposed_transfer_s(_uncached(req, state.decode[d].cached_tokens), whole, borrowing)
+    alone = not load.queued_tokens and not load.decoding  # P prefills the prompt whole (engine.scheduler)
+    ttft = (queued + prefill + cost.exposed_transfer_s(_uncached(req, state.decode[d].cached_tokens), alone, borrowing)
             + cost.hop_s + step / 2)
     return _Option("remote", p, d, ttft, step, slowdown, n, _crowding(cost, state.decode[d].running))
 

