@@ -216,7 +216,9 @@ def _on_own_thread(fn: Callable[..., _T], *args: object) -> Awaitable[_T]:
     done: concurrent.futures.Future[_T] = concurrent.futures.Future()
 
     def work() -> None:
-        try:
+        if not done.set_running_or_notify_cancel():  # abandoned before it started
+            return
+        try:  # a running future cannot be cancelled: an abandoned phase's result is set and dropped
             done.set_result(fn(*args))
         except BaseException as e:  # noqa: BLE001 -- handed to the awaiting coroutine
             done.set_exception(e)

@@ -137,7 +137,7 @@ def test_a_ray_client_connection_that_fails_to_start_is_tried_again(monkeypatch,
     """ray:// only: the head's per-client server sometimes fails to start once under load."""
     import ray
 
-    import pdserve.serve as serve
+    from pdserve import serve
 
     seen = []
 
@@ -185,3 +185,32 @@ def test_only_a_prefill_worker_that_serves_decode_compiles_a_decode_step():
     assert plain.compile is False and plain == EngineConfig(compile=False)  # nothing else changes
     eager = EngineConfig(compile=False)
     assert role_config("decode", eager, prefill_decodes=True) is eager
+
+
+def test_a_start_up_phase_abandoned_by_a_signal_ends_quietly_on_its_own_thread() -> None:
+    """`serve` awaits a start-up phase (which blocks in Ray) on a daemon thread of its own, so an exit
+    never waits for it; a signal abandons it, and when it ends later nothing is raised in its thread."""
+    import asyncio
+    import threading
+
+    from pdserve.serve import _on_own_thread, _Stopped, _unless_stopped
+
+    release, errors = threading.Event(), []
+    threading.excepthook, hook = (lambda args: errors.append(args.exc_value)), threading.excepthook
+    try:
+        async def main() -> None:
+            stop = asyncio.Event()
+            asyncio.get_running_loop().call_later(0.05, stop.set)
+            with pytest.raises(_Stopped):
+                await _unless_stopped(stop, _on_own_thread(lambda: release.wait(10) and 42))
+            assert await _unless_stopped(asyncio.Event(), _on_own_thread(lambda: 7)) == 7
+            with pytest.raises(ValueError, match="bad"):
+                await _unless_stopped(asyncio.Event(), _on_own_thread(int, "bad"))
+        asyncio.run(main())  # returns without waiting for the abandoned phase
+        phase = next(t for t in threading.enumerate() if t.name == "pdserve-<lambda>")
+        assert phase.daemon and phase.is_alive()
+        release.set()
+        phase.join(10)
+        assert not phase.is_alive() and not errors
+    finally:
+        threading.excepthook = hook
