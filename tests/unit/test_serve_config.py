@@ -196,18 +196,22 @@ def test_a_start_up_phase_abandoned_by_a_signal_ends_quietly_on_its_own_thread()
     from pdserve.serve import _on_own_thread, _Stopped, _unless_stopped
 
     release, errors = threading.Event(), []
+
+    def abandoned() -> int:
+        release.wait(10)
+        return 42
     threading.excepthook, hook = (lambda args: errors.append(args.exc_value)), threading.excepthook
     try:
         async def main() -> None:
             stop = asyncio.Event()
             asyncio.get_running_loop().call_later(0.05, stop.set)
             with pytest.raises(_Stopped):
-                await _unless_stopped(stop, _on_own_thread(lambda: release.wait(10) and 42))
+                await _unless_stopped(stop, _on_own_thread(abandoned))
             assert await _unless_stopped(asyncio.Event(), _on_own_thread(lambda: 7)) == 7
             with pytest.raises(ValueError, match="bad"):
                 await _unless_stopped(asyncio.Event(), _on_own_thread(int, "bad"))
         asyncio.run(main())  # returns without waiting for the abandoned phase
-        phase = next(t for t in threading.enumerate() if t.name == "pdserve-<lambda>")
+        phase = next(t for t in threading.enumerate() if t.name == "pdserve-abandoned")
         assert phase.daemon and phase.is_alive()
         release.set()
         phase.join(10)
