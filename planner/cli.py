@@ -235,6 +235,7 @@ def _validate(args: argparse.Namespace, trace: Trace, slo: Slo, factors: Serving
                                                       "simulated_served_steps": asdict(cmp.at_served) if (
                                                           cmp.at_served) else None,
                                                       "measured_factors": asdict(fitted) if (
-                                                          fitted := cmp.measured_factors()) else None}),
+                                                          fitted := cmp.measured_factors()) else None,
+                                                      "by_class": [asdict(c) for c in cmp.classes]}),
                                         indent=1) + "\n")
     return 0

@@ -226,13 +226,46 @@ class ServedSteps:
                 + prompt)
 
 
+MAX_CLASSES = 4  # a trace of more request shapes (prompt / output lengths) than this is compared as a whole only
+
+
+@dataclass(frozen=True)
+class ClassComparison:
+    """One request shape of a trace of few: its prompt and output tokens, and the simulated and measured
+    summaries of its requests alone (each over the whole run's wall time)."""
+
+    prompt_tokens: int
+    output_tokens: int
+    simulated: Summary
+    measured: Summary
+
+
+def by_class(simulated: list[RequestRecord], sim_wall_s: float, measured: list[RequestRecord], meas_wall_s: float,
+             ttft_target_s: float | None, tpot_target_s: float | None) -> tuple[ClassComparison, ...]:
+    """Both runs' requests grouped by their shape (prompt tokens, requested output tokens), most requests
+    first: a median over a mix of shapes can sit between theirs, and one shape's figures can be right
+    while the mix's move. Empty for one shape, or more than `MAX_CLASSES`."""
+    def groups(records: list[RequestRecord]) -> dict[tuple[int, int], list[RequestRecord]]:
+        out: dict[tuple[int, int], list[RequestRecord]] = {}
+        for r in records:
+            out.setdefault((r.prompt_tokens, r.requested_output_tokens), []).append(r)
+        return out
+    sim, meas = groups(simulated), groups(measured)
+    shapes = sorted(sim, key=lambda k: (-len(sim[k]), k))
+    if not 1 < len(shapes) <= MAX_CLASSES:
+        return ()
+    return tuple(ClassComparison(p, o, Summary.of(sim[(p, o)], sim_wall_s, ttft_target_s, tpot_target_s),
+                                 Summary.of(meas.get((p, o), []), meas_wall_s, ttft_target_s, tpot_target_s))
+                 for p, o in shapes)
+
+
 @dataclass(frozen=True)
 class Comparison:
     """Args: simulated / measured: the two summaries; layout; policy; factors: the serving factors the
     simulation ran with; plain: the same simulation with none (when `factors` are not 1); served: the
     workers' steps during the run; at_served: the simulation with the decode step time and `prefill`
     factor those steps measured (`ServedSteps.factors`; what is left between it and the measured run is
-    the simulator's and the latency's, not the step times')."""
+    the simulator's and the latency's, not the step times'); classes: each request shape's apart (`by_class`)."""
 
     simulated: Summary
     measured: Summary
@@ -242,6 +275,7 @@ class Comparison:
     plain: Summary | None = None
     served: ServedSteps | None = None
     at_served: Summary | None = None
+    classes: tuple[ClassComparison, ...] = ()
 
     def measured_factors(self) -> ServingFactors | None:
         """The serving factors that would have matched this run. With the served steps (`served`, and the
@@ -280,6 +314,13 @@ class Comparison:
                 value = getattr(other, field)
                 line += f"{_fmt(value, scale):>14}{_ratio(value, meas):>10}"
             lines.append(line)
+        if self.classes:
+            lines.append("by request shape (prompt / output tokens), ms:")
+        for c in self.classes:
+            for label, field in (("TTFT p50", "ttft_p50_s"), ("TPOT p50", "tpot_p50_s")):
+                sim, meas = getattr(c.simulated, field), getattr(c.measured, field)
+                lines.append(f"{f'  {c.prompt_tokens}/{c.output_tokens} {label}':<18}"
+                             f"{_fmt(sim, 1e3):>12}{_fmt(meas, 1e3):>12}{_ratio(sim, meas):>10}")
         fitted = self.measured_factors()
         lines.append(f"serving factors simulated: {self.factors.describe()}; matching this run: "
                      f"{fitted.describe() if fitted else '-'}")
@@ -404,5 +445,6 @@ def validate(base: str, trace: Trace, slo: Slo, max_num_seqs: int, vocab_size: i
                             main.beside)
     plain = simulated(AS_CALIBRATED) if factors != AS_CALIBRATED else None
     at_served = simulated(served.factors(factors)) if served is not None else None
+    classes = by_class(main.records(), main.wall_time_s, records, wall, slo.ttft_s, slo.tpot_s)
     return Comparison(main.summary(slo.ttft_s, slo.tpot_s), Summary.of(records, wall, slo.ttft_s, slo.tpot_s),
-                      before.layout, policy, factors, plain, served, at_served)
+                      before.layout, policy, factors, plain, served, at_served, classes)

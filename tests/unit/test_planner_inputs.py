@@ -284,6 +284,31 @@ def test_a_validation_gives_the_serving_factors_that_would_have_matched_it():
     assert Comparison(summary(0.5, 0.02), summary(None, None, ok=0), Layout(1, 1), "ratio").measured_factors() is None
 
 
+
+def test_a_validation_compares_each_request_shape_of_a_mix_apart():
+    """A median over two shapes can sit between them: each shape's TTFT and TPOT p50 are compared apart,
+    for a trace of a few shapes only."""
+    from loadtest.records import RequestRecord
+    from planner.sim import Summary
+    from planner.validate import Comparison, by_class
+
+    def rec(i: int, prompt: int, out: int, ttft: float, tpot: float) -> RequestRecord:
+        return RequestRecord(i, prompt, out, start_s=i, scheduled_s=i, ttft_s=ttft, e2e_s=ttft + tpot * (out - 1),
+                             output_tokens=out, output_tokens_source="usage")
+    sim = [rec(i, 1024, 16, 0.8, 0.02) for i in range(3)] + [rec(3 + i, 128, 128, 0.1, 0.017) for i in range(4)]
+    meas = [rec(i, 1024, 16, 0.9, 0.03) for i in range(3)] + [rec(3 + i, 128, 128, 0.1, 0.017) for i in range(4)]
+    classes = by_class(sim, 10.0, meas, 10.0, 2.0, 0.05)
+    assert [(c.prompt_tokens, c.output_tokens) for c in classes] == [(128, 128), (1024, 16)]  # most requests first
+    assert classes[1].simulated.tpot_p50_s == pytest.approx(0.02) and classes[1].measured.tpot_p50_s == pytest.approx(0.03)
+    assert classes[1].measured.ttft_p50_s == pytest.approx(0.9) and classes[0].measured.ok == 4
+    whole = Summary.of(sim, 10.0, 2.0, 0.05)
+    table = Comparison(whole, Summary.of(meas, 10.0, 2.0, 0.05), Layout(1, 1), "ratio", classes=classes).table()
+    assert "by request shape" in table
+    assert [line.split()[-1] for line in table.splitlines() if line.startswith("  1024/16")] == ["0.89", "0.67"]
+    assert by_class(sim[:3], 10.0, meas[:3], 10.0, 2.0, 0.05) == ()  # one shape: the whole is the shape
+    many = [rec(i, 10 + i, 4, 0.1, 0.01) for i in range(5)]
+    assert by_class(many, 10.0, many, 10.0, 2.0, 0.05) == ()  # more shapes than a table of them would help
+
 ENGINE = """# TYPE pdserve_engine_step_seconds counter
 pdserve_engine_step_seconds_total{kind="decode",pool="decode",worker="d0"} %s
 pdserve_engine_step_seconds_total{kind="decode",pool="decode",worker="d1"} %s
