@@ -5,7 +5,8 @@
 # root of a checkout of 41f2f30.
 set -euo pipefail
 D=bench/results/serving/avx-512-bf16/prompt-heavy-srpt-2026-12-06
+PH=bench/results/serving/avx-512-bf16/prompt-heavy-40-2026-12-05/ph.py  # the 40-request prompt-heavy run
 BEFORE=${BEFORE:-/tmp/before}  # `git worktree add /tmp/before 29c2aa7`
-.venv/bin/python $D/ph.py $D/after 0.3,0.6 vllm,ratio
+.venv/bin/python $PH $D/after 0.3,0.6 vllm,ratio
 HERE=$PWD
-(cd "$BEFORE" && PYTHONPATH=$BEFORE "$HERE/.venv/bin/python" "$HERE/$D/ph.py" "$HERE/$D/before" 0.3,0.6 ratio)
+(cd "$BEFORE" && PYTHONPATH=$BEFORE "$HERE/.venv/bin/python" "$HERE/$PH" "$HERE/$D/before" 0.3,0.6 ratio)
