@@ -236,6 +236,9 @@ def _validate(args: argparse.Namespace, trace: Trace, slo: Slo, factors: Serving
                                                           cmp.at_served) else None,
                                                       "measured_factors": asdict(fitted) if (
                                                           fitted := cmp.measured_factors()) else None,
-                                                      "by_class": [asdict(c) for c in cmp.classes]}),
+                                                      "by_class": [asdict(c) for c in cmp.classes],
+                                                      "requests": {
+                                                          "simulated": [r.to_dict() for r in cmp.simulated_records],
+                                                          "measured": [r.to_dict() for r in cmp.measured_records]}}),
                                         indent=1) + "\n")
     return 0

@@ -265,7 +265,8 @@ class Comparison:
     simulation ran with; plain: the same simulation with none (when `factors` are not 1); served: the
     workers' steps during the run; at_served: the simulation with the decode step time and `prefill`
     factor those steps measured (`ServedSteps.factors`; what is left between it and the measured run is
-    the simulator's and the latency's, not the step times'); classes: each request shape's apart (`by_class`)."""
+    the simulator's and the latency's, not the step times'); classes: each request shape's apart (`by_class`);
+    simulated_records / measured_records: each request of both runs, in trace order (`--out` writes them)."""
 
     simulated: Summary
     measured: Summary
@@ -276,6 +277,8 @@ class Comparison:
     served: ServedSteps | None = None
     at_served: Summary | None = None
     classes: tuple[ClassComparison, ...] = ()
+    simulated_records: tuple[RequestRecord, ...] = ()
+    measured_records: tuple[RequestRecord, ...] = ()
 
     def measured_factors(self) -> ServingFactors | None:
         """The serving factors that would have matched this run. With the served steps (`served`, and the
@@ -445,6 +448,8 @@ def validate(base: str, trace: Trace, slo: Slo, max_num_seqs: int, vocab_size: i
                             main.beside)
     plain = simulated(AS_CALIBRATED) if factors != AS_CALIBRATED else None
     at_served = simulated(served.factors(factors)) if served is not None else None
-    classes = by_class(main.records(), main.wall_time_s, records, wall, slo.ttft_s, slo.tpot_s)
+    sim_records = main.records()
+    classes = by_class(sim_records, main.wall_time_s, records, wall, slo.ttft_s, slo.tpot_s)
     return Comparison(main.summary(slo.ttft_s, slo.tpot_s), Summary.of(records, wall, slo.ttft_s, slo.tpot_s),
-                      before.layout, policy, factors, plain, served, at_served, classes)
+                      before.layout, policy, factors, plain, served, at_served, classes, tuple(sim_records),
+                      tuple(sorted(records, key=lambda r: r.index)))

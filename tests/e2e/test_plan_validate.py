@@ -23,3 +23,10 @@ def test_validate_replays_a_mix_and_compares_each_shape(server, tmp_path):
     assert all(c["measured"]["ok"] == c["simulated"]["ok"] == 4 for c in shapes.values())
     assert all(c["measured"]["tpot_p50_s"] > 0 and c["simulated"]["tpot_p50_s"] > 0 for c in shapes.values())
     assert "by request shape" in res.stdout and "  48/6 TPOT p50" in res.stdout
+    # each request of both runs, in trace order: the simulated one beside the one the client measured
+    sim, meas = doc["requests"]["simulated"], doc["requests"]["measured"]
+    assert [r["index"] for r in sim] == [r["index"] for r in meas] == list(range(8))
+    assert [(r["prompt_tokens"], r["requested_output_tokens"]) for r in sim] == \
+        [(r["prompt_tokens"], r["requested_output_tokens"]) for r in meas]
+    assert all(r["error"] is None and r["ttft_s"] > 0 and len(r["chunk_times_s"]) >= 2 for r in meas)
+    assert all(r["timings"]["path"] in ("local", "remote") for r in sim)
