@@ -395,7 +395,7 @@ class Simulator:
             tuple(replace(p, cached_tokens=self.prefix.matched("prefill", i, keys) * bs)
                   for i, p in enumerate(state.prefill)),
             tuple(replace(d, cached_tokens=self.prefix.matched("decode", i, keys) * bs,
-                          arriving=self.prefix.arriving("decode", i, keys))
+                          arriving_tokens=self.prefix.arriving_blocks("decode", i, keys) * bs)
                   for i, d in enumerate(state.decode)))
 
     def _place(self, req: _Req) -> bool:

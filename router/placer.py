@@ -151,7 +151,7 @@ class Placer:
             tuple(replace(p, healthy=p.healthy and p.worker_id not in avoid, cached_tokens=held("prefill", i),
                           loan=loans.get(i)) for i, p in enumerate(state.prefill)),
             tuple(replace(d, healthy=d.healthy and d.worker_id not in avoid, cached_tokens=held(*self._engine(i)),
-                          arriving=self.prefix.arriving(*self._engine(i), keys))
+                          arriving_tokens=self.prefix.arriving_blocks(*self._engine(i), keys) * bs)
                   for i, d in enumerate(state.decode)))
 
     def _engine(self, decode: int) -> tuple[str, int]:

@@ -5,7 +5,8 @@ tokens the worker's prefix cache does not hold (`cached_tokens`). Remote pays P'
 (in chunks beside P's own batch, whose stall counts as a slowdown, when P is flipped to decode), the
 transfer (of what D lacks) not hidden behind the last chunk's later layers and the extra round trips;
 local pays D's queued local prefills and the prefill in chunks, each in a step that also decodes D's
-running batch (what that adds is measured), and D's batch loses what those steps take beyond its own
+running batch (what that adds is measured), after the wait for its prefix where that is on its way to D
+(the prefill workers' queues: they compute their prompts side by side), and D's batch loses what those steps take beyond its own
 decode steps (requests there still waiting for their KV lose nothing: under a burst of long prompts
 D prefills its share instead of leaving every prompt queued on P). A decode worker computing with a
 prefill worker's lent threads (`Loan`) decodes and prefills that much faster (each by its own
@@ -109,8 +110,9 @@ class DecodeLoad:
     awaiting_kv: of `running`, the requests whose remote prefill is not done yet (not decoding).
     cached_tokens: leading tokens of the request's prompt its prefix cache holds: a local prefill computes
     only the rest, and a remote one ships only the rest.
-    arriving: the first of those blocks it lacks is on its way to it (another request's remote prefill):
-    a local prefill waits there for it and takes no lent threads back meanwhile."""
+    arriving_tokens: how many of those tokens, from the first it lacks, are on their way to it (other
+    requests' remote prefills compute and ship them): a local prefill waits there for them and takes no
+    lent threads back meanwhile (`arriving`)."""
 
     worker_id: str
     running: int
@@ -121,16 +123,22 @@ class DecodeLoad:
     local_only: bool = False
     awaiting_kv: int = 0
     cached_tokens: int = 0
-    arriving: bool = False
+    arriving_tokens: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("running", "free_blocks", "queued_prefill_tokens", "awaiting_kv", "cached_tokens"):
+        for name in ("running", "free_blocks", "queued_prefill_tokens", "awaiting_kv", "cached_tokens",
+                     "arriving_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.awaiting_kv > self.running:
             raise ValueError(f"awaiting_kv must be <= running={self.running}, got {self.awaiting_kv}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+
+    @property
+    def arriving(self) -> bool:
+        """Whether a local prefill here would wait for KV on its way (see `arriving_tokens`)."""
+        return self.arriving_tokens > 0
 
     def has_room(self, request: RequestFeatures) -> bool:
         """Returns: whether the KV blocks for prompt + max_tokens fit in `free_blocks`."""
@@ -255,6 +263,16 @@ def _remote(cost: CostModel, req: RequestFeatures, state: PoolState, p: int, d: 
     return _Option("remote", p, d, ttft, step, slowdown, n, _crowding(cost, state.decode[d].running))
 
 
+def _landing_s(cost: CostModel, state: PoolState, tokens: int) -> float:
+    """How long until `tokens` of KV on their way to a decode worker land: the prefill worker bringing them
+    computes them, at most its whole queue (whose prompts it computes side by side, `engine.scheduler`);
+    the longest healthy queue stands for that worker (the index does not say which)."""
+    def queue_s(p: PrefillLoad) -> float:
+        fast = p.loan.prefill_speedup if p.loan and not p.loan.to_decode else 1.0
+        return min(p.queued_tokens, tokens) * cost.prefill.per_unit_s / fast  # as a remote prompt prices its queue
+    return max((queue_s(p) for p in state.prefill if p.healthy), default=0.0)
+
+
 def _local(cost: CostModel, req: RequestFeatures, state: PoolState, d: int) -> _Option:
     load, loan = state.decode[d], state.lent_to(d)  # lent threads speed D's steps and prefills, each its own way
     decode_speedup, prefill_speedup = (loan.decode_speedup, loan.prefill_speedup) if loan else (1.0, 1.0)
@@ -263,6 +281,8 @@ def _local(cost: CostModel, req: RequestFeatures, state: PoolState, d: int) -> _
     n = _uncached(req, load.cached_tokens)  # D's cache serves the rest
     queued = cost.local_prefill_s(load.queued_prefill_tokens) if load.queued_prefill_tokens else 0.0
     ttft = (queued + cost.local_prefill_wall_s(n, decoding)) / prefill_speedup + step / 2
+    if load.arriving:  # it computes nothing until the prefix on its way to D lands
+        ttft += _landing_s(cost, state, load.arriving_tokens)
     # what the chunks cost the sequences they hold up (D's decoding batch + this request, standing for its
     # co-arrivals), spread over this request's output
     stall = cost.local_stall_s(n, decoding) / prefill_speedup

@@ -119,8 +119,20 @@ class PrefixIndex:
     def arriving(self, pool: str, index: int, keys: list[int]) -> bool:
         """Whether a prompt (its `prefix_keys`) placed on the worker would wait there for KV on its way: the
         first of its blocks the worker's cache lacks is one another request's remote prefill ships there."""
+        return self.arriving_blocks(pool, index, keys) > 0
+
+    def arriving_blocks(self, pool: str, index: int, keys: list[int]) -> int:
+        """How many of a prompt's blocks, from the first the worker's cache lacks, other requests' remote
+        prefills ship there (0: it would not wait for KV on its way)."""
         held, receiving = self.matched(pool, index, keys, promises=False), self._receiving.get((pool, index))
-        return held < len(keys) and bool(receiving) and keys[held] in receiving
+        if not receiving:
+            return 0
+        n = 0
+        for key in keys[held:]:
+            if key not in receiving:
+                break
+            n += 1
+        return n
 
     def keys(self, pool: str, index: int) -> frozenset[int]:
         """The keys held for the worker (a copy)."""

@@ -88,7 +88,8 @@ def _wait_http(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
 PDSERVE_LAYOUTS = {"ratio": ("ratio", 1, 1), "always_remote": ("always_remote", 1, 1, "--no-lend-threads"),
                    "colocated": ("always_local", 0, 2), "single": ("always_local", 0, 1, "--cpus-per-worker", "2"),
                    "flip": ("ratio", 1, 1, "--flip-roles"),
-                   "fixed": ("ratio", 1, 1, "--no-lend-threads"), "blind": ("ratio", 1, 1, "--no-prefix-aware")}
+                   "fixed": ("ratio", 1, 1, "--no-lend-threads"), "blind": ("ratio", 1, 1, "--no-prefix-aware"),
+                   "cold": ("ratio", 1, 1, "--no-prefix-aware", "--no-enable-prefix-caching")}
 
 
 def _server_cmd(kind: str, model_dir: str, port: int, args: argparse.Namespace,

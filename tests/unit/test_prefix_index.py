@@ -152,10 +152,14 @@ def test_a_prompt_is_arriving_where_a_remote_prefill_ships_its_next_block() -> N
     remote = index.promise_placed(0, ("decode", 0), keys)
     assert index.matched("prefill", 0, keys) == index.matched("decode", 0, keys) == 6
     assert index.arriving("decode", 0, keys) and not index.arriving("prefill", 0, keys)
+    assert index.arriving_blocks("decode", 0, keys) == 6 and index.arriving_blocks("prefill", 0, keys) == 0
+    longer = prefix_keys(list(range(100)) + [7] * 60, 16)  # the 6 shipped blocks, then 4 nobody ships
+    assert longer[:6] == keys and index.arriving_blocks("decode", 0, longer) == 6
     local = index.promise_placed(None, ("decode", 1), keys)
     assert index.matched("decode", 1, keys) == 6 and not index.arriving("decode", 1, keys)
     index.apply("decode", 0, CacheDelta(1, tuple(keys[:2]), (), True))  # it holds the first two already
     assert index.arriving("decode", 0, keys) and not index.arriving("decode", 0, keys[:2])
+    assert index.arriving_blocks("decode", 0, keys) == 4  # from the first block it lacks
     remote.withdraw()
     local.withdraw()
     assert not index.arriving("decode", 0, keys) and index.matched("decode", 1, keys) == 0
