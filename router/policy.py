@@ -6,8 +6,8 @@ tokens the worker's prefix cache does not hold (`cached_tokens`). Remote pays P'
 transfer (of what D lacks) not hidden behind the last chunk's later layers and the extra round trips;
 local pays D's queued local prefills and the prefill in chunks, each in a step that also decodes D's
 running batch (what that adds is measured), after the wait for its prefix where that is on its way to D
-(the prefill workers' queues: they compute their prompts side by side), and D's batch loses what those steps take beyond its own
-decode steps (requests there still waiting for their KV lose nothing: under a burst of long prompts
+(while a prefill worker computes it, at most that worker's queue), and D's batch loses what those steps
+take beyond its own decode steps (requests there still waiting for their KV lose nothing: under a burst of long prompts
 D prefills its share instead of leaving every prompt queued on P). A decode worker computing with a
 prefill worker's lent threads (`Loan`) decodes and prefills that much faster (each by its own
 measured factor: a prefill gains more from a core than a decode step), and a prompt sent to that
