@@ -28,7 +28,7 @@ from engine import EngineConfig, RequestOutput, SamplingParams
 from engine.command_loop import Round, Stopped
 from engine.errors import SamplingError
 from engine.logprobs import TokenLogprob
-from engine.profiling import time_context_cost, time_decode_steps, time_mixed_step
+from engine.profiling import time_context_cost, time_decode_steps, time_mixed_step, time_prefill_over
 from engine.sequence import Sequence
 from kv_transfer import PeerInfo, TransferConfig, TransferState
 from worker_core import WorkerBase
@@ -163,6 +163,11 @@ class DecodeWorker(WorkerBase):
         """Seconds a decode step of `batch` sequences adds per token of context a sequence holds, between `short`
         and `long` tokens (call while idle)."""
         return self._owner.call(lambda: time_context_cost(self.engine, batch, short, long))
+
+    def profile_prefill_over(self, prefix: int, chunk: int) -> float | None:
+        """Seconds a prompt token adds per token of cached prefix it attends over, `chunk` tokens over `prefix`
+        (call while idle; None without a prefix cache, `time_prefill_over`)."""
+        return self._owner.call(lambda: time_prefill_over(self.engine, prefix, chunk))
 
     def profile_mixed(self, batch: int, context: int, chunk: int) -> tuple[float, int]:
         """Seconds of one step that prefills a prompt chunk of at most `chunk` tokens beside a decode

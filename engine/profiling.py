@@ -1,6 +1,6 @@
-"""Timing probes a router calibrates its cost model with: prefill time by prompt length, decode step
-time by batch size, and a step that prefills a chunk beside a decode batch, measured on a worker's own
-engine before it serves."""
+"""Timing probes a router calibrates its cost model with: prefill time by prompt length and what a cached
+prefix adds to it, decode step time by batch size, and a step that prefills a chunk beside a decode batch,
+measured on a worker's own engine before it serves."""
 from __future__ import annotations
 
 import itertools
@@ -39,6 +39,34 @@ def time_prefill(engine: LLMEngine, num_tokens: int, seed: int = 0) -> float:
     seconds = time.perf_counter() - t0
     assert outs[0].finished, rid
     return seconds
+
+
+def time_prefill_over(engine: LLMEngine, prefix: int, chunk: int, rounds: int = 3, seed: int = 0) -> float | None:
+    """Seconds a prompt token adds per token of cached prefix it attends over: a prompt of `chunk` new tokens
+    after `prefix` tokens the prefix cache holds, against `chunk` tokens alone, the median of `rounds` pairs
+    timed one right after the other, over `chunk * prefix`. None when the engine keeps no prefix cache or the
+    prefix is not whole blocks (it would be computed again, not read)."""
+    assert not engine.has_unfinished(), "profile an idle engine"
+    if not engine.block_manager.enable_prefix_caching or prefix % engine.block_manager.block_size:
+        return None
+    rng, params = _rng(seed), SamplingParams(max_tokens=1, ignore_eos=True)
+
+    def prefill(prompt: list[int], name: str) -> float:
+        rid = engine.add_request(prompt, params, request_id=f"profile-over-{name}-{seed}")
+        t0 = time.perf_counter()
+        while not (outs := engine.step()):
+            pass
+        seconds = time.perf_counter() - t0
+        assert outs[0].finished, rid
+        return seconds
+    slopes = []
+    for r in range(rounds):
+        head = _prompt(engine, prefix, rng)
+        prefill(head, f"head-{r}")  # now cached
+        over = prefill(head + _prompt(engine, chunk, rng), f"over-{r}")
+        alone = prefill(_prompt(engine, chunk, rng), f"alone-{r}")
+        slopes.append((over - alone) / (chunk * prefix))
+    return max(0.0, statistics.median(slopes))
 
 
 def _decoding(engine: LLMEngine, batch: int, context: int, steps: int, rng: random.Random, name: str,

@@ -332,7 +332,9 @@ def roofline_cost_model(shape: ModelShape, dev: DeviceSpec, efficiency: Efficien
                      decode_step=tuple((b, step(b)) for b in _batches(max_batch)),
                      transfer=LinearFit(eff.link_latency_s, 1.0 / (dev.link_bandwidth * eff.link)),
                      kv_bytes_per_token=kv, num_layers=shape.num_layers, hop_s=eff.hop_s,
-                     prefill_chunk_tokens=prefill_chunk_tokens, decode_ride=ride)
+                     prefill_chunk_tokens=prefill_chunk_tokens, decode_ride=ride,
+                     # a prompt token's attention over a cached token: its query against the key, then the value
+                     prefill_context_s=4 * shape.num_heads * shape.head_dim * shape.num_layers / flops)
 
 
 def kv_memory_gib(shape: ModelShape, dev: DeviceSpec, utilization: float = 0.9) -> float:

@@ -25,8 +25,10 @@ Each worker calls `schedule()`, then, when the step's time has passed, `update()
 ids, as `LLMEngine.step` does; nothing is sampled.
 
 Step times, from the `CostModel` (a decode step's time grows with its sequences' context, `decode_s`; a
-prompt chunk costs the same wherever it sits in its prompt):
-- a prefill worker's step of N prompt tokens (chunks of one or more prompts): `prefill_s(N)`;
+prompt chunk costs the same wherever it sits in its prompt, but for the prefix its cache held):
+- a prefill worker's step of N prompt tokens (chunks of one or more prompts): `prefill_s(N)`, and
+  `prefill_context_s` for each of a chunk's tokens per token of its prompt's prefix-cache hit (on every step
+  below too);
 - a decode worker's step of B decoding sequences holding C tokens of context and N prompt tokens:
   `decode_s(B, C)` when N = 0, `local_prefill_s(N)` when B = 0, else `local_prefill_s(N)` plus what B
   decoding rows add to one chunk's step (`local_prefill_wall_s(1, B) - local_prefill_s(1)` = decode_ride
@@ -490,10 +492,11 @@ class Simulator:
     def _duration(self, w: _Worker, batch: Batch, beside: bool) -> float:
         """A step's seconds (see the module docstring); `beside`: a worker of the other pool computes."""
         cost, f, n, b = self._served_cost, self.factors, batch.num_prefill_tokens, len(batch.decode)
+        over = cost.prefill_context_s * sum((c.end - c.start) * c.seq.num_cached_tokens for c in batch.prefill)
         if w.pool == "prefill":
-            return cost.prefill_s(n) * f.prefill * cost.beside("prefill", float(beside))
+            return (cost.prefill_s(n) + over) * f.prefill * cost.beside("prefill", float(beside))
         if not b:
-            return cost.local_prefill_s(n) * f.prefill
+            return (cost.local_prefill_s(n) + over) * f.prefill
         step = cost.step_s(b)
         context = cost.decode_s(b, sum(seq.num_tokens for seq in batch.decode)) - step  # its KV reads beyond
         if not n:
@@ -501,7 +504,7 @@ class Simulator:
         ride = self._ride.get(b)
         if ride is None:
             ride = self._ride[b] = cost.local_prefill_wall_s(1, b) - cost.local_prefill_s(1)
-        return cost.local_prefill_s(n) * f.prefill + (ride + context) * f.decode + f.decode_step_s
+        return (cost.local_prefill_s(n) + over) * f.prefill + (ride + context) * f.decode + f.decode_step_s
 
     def _step_end(self, w: _Worker, batch: Batch) -> None:
         sampled = batch.sampled

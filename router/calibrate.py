@@ -1,6 +1,7 @@
 """Measures the cost model on the actual workers at start-up, before serving.
 
-1. Prefill time by prompt length on a prefill worker, and on a decode worker (local prefill).
+1. Prefill time by prompt length on a prefill worker, and on a decode worker (local prefill); on the
+   decode worker, what a cached prefix adds to a prompt computed over it (its attention reads it).
 2. Decode step time by batch size on a decode worker, what a longer context adds to a decode step,
    and what a decode batch adds to a step that prefills a chunk beside it. Each worker's probes run
    while the other is idle: steps 1 and 2 time each worker alone, step 4 what they do to each other
@@ -114,6 +115,24 @@ async def _neighbours(prefill: ray.actor.ActorHandle, decode: ray.actor.ActorHan
     return max(1.0, beside_prompts / step_s), max(1.0, statistics.median(prompts) / prompt_s)
 
 
+def _over_prefix(lengths: list[int], info: WorkerInfo) -> tuple[int, int]:
+    """The probe of a prompt over a cached prefix: (its new tokens, the prefix): the second prompt length
+    over the longest, in whole blocks, the two within the model's context and half the KV pool."""
+    chunk = lengths[1] if len(lengths) > 1 else lengths[0]
+    room = min(info.max_model_len - 2, info.num_blocks * info.block_size // 2) - chunk
+    prefix = min(lengths[-1], max(0, room))
+    return chunk, prefix - prefix % info.block_size
+
+
+async def _prefill_context_s(worker: ray.actor.ActorHandle, prefix: int, chunk: int) -> float:
+    """Seconds a prompt token adds per token of cached prefix it attends over (`chunk` tokens over `prefix`);
+    0 without a prefix cache, or a prefix shorter than a block (nothing to measure: none is ever read)."""
+    if prefix < 1:
+        return 0.0
+    seconds = await worker.profile_prefill_over.remote(prefix, chunk)
+    return 0.0 if seconds is None else seconds
+
+
 async def _round_trip_s(worker: ray.actor.ActorHandle) -> float:
     rtts = []
     for _ in range(6):
@@ -138,12 +157,15 @@ async def calibrate(pools: Pools, info: WorkerInfo, report: Callable[[str], None
     lengths = _lengths(info.max_model_len, info.num_blocks, info.block_size)
     batches = sorted({b for b in (1, 4, 16, 32) if b <= info.max_num_seqs} | {1})
     context = min(64, lengths[-1])
-    progress = Steps("calibrating", 8 if pools.prefill else 5, report or log.info)
+    progress = Steps("calibrating", 9 if pools.prefill else 6, report or log.info)
     sizes = f"{len(lengths)} prompt lengths ({', '.join(map(str, lengths))} tokens)"
 
-    async def decode_side() -> tuple[LinearFit, tuple[tuple[int, float], ...], float, float, float]:
+    async def decode_side() -> tuple[LinearFit, tuple[tuple[int, float], ...], float, float, float, float]:
         progress.step(f"prefill on the decode worker: {sizes}")
         local = await _prefill_fit(decode, lengths)
+        chunk, prefix = _over_prefix(lengths, info)
+        progress.step(f"prompts of {chunk} tokens over a cached prefix of {prefix}")
+        over = await _prefill_context_s(decode, prefix, chunk)
         progress.step(f"decode steps at {len(batches)} batch sizes ({', '.join(map(str, batches))})")
         steps = tuple(zip(batches, await decode.profile_decode.remote(batches, context)))
         progress.step(f"decode steps at {context} and at {lengths[-1]} tokens of context (3 pairs)")
@@ -152,14 +174,14 @@ async def calibrate(pools: Pools, info: WorkerInfo, report: Callable[[str], None
         ride = await _decode_ride(decode, local, dict(steps), context, min(info.prefill_chunk_tokens, lengths[-1]),
                                   info.max_num_seqs)
         progress.step("the round trip of an actor call (6 calls)")
-        return local, steps, ride, await _round_trip_s(decode), per_context
+        return local, steps, ride, await _round_trip_s(decode), per_context, over
 
     async def prefill_side() -> LinearFit:
         progress.step(f"prefill on the prefill worker: {sizes}")
         return await _prefill_fit(pools.prefill[0], lengths)
 
     if pools.prefill:  # each worker's own probes alone, then the transfer between them
-        local, steps, ride, rtt, per_context = await decode_side()
+        local, steps, ride, rtt, per_context, over = await decode_side()
         prefill = await prefill_side()
         progress.step(f"KV transfer at {len(lengths)} sizes")
         transfer = await _transfer_fit(pools.prefill[0], decode, pools, info, lengths)
@@ -170,11 +192,12 @@ async def calibrate(pools: Pools, info: WorkerInfo, report: Callable[[str], None
         beside = await _neighbours(pools.prefill[0], decode, dict(steps), long, chunk, info.max_model_len,
                                    info.num_blocks * info.block_size)
     else:
-        local, steps, ride, rtt, per_context = await decode_side()
+        local, steps, ride, rtt, per_context, over = await decode_side()
         prefill, transfer, beside = local, LinearFit(0.0, 0.0), (1.0, 1.0)
     cost = CostModel(prefill=prefill, local_prefill=local, decode_step=steps, transfer=transfer,
                      kv_bytes_per_token=info.kv_bytes_per_token, num_layers=info.num_layers, hop_s=3 * rtt,
                      prefill_chunk_tokens=info.prefill_chunk_tokens, decode_ride=ride, decode_context=context,
-                     decode_context_s=per_context, decode_beside_prefill=beside[0], prefill_beside_decode=beside[1])
+                     decode_context_s=per_context, prefill_context_s=over, decode_beside_prefill=beside[0],
+                     prefill_beside_decode=beside[1])
     log.info("calibrated in %.1f s: %s", time.perf_counter() - t0, cost.to_dict())
     return cost

@@ -103,6 +103,9 @@ class CostModel:
         decode_context: the tokens of context each sequence of the `decode_step` points held.
         decode_context_s: seconds a decode step adds per token of context its sequences hold beyond
             `decode_context` each (their attention's KV reads; 0 when unknown: any context costs the same).
+        prefill_context_s: seconds a prompt token adds per token of cached prefix it attends over (its
+            attention reads the prefix's KV; 0 when unknown: a prefix cache hit costs nothing to compute
+            over). Prompts computed whole are in `prefill` / `local_prefill` as measured.
         decode_beside_prefill / prefill_beside_decode: what a decode worker's decode step takes while a
             prefill worker computes a prompt, and a prefill worker's prompt while a decode worker decodes,
             over what each takes alone (>= 1; measured: above 1 where the two share a node's memory
@@ -120,6 +123,7 @@ class CostModel:
     decode_ride: float = 1.0
     decode_context: int = 64
     decode_context_s: float = 0.0
+    prefill_context_s: float = 0.0
     decode_beside_prefill: float = 1.0
     prefill_beside_decode: float = 1.0
 
@@ -150,35 +154,40 @@ class CostModel:
         if self.decode_context < 1:
             raise ValueError(f"decode_context must be >= 1, got {self.decode_context}")
         _check_nonneg("decode_context_s", self.decode_context_s)
+        _check_nonneg("prefill_context_s", self.prefill_context_s)
         for name in ("decode_beside_prefill", "prefill_beside_decode"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 1):
                 raise ValueError(f"{name} must be a finite number >= 1, got {getattr(self, name)!r}")
 
-    def prefill_s(self, tokens: int) -> float:
-        """Args: tokens: prompt tokens. Returns: prefill seconds on a prefill worker."""
-        return self.prefill(tokens)
+    def prefill_s(self, tokens: int, cached: int = 0) -> float:
+        """Args: tokens: prompt tokens computed. cached: prefix tokens before them its cache holds.
+        Returns: prefill seconds on a prefill worker."""
+        return self.prefill(tokens) + self.prefill_context_s * tokens * cached
 
-    def local_prefill_s(self, tokens: int) -> float:
-        """Args: tokens: prompt tokens. Returns: prefill seconds on a decode worker."""
-        return self.local_prefill(tokens)
+    def local_prefill_s(self, tokens: int, cached: int = 0) -> float:
+        """Args: tokens: prompt tokens computed. cached: prefix tokens before them its cache holds.
+        Returns: prefill seconds on a decode worker."""
+        return self.local_prefill(tokens) + self.prefill_context_s * tokens * cached
 
     def chunks(self, tokens: int) -> list[int]:
         """Args: tokens: prompt tokens. Returns: the sizes of the chunks (one per step) they prefill in."""
         c = self.prefill_chunk_tokens or tokens
         return [c] * ((tokens - 1) // c) + [tokens - c * ((tokens - 1) // c)]
 
-    def local_prefill_wall_s(self, tokens: int, running: int) -> float:
-        """Seconds until a prompt prefilled on a decode worker has its first token: its chunks' steps,
-        each also decoding the `running` sequences beside it (`decode_ride` of their decode step)."""
+    def local_prefill_wall_s(self, tokens: int, running: int, cached: int = 0) -> float:
+        """Seconds until a prompt prefilled on a decode worker (`tokens` computed over `cached` its cache
+        holds) has its first token: its chunks' steps, each also decoding the `running` sequences beside it
+        (`decode_ride` of their decode step)."""
         ride = len(self.chunks(tokens)) * self.step_s(running) * self.decode_ride if running else 0.0
-        return self.local_prefill_s(tokens) + ride
+        return self.local_prefill_s(tokens, cached) + ride
 
-    def local_stall_s(self, tokens: int, running: int) -> float:
-        """Seconds each of a decode worker's running streams loses while a prompt of `tokens` prefills
-        there: what the steps carrying its chunks take beyond the decode steps they stand in for."""
+    def local_stall_s(self, tokens: int, running: int, cached: int = 0) -> float:
+        """Seconds each of a decode worker's running streams loses while a prompt of `tokens` (over `cached`
+        its cache holds) prefills there: what the steps carrying its chunks take beyond the decode steps
+        they stand in for."""
         step = self.step_s(max(1, running))
         saved = len(self.chunks(tokens)) * step * (1 - self.decode_ride)
-        return max(0.0, self.local_prefill_s(tokens) - saved)
+        return max(0.0, self.local_prefill_s(tokens, cached) - saved)
 
     def step_s(self, batch: float) -> float:
         """Seconds per decode step, piecewise linear over `decode_step`.
@@ -249,6 +258,7 @@ class CostModel:
             "decode_ride": self.decode_ride,
             "decode_context": self.decode_context,
             "decode_context_s": self.decode_context_s,
+            "prefill_context_s": self.prefill_context_s,
             "decode_beside_prefill": self.decode_beside_prefill,
             "prefill_beside_decode": self.prefill_beside_decode,
         }
@@ -274,6 +284,8 @@ class CostModel:
             # absent from a model written before decode steps were timed at two contexts: context costs nothing
             decode_context=int(d.get("decode_context", 64)),
             decode_context_s=float(d.get("decode_context_s", 0.0)),
+            # absent from a model written before prompts were timed over a cached prefix: it costs nothing
+            prefill_context_s=float(d.get("prefill_context_s", 0.0)),
             decode_beside_prefill=float(d.get("decode_beside_prefill", 1.0)),  # absent: measured apart, never
             prefill_beside_decode=float(d.get("prefill_beside_decode", 1.0)),
         )

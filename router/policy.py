@@ -248,10 +248,11 @@ def _remote(cost: CostModel, req: RequestFeatures, state: PoolState, p: int, d: 
     on_d = None if lent and lent.decode == d else state.lent_to(d)  # the prompt takes back what P lent D
     step = cost.step_s(state.decode[d].running + 1) / (on_d.decode_speedup if on_d else 1.0)
     n = _uncached(req, load.cached_tokens)  # what P computes; it ships what D lacks
-    prefill, slowdown = cost.prefill_s(n) / fast, 1.0
+    cached = req.prompt_tokens - n  # what its chunks attend over without computing it
+    prefill, slowdown = cost.prefill_s(n, cached) / fast, 1.0
     if load.decoding:  # flipped to decode: the prompt's chunks run beside P's own batch, which they hold up
-        prefill = cost.local_prefill_wall_s(n, load.decoding)
-        slowdown += load.decoding * cost.local_stall_s(n, load.decoding) / (req.expected_output_tokens * step)
+        prefill = cost.local_prefill_wall_s(n, load.decoding, cached)
+        slowdown += load.decoding * cost.local_stall_s(n, load.decoding, cached) / (req.expected_output_tokens * step)
     queued = load.queued_tokens * cost.prefill.per_unit_s / fast
     if lent:  # the borrower's decoding batch runs 1 / speedup as fast until the threads are lent again
         borrower = state.decode[lent.decode]
@@ -280,12 +281,13 @@ def _local(cost: CostModel, req: RequestFeatures, state: PoolState, d: int) -> _
     decoding = load.running - load.awaiting_kv  # the rest wait for their KV from a prefill worker
     n = _uncached(req, load.cached_tokens)  # D's cache serves the rest
     queued = cost.local_prefill_s(load.queued_prefill_tokens) if load.queued_prefill_tokens else 0.0
-    ttft = (queued + cost.local_prefill_wall_s(n, decoding)) / prefill_speedup + step / 2
+    cached = req.prompt_tokens - n
+    ttft = (queued + cost.local_prefill_wall_s(n, decoding, cached)) / prefill_speedup + step / 2
     if load.arriving:  # it computes nothing until the prefix on its way to D lands
         ttft += _landing_s(cost, state, load.arriving_tokens)
     # what the chunks cost the sequences they hold up (D's decoding batch + this request, standing for its
     # co-arrivals), spread over this request's output
-    stall = cost.local_stall_s(n, decoding) / prefill_speedup
+    stall = cost.local_stall_s(n, decoding, cached) / prefill_speedup
     slowdown = 1.0 + (decoding + 1) * stall / (req.expected_output_tokens * step)
     delay = 0.0
     if (p := state.lending(d)) is not None and not load.arriving:  # D takes its threads back: P's queue computes

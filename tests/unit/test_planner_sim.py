@@ -259,6 +259,12 @@ def test_prompts_with_the_same_hashes_share_a_prefix_and_hit_the_cache():
     a, b = run(tr, Layout(0, 1), "always_local", WorkerSpec(num_blocks=1000, block_size=16)).outcomes
     assert a.ttft_s == pytest.approx(0.02 + 1024 * 0.002)
     assert b.ttft_s == pytest.approx(0.02 + 512 * 0.002)  # its first 512 tokens come from D's cache
+    # computed over that cached prefix, each of its 512 new tokens pays 1 us per cached token it attends over
+    over = replace(COST, prefill_context_s=1e-6)
+    a, b = simulate(tr, over, Layout(0, 1), WorkerSpec(num_blocks=1000, block_size=16),
+                    RouterConfig(policy="always_local")).outcomes
+    assert a.ttft_s == pytest.approx(0.02 + 1024 * 0.002)  # nothing cached: as before
+    assert b.ttft_s == pytest.approx(0.02 + 512 * 0.002 + 512 * 512 * 1e-6)
 
 
 def test_the_ratio_policy_runs_a_loaded_trace_to_the_end():

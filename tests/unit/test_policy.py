@@ -184,10 +184,11 @@ def test_a_cost_model_written_before_chunking_reads_as_whole_prompts() -> None:
     d = measured_cost().to_dict()
     assert CostModel.from_dict(d) == measured_cost()
     for name in ("prefill_chunk_tokens", "decode_ride", "decode_context", "decode_context_s", "decode_beside_prefill",
-                 "prefill_beside_decode"):
+                 "prefill_beside_decode", "prefill_context_s"):
         del d[name]
     old = CostModel.from_dict(d)
     assert old.prefill_chunk_tokens is None and old.decode_ride == 1.0
+    assert old.prefill_context_s == 0.0 and old.prefill_s(100, cached=5000) == old.prefill_s(100)
     assert old.decode_context_s == 0.0 and old.decode_s(4, 4 * 2000) == old.step_s(4)  # context costs nothing
     assert old.decode_beside_prefill == old.prefill_beside_decode == 1.0  # and workers never slow each other
 
@@ -629,3 +630,30 @@ def test_a_local_prompt_waiting_for_kv_on_its_way_to_d_waits_for_it_to_be_comput
     # two prefill workers: the longer queue stands for the one bringing it; an unhealthy one counts not
     two = [PrefillLoad("p", 500), PrefillLoad("q", 3000, healthy=False)]
     assert ttft(two, arriving) - ttft(two, held) == pytest.approx(500 * COST.prefill.per_unit_s)
+
+
+def test_prompt_tokens_computed_over_a_cached_prefix_pay_for_attending_over_it() -> None:
+    """A later turn computes its new tokens over the history its worker's cache holds: each computed token
+    pays `prefill_context_s` per cached token, on either path, in the estimate and in the stall it puts
+    on D's running batch; a prompt with nothing cached costs what it did."""
+    per = 1e-6
+    cost = replace(measured_cost(), prefill_context_s=per)
+    assert CostModel.from_dict(cost.to_dict()) == cost
+    assert cost.prefill_s(136, cached=1200) == pytest.approx(cost.prefill_s(136) + 136 * 1200 * per)
+    assert cost.local_prefill_s(136, cached=1200) == pytest.approx(cost.local_prefill_s(136) + 136 * 1200 * per)
+    with pytest.raises(ValueError, match="prefill_context_s"):
+        replace(cost, prefill_context_s=-1e-9)
+    request = req(1336, 64)
+
+    def option(c: CostModel, pool: str) -> object:
+        state = pools([PrefillLoad("p", 0, cached_tokens=1200 if pool == "remote" else 0)],
+                      [dec(running=4, cached_tokens=1200 if pool == "local" else 0)])
+        return _local(c, request, state, 0) if pool == "local" else _remote(c, request, state, 0, 0)
+    for pool in ("local", "remote"):
+        with_context, without = option(cost, pool), option(measured_cost(), pool)
+        assert with_context.computed == without.computed == 136
+        assert with_context.ttft_s - without.ttft_s == pytest.approx(136 * 1200 * per)
+        if pool == "local":
+            assert with_context.slowdown > without.slowdown  # its chunks hold D's batch up longer
+    nothing = pools([PrefillLoad("p", 0)], [dec(running=4)])
+    assert _local(cost, request, nothing, 0).ttft_s == _local(measured_cost(), request, nothing, 0).ttft_s

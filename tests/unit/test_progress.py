@@ -74,6 +74,7 @@ def _pools(prefill: bool) -> SimpleNamespace:
         beside = repeat and probes.count(True) > 1
         return [(0.01 + 1e-3 * b + 1e-6 * b * ctx) * (1.1 if beside else 1.0) for b in batches]
     decode = _Actor(profile_prefill=lengths_s, profile_decode=steps_s, profile_context=lambda _b, _s, _l: 1e-6,
+                    profile_prefill_over=lambda prefix, chunk: 1e-6 * 2 if (prefix, chunk) == (512, 128) else None,
                     profile_mixed=lambda _b, _ctx, chunk: (0.02, chunk), load=lambda: LoadReport(8, 8),
                     reserve=lambda *a, **kw: 0, transfer_state=lambda _rid: TransferState.DONE,
                     abort=lambda _rid: True)
@@ -87,12 +88,13 @@ INFO = WorkerInfo(worker_id="d0", num_blocks=256, block_size=16, kv_bytes_per_to
                   dtype_reason="test", attention="torch", compiled=False, linear="plain")
 
 
-@pytest.mark.parametrize("prefill,n", [(True, 8), (False, 5)])
+@pytest.mark.parametrize("prefill,n", [(True, 9), (False, 6)])
 def test_calibration_reports_each_measurement_as_it_starts(prefill, n):
     lines: list[str] = []
     cost = asyncio.run(calibrate(_pools(prefill), INFO, report=lines.append))
     assert cost.decode_step  # it measured, with the fakes' numbers
     assert cost.decode_context == 64 and cost.decode_context_s == pytest.approx(1e-6)  # the fake's context slope
+    assert cost.prefill_context_s == pytest.approx(2e-6)  # 128 tokens over a cached 512, the fake's slope
     # the fakes' steps beside prompts and prompts beside steps
     assert (cost.decode_beside_prefill, cost.prefill_beside_decode) == ((1.1, 1.2) if prefill else (1.0, 1.0))
     assert len(lines) == n and all(line.startswith("calibrating [") for line in lines)
@@ -100,4 +102,21 @@ def test_calibration_reports_each_measurement_as_it_starts(prefill, n):
     assert all(f"/{n}]" in line for line in lines)
     assert any("decode steps at 4 batch sizes (1, 4, 16, 32)" in line for line in lines)
     assert any("decode steps at 64 and at 512 tokens of context (3 pairs)" in line for line in lines)
+    assert any("prompts of 128 tokens over a cached prefix of 512" in line for line in lines)
     assert any("KV transfer" in line for line in lines) == prefill
+
+
+def test_a_worker_without_a_prefix_cache_prices_no_cached_context():
+    pools = _pools(False)
+    pools.decode[0].profile_prefill_over = SimpleNamespace(remote=lambda *a: _answer(None))  # what it answers then
+    assert asyncio.run(calibrate(pools, INFO, report=lambda _line: None)).prefill_context_s == 0.0
+
+
+def test_the_cached_prefix_probe_fits_the_model_and_half_the_pool_in_whole_blocks():
+    from dataclasses import replace
+
+    from router.calibrate import _over_prefix
+    assert _over_prefix([16, 128, 512], INFO) == (128, 512)
+    small = replace(INFO, num_blocks=40)  # half the pool: 320 tokens, 128 of them the new ones
+    assert _over_prefix([16, 128, 320], small) == (128, 192)
+    assert _over_prefix([16, 128, 512], replace(INFO, max_model_len=300)) == (128, 160)  # 298 - 128, whole blocks
