@@ -43,30 +43,34 @@ def time_prefill(engine: LLMEngine, num_tokens: int, seed: int = 0) -> float:
 
 def time_prefill_over(engine: LLMEngine, prefix: int, chunk: int, rounds: int = 3, seed: int = 0) -> float | None:
     """Seconds a prompt token adds per token of cached prefix it attends over: a prompt of `chunk` new tokens
-    after `prefix` tokens the prefix cache holds, against `chunk` tokens alone, the median of `rounds` pairs
-    timed one right after the other, over `chunk * prefix`. None when the engine keeps no prefix cache or the
-    prefix is not whole blocks (it would be computed again, not read)."""
+    after `prefix` tokens the prefix cache holds (one prefix, computed once), against `chunk` tokens alone,
+    the median of `rounds` pairs timed one right after the other, over `chunk * prefix`. A pair whose prefix
+    was not read from the cache (evicted) is left out. None when the engine keeps no prefix cache, the
+    prefix is not whole blocks (it would be computed again, not read), or no pair read it."""
     assert not engine.has_unfinished(), "profile an idle engine"
     if not engine.block_manager.enable_prefix_caching or prefix % engine.block_manager.block_size:
         return None
     rng, params = _rng(seed), SamplingParams(max_tokens=1, ignore_eos=True)
 
-    def prefill(prompt: list[int], name: str) -> float:
+    def prefill(prompt: list[int], name: str) -> tuple[float, int]:
+        """Its seconds, and the prompt tokens the engine computed for it."""
+        computed = engine.stats.prefill_tokens
         rid = engine.add_request(prompt, params, request_id=f"profile-over-{name}-{seed}")
         t0 = time.perf_counter()
         while not (outs := engine.step()):
             pass
         seconds = time.perf_counter() - t0
         assert outs[0].finished, rid
-        return seconds
+        return seconds, engine.stats.prefill_tokens - computed
+    head = _prompt(engine, prefix, rng)
+    prefill(head, "head")  # now cached
     slopes = []
     for r in range(rounds):
-        head = _prompt(engine, prefix, rng)
-        prefill(head, f"head-{r}")  # now cached
-        over = prefill(head + _prompt(engine, chunk, rng), f"over-{r}")
-        alone = prefill(_prompt(engine, chunk, rng), f"alone-{r}")
-        slopes.append((over - alone) / (chunk * prefix))
-    return max(0.0, statistics.median(slopes))
+        (over, computed), (alone, _) = prefill(head + _prompt(engine, chunk, rng), f"over-{r}"), \
+            prefill(_prompt(engine, chunk, rng), f"alone-{r}")
+        if computed == chunk:  # it read the prefix from the cache
+            slopes.append((over - alone) / (chunk * prefix))
+    return max(0.0, statistics.median(slopes)) if slopes else None
 
 
 def _decoding(engine: LLMEngine, batch: int, context: int, steps: int, rng: random.Random, name: str,
