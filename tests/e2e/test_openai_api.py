@@ -328,10 +328,11 @@ def test_start_up_shows_its_progress(server):
     """Calibration's steps, and the decode worker's own lines (its decode step compiled graph by graph)
     in the server's log, at its default level."""
     log = "".join(server.log)
-    assert re.search(r"calibrating \[1/8\] .*\(0 s so far\)", log), log[-3000:]
-    assert re.search(r"calibrating \[\d/8\] decode steps at 64 and at \d+ tokens of context \(3 pairs\)", log)
+    assert re.search(r"calibrating \[1/9\] .*\(0 s so far\)", log), log[-3000:]
+    assert re.search(r"calibrating \[2/9\] prompts of \d+ tokens over a cached prefix of \d+", log)
+    assert re.search(r"calibrating \[\d/9\] decode steps at 64 and at \d+ tokens of context \(3 pairs\)", log)
     assert "calibrating [8/9] KV transfer" in log
-    assert re.search(r"calibrating \[8/8\] decode steps at \d+ tokens of context during prompts", log)
+    assert re.search(r"calibrating \[9/9\] decode steps at \d+ tokens of context during prompts", log)
     assert re.search(r"decode step graph 2 of 2 \(batch > 1, \d+ threads\) compiled and checked in", log), log[-3000:]
     # only the decode worker compiles one: the prefill worker runs prompt passes only (no role flips)
     compiled_by = set(re.findall(r"\((\w+Worker) pid=\d+\)\S*\s+INFO engine\.model_runner: decode step graph", log))
