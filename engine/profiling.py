@@ -30,14 +30,17 @@ def _prompt(engine: LLMEngine, n: int, rng: random.Random) -> list[int]:
 def time_prefill(engine: LLMEngine, num_tokens: int, seed: int = 0) -> float:
     """Seconds to prefill a `num_tokens` prompt, every chunk of it (engine otherwise idle)."""
     assert not engine.has_unfinished(), "profile an idle engine"
-    rng = _rng(seed)
-    rid = engine.add_request(_prompt(engine, num_tokens, rng), SamplingParams(max_tokens=1, ignore_eos=True),
-                             request_id=f"profile-prefill-{num_tokens}-{seed}")
+    return _timed_prefill(engine, _prompt(engine, num_tokens, _rng(seed)), f"profile-prefill-{num_tokens}-{seed}")
+
+
+def _timed_prefill(engine: LLMEngine, prompt: list[int], request_id: str) -> float:
+    """Seconds to prefill `prompt` to its first token, every chunk of it (engine otherwise idle)."""
+    engine.add_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True), request_id=request_id)
     t0 = time.perf_counter()
     while not (outs := engine.step()):
         pass
     seconds = time.perf_counter() - t0
-    assert outs[0].finished, rid
+    assert outs[0].finished, request_id
     return seconds
 
 
@@ -50,18 +53,12 @@ def time_prefill_over(engine: LLMEngine, prefix: int, chunk: int, rounds: int = 
     assert not engine.has_unfinished(), "profile an idle engine"
     if not engine.block_manager.enable_prefix_caching or prefix % engine.block_manager.block_size:
         return None
-    rng, params = _rng(seed), SamplingParams(max_tokens=1, ignore_eos=True)
+    rng = _rng(seed)
 
     def prefill(prompt: list[int], name: str) -> tuple[float, int]:
         """Its seconds, and the prompt tokens the engine computed for it."""
         computed = engine.stats.prefill_tokens
-        rid = engine.add_request(prompt, params, request_id=f"profile-over-{name}-{seed}")
-        t0 = time.perf_counter()
-        while not (outs := engine.step()):
-            pass
-        seconds = time.perf_counter() - t0
-        assert outs[0].finished, rid
-        return seconds, engine.stats.prefill_tokens - computed
+        return _timed_prefill(engine, prompt, f"profile-over-{name}-{seed}"), engine.stats.prefill_tokens - computed
     head = _prompt(engine, prefix, rng)
     prefill(head, "head")  # now cached
     slopes = []

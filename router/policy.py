@@ -240,11 +240,16 @@ def _uncached(req: RequestFeatures, cached_tokens: int) -> int:
     return max(1, req.prompt_tokens - cached_tokens)
 
 
+def _prefill_speedup(load: PrefillLoad) -> float:
+    """How much faster a prefill worker computes prompts now: with a decode worker's lent threads, or not."""
+    return load.loan.prefill_speedup if load.loan and not load.loan.to_decode else 1.0
+
+
 def _remote(cost: CostModel, req: RequestFeatures, state: PoolState, p: int, d: int) -> _Option:
     load = state.prefill[p]
     lent = load.loan if load.loan and load.loan.to_decode else None  # the prompt takes P's threads back
     borrowing = bool(load.loan and not load.loan.to_decode)  # P computes with D's threads (and holds its layers)
-    fast = load.loan.prefill_speedup if borrowing else 1.0
+    fast = _prefill_speedup(load)
     on_d = None if lent and lent.decode == d else state.lent_to(d)  # the prompt takes back what P lent D
     step = cost.step_s(state.decode[d].running + 1) / (on_d.decode_speedup if on_d else 1.0)
     n = _uncached(req, load.cached_tokens)  # what P computes; it ships what D lacks
@@ -268,10 +273,8 @@ def _landing_s(cost: CostModel, state: PoolState, tokens: int) -> float:
     """How long until `tokens` of KV on their way to a decode worker land: the prefill worker bringing them
     computes them, at most its whole queue (whose prompts it computes side by side, `engine.scheduler`);
     the longest healthy queue stands for that worker (the index does not say which)."""
-    def queue_s(p: PrefillLoad) -> float:
-        fast = p.loan.prefill_speedup if p.loan and not p.loan.to_decode else 1.0
-        return min(p.queued_tokens, tokens) * cost.prefill.per_unit_s / fast  # as a remote prompt prices its queue
-    return max((queue_s(p) for p in state.prefill if p.healthy), default=0.0)
+    return max((min(p.queued_tokens, tokens) * cost.prefill.per_unit_s / _prefill_speedup(p)  # as `_remote`'s queue
+                for p in state.prefill if p.healthy), default=0.0)
 
 
 def _local(cost: CostModel, req: RequestFeatures, state: PoolState, d: int) -> _Option:

@@ -284,7 +284,6 @@ def test_a_validation_gives_the_serving_factors_that_would_have_matched_it():
     assert Comparison(summary(0.5, 0.02), summary(None, None, ok=0), Layout(1, 1), "ratio").measured_factors() is None
 
 
-
 def test_a_validation_compares_each_request_shape_of_a_mix_apart():
     """A median over two shapes can sit between them: each shape's TTFT and TPOT p50 are compared apart,
     for a trace of a few shapes only."""
@@ -308,6 +307,7 @@ def test_a_validation_compares_each_request_shape_of_a_mix_apart():
     assert by_class(sim[:3], 10.0, meas[:3], 10.0, 2.0, 0.05) == ()  # one shape: the whole is the shape
     many = [rec(i, 10 + i, 4, 0.1, 0.01) for i in range(5)]
     assert by_class(many, 10.0, many, 10.0, 2.0, 0.05) == ()  # more shapes than a table of them would help
+
 
 ENGINE = """# TYPE pdserve_engine_step_seconds counter
 pdserve_engine_step_seconds_total{kind="decode",pool="decode",worker="d0"} %s
