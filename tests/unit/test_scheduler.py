@@ -98,6 +98,28 @@ def test_a_prompt_alone_goes_whole_within_the_budget() -> None:
     assert chunks(step(sched)) == [(b_, 24, 30)]
 
 
+def test_while_sequences_decode_only_a_chunk_that_completes_its_prompt_joins_the_first() -> None:
+    """Past a shared step's first prompt chunk, a prompt joins only with the rest of it: a part of it would
+    delay the step's first tokens without finishing it sooner. Its cached prefix does not count."""
+    running = make_seq(8, base=500)
+    a, b_, c = make_seq(5, base=100), make_seq(5, base=200), make_seq(2, base=300)
+    over_cache = Sequence("over-cache", running.token_ids[:8] + [900, 901], SamplingParams(max_tokens=8))
+    sched = make(running, max_tokens=32, chunk=8)
+    step(sched)  # alone: whole, and its two blocks keyed
+    for s in (a, b_, c):
+        sched.add(s)
+    b = step(sched)
+    assert b.decode == [running] and chunks(b) == [(a, 0, 5)]  # b_ does not fit the 3 left: not split
+    b = step(sched)
+    assert chunks(b) == [(b_, 0, 5), (c, 0, 2)]  # c's 2 fit the 3 left: it joins whole
+    long_ = make_seq(22, base=700)
+    sched.add(long_)
+    sched.add(over_cache)
+    assert chunks(step(sched)) == [(long_, 0, 8)]  # a step's first chunk may be part of its prompt
+    assert chunks(step(sched)) == [(long_, 8, 16)]
+    assert chunks(step(sched)) == [(long_, 16, 22), (over_cache, 8, 10)]  # its 2 uncached tokens fit the 2 left
+
+
 def test_without_decoding_sequences_several_chunks_fill_the_budget() -> None:
     a, b_ = make_seq(20, base=0), make_seq(20, base=100)
     sched = make(a, b_, max_tokens=10, chunk=6)
