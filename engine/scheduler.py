@@ -151,7 +151,7 @@ class Scheduler:
         chunk = budget if alone else self.prefill_chunk_tokens
         chunks = []
         for seq in prefilling:
-            if budget <= 0 or not self._joins(decode, chunks, seq.num_uncomputed, budget):
+            if budget <= 0 or not self._joins(decode, chunks, seq, budget):
                 break
             chunks.append(self._chunk(seq, min(budget, chunk)))
             budget -= chunks[-1].end - chunks[-1].start
@@ -161,8 +161,7 @@ class Scheduler:
             if self.block_manager.computing_prefix(seq.token_ids):
                 i += 1
                 continue
-            uncached = seq.num_tokens - self.block_manager.cached_prefix_len(seq.token_ids)
-            if not self._joins(decode, chunks, uncached, budget) or not self.block_manager.can_allocate(seq):
+            if not self._joins(decode, chunks, seq, budget) or not self.block_manager.can_allocate(seq):
                 break
             del self.waiting[i]
             self.block_manager.allocate(seq)
@@ -174,13 +173,17 @@ class Scheduler:
             budget -= chunks[-1].end - chunks[-1].start
         return Batch(decode, chunks) if decode or chunks else None
 
-    @staticmethod
-    def _joins(decode: list[Sequence], chunks: list[Chunk], uncomputed: int, budget: int) -> bool:
-        """Whether a prompt with `uncomputed` tokens left gets a chunk of this step. While sequences decode,
-        a step's prompt tokens are capped, so prompts go one after the other: past the step's first chunk,
-        only one that completes its prompt joins. A part of another would only make the step longer, and
-        every first token it samples later, without finishing that prompt any sooner."""
-        return not (decode and chunks) or uncomputed <= budget
+    def _joins(self, decode: list[Sequence], chunks: list[Chunk], seq: Sequence, budget: int) -> bool:
+        """Whether `seq` (prefilling, or waiting) gets a chunk of this step. While sequences decode, a step's
+        prompt tokens are capped, so prompts go one after the other: past the step's first chunk, only one
+        whose chunk completes its prompt joins (a waiting one's cached prefix not counted). A part of
+        another would only make the step longer, and every first token it samples later, without
+        finishing that prompt any sooner."""
+        if not (decode and chunks):
+            return True
+        if seq.status is SequenceStatus.WAITING:
+            return seq.num_tokens - self.block_manager.cached_prefix_len(seq.token_ids) <= budget
+        return seq.num_uncomputed <= budget
 
     def has_prefill_work(self) -> bool:
         """Whether prompts wait or are part-way through their prefill."""
