@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ctypes.util
 import os
 import random
 import signal
@@ -92,6 +93,15 @@ PDSERVE_LAYOUTS = {"ratio": ("ratio", 1, 1), "always_remote": ("always_remote", 
                    "cold": ("ratio", 1, 1, "--no-prefix-aware", "--no-enable-prefix-caching")}
 
 
+def peer_preloads(vllm_venv: str) -> list[str]:
+    """The libraries vLLM's CPU build asks to have preloaded for its best speed, those found here: tcmalloc
+    (`libtcmalloc-minimal4`, which `bench/setup_vllm.sh` installs where it can) and the Intel OpenMP runtime its
+    venv ships. On a 2-core AVX-512 BF16 EPYC its saturated decode gained 10% with both (four pairs: -2% to +23%)."""
+    found = [lib] if (lib := ctypes.util.find_library("tcmalloc_minimal")) else []
+    iomp = Path(vllm_venv) / "lib" / "libiomp5.so"
+    return found + ([str(iomp)] if iomp.is_file() else [])
+
+
 def _server_cmd(kind: str, model_dir: str, port: int, args: argparse.Namespace,
                 slo: Slo | None = None) -> tuple[list[str], dict]:
     """The command line and environment of server `kind`; a pdserve server is given `slo` as its placement
@@ -103,6 +113,8 @@ def _server_cmd(kind: str, model_dir: str, port: int, args: argparse.Namespace,
         # which on 2 cores made its prefill 1.8x and its saturated decode 1.25x slower); a bind the
         # caller set wins
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, sorted(os.sched_getaffinity(0)))))
+        if preloads := peer_preloads(args.vllm_venv):  # a preload the caller set wins
+            env.setdefault("LD_PRELOAD", ":".join(preloads))
         return [f"{args.vllm_venv}/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir,
                 "--dtype", args.dtype, "--port", str(port), "--served-model-name", "model",
                 "--max-model-len", "4096", "--enable-prompt-tokens-details"], env

@@ -109,6 +109,26 @@ def test_a_saturated_run_warms_up_with_one_wave_and_measures_three():
     assert saturated_counts(1, 4) == (4, 12)
 
 
+def test_the_peer_starts_with_the_preloads_its_cpu_build_asks_for(tmp_path, monkeypatch):
+    from pdserve.bench import serving
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--vllm-venv", str(tmp_path)])
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    monkeypatch.setattr(serving.ctypes.util, "find_library", lambda name: None)  # no tcmalloc here
+    assert "LD_PRELOAD" not in serving._server_cmd(PEER, "/models/m", 8000, args)[1]  # nothing found: none
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libiomp5.so").write_bytes(b"")
+    monkeypatch.setattr(serving.ctypes.util, "find_library",
+                        lambda name: "libtcmalloc_minimal.so.4" if name == "tcmalloc_minimal" else None)
+    env = serving._server_cmd(PEER, "/models/m", 8000, args)[1]
+    assert env["LD_PRELOAD"] == f"libtcmalloc_minimal.so.4:{tmp_path}/lib/libiomp5.so"
+    assert "LD_PRELOAD" not in serving._server_cmd("ratio", "/models/m", 8000, args)[1]  # pdserve: as started
+    monkeypatch.setenv("LD_PRELOAD", "/opt/mine.so")  # the caller's wins
+    assert serving._server_cmd(PEER, "/models/m", 8000, args)[1]["LD_PRELOAD"] == "/opt/mine.so"
+
+
 def test_pdserve_is_told_the_workload_s_slo_and_the_peer_is_not():
     from pdserve.bench.serving import Slo, _server_cmd
 
