@@ -46,6 +46,7 @@ from loadtest.runner import RunResult, run_closed_loop, run_open_loop, warm_up
 from loadtest.workload import RequestSpec, build_workload, run_seed
 
 PEER = "vllm"  # the server the SLOs are scaled to
+WORKLOADS = ("decode-heavy", "prompt-heavy", "mixed")  # the report's workloads, in the order it runs them
 
 
 @dataclass(frozen=True)
@@ -286,6 +287,7 @@ def run_report(args: argparse.Namespace) -> int:
     workloads = [Workload("decode-heavy", (o,), tuple(args.decode_rates)),
                  Workload("prompt-heavy", (p,), tuple(args.prompt_rates)),
                  Workload("mixed", (p, o), tuple(args.mixed_rates))]
+    workloads = [w for w in workloads if w.name in args.workloads]
     if PEER in args.servers:
         subprocess.run(["bash", "bench/setup_vllm.sh", args.vllm_venv], check=True)
     slos = _fixed_slos(args, workloads, out)
@@ -320,6 +322,14 @@ def _fixed_slos(args: argparse.Namespace, workloads: list[Workload], out: Path) 
 def _pair(text: str) -> tuple[int, int]:
     p, o = (int(x) for x in text.split(":"))
     return p, o
+
+
+def _workloads(text: str) -> list[str]:
+    names = [x for x in text.split(",") if x]
+    unknown = [x for x in names if x not in WORKLOADS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"expected some of {', '.join(WORKLOADS)}, got {text!r}")
+    return names
 
 
 def _floats(text: str) -> list[float]:
@@ -367,6 +377,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-rates", type=_floats, default=[0.2, 0.5])
     p.add_argument("--prompt-rates", type=_floats, default=[0.2, 0.4])
     p.add_argument("--mixed-rates", type=_floats, default=[0.2, 0.4])
+    p.add_argument("--workloads", default=list(WORKLOADS), type=_workloads,
+                   help=f"which of {', '.join(WORKLOADS)} to run (default: all)")
     p.add_argument("--num-requests", type=int, default=12, help="requests per run")
     p.add_argument("--concurrency", type=int, default=12, help="closed-loop concurrency (saturated throughput: "
                    f"a wave of this many warms up, then at least {SATURATED_WAVES} waves are measured)")

@@ -144,3 +144,28 @@ def test_pdserve_is_told_the_workload_s_slo_and_the_peer_is_not():
     assert "--ttft-target" not in _server_cmd("ratio", args.model_dir, 8000, args)[0]  # no SLO: its own targets
     assert "--ttft-target" not in _server_cmd(PEER, args.model_dir, 8000, args, slo)[0]
     assert not p.parse_args(["--no-tell-slo"]).tell_slo
+
+
+def test_the_report_runs_the_workloads_asked_for_and_names_an_unknown_one():
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert p.parse_args([]).workloads == ["decode-heavy", "prompt-heavy", "mixed"]
+    assert p.parse_args(["--workloads", "mixed"]).workloads == ["mixed"]
+    with pytest.raises(SystemExit):
+        p.parse_args(["--workloads", "mixed,chat"])
+
+
+def _open_doc(server: str, fractions: dict[float, float]) -> dict:
+    return {"meta": {"server": server, "workload": "mixed"},
+            "runs": [{"config": {"mode": "open", "rate": r}, "summary": {"goodput": {"fraction": f}}}
+                     for r, f in fractions.items()]}
+
+
+def test_a_server_s_sustainable_rate_is_the_highest_run_with_enough_requests_within_the_slo():
+    from pdserve.bench.serving_report import capacities
+
+    docs = [_open_doc("vllm", {0.8: 1.0, 1.2: 0.85, 1.6: 0.2}), _open_doc("ratio", {0.8: 0.95, 1.2: 0.9, 1.6: 0.7}),
+            _open_doc("single", {0.8: 0.5, 1.2: 0.4}), _open_doc("flip", {0.8: 0.6, 1.2: 0.95})]
+    assert capacities(docs, "mixed") == {"vllm": 0.8, "ratio": 1.2, "single": None, "flip": 1.2}
+    assert capacities(docs, "prompt-heavy") == {}
+    assert capacities(docs, "mixed", attainment=0.5)["single"] == 0.8
