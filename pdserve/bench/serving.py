@@ -57,11 +57,14 @@ class Workload:
 
 
 def _specs(w: Workload, n: int, seed: int, vocab_size: int) -> list[RequestSpec]:
+    """`n` requests of `w`: its parts in equal numbers (the first parts one more where `n` does not divide),
+    in an order shuffled by `seed`, so every run of a sweep serves the same mix and only its prompts and
+    order differ."""
     seed += zlib.crc32(w.name.encode()) % 100_000  # no two workloads share a prompt
     per = [build_workload(f"fixed:{p}:{o}", n, seed=seed + i, vocab_size=vocab_size) for i, (p, o) in
            enumerate(w.parts)]
-    rng = random.Random(seed)
-    picks = [rng.randrange(len(per)) for _ in range(n)]
+    picks = [i % len(per) for i in range(n)]
+    random.Random(seed).shuffle(picks)
     return [replace(per[k][i], index=i) for i, k in enumerate(picks)]
 
 
