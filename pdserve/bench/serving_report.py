@@ -52,7 +52,8 @@ def _open_table(docs: list[dict], workload: str) -> list[str]:
                 continue
             lines.append(f"| {LABELS.get(doc['meta']['server'], doc['meta']['server'])} | {c['rate']:g} | "
                          f"{s['requests']['ok']} / {c['sent']} | {_f(s['goodput']['requests_per_s'], '{:.3f}')} | "
-                         f"{100 * s['goodput']['fraction']:.0f}% | {_f(s['ttft_s']['p50'])} / {_f(s['ttft_s']['p99'])} | {_f(s['itl_s']['p50'], '{:.3f}')} / "
+                         f"{100 * s['goodput']['fraction']:.0f}% | {_f(s['ttft_s']['p50'])} / {_f(s['ttft_s']['p99'])} | "
+                         f"{_f(s['itl_s']['p50'], '{:.3f}')} / "
                          f"{_f(s['itl_s']['p99'], '{:.3f}')} / {_f(s['itl_s']['max'], '{:.2f}')} | "
                          f"{_f(s['tpot_s']['p50'], '{:.3f}')} | "
                          f"{_f(s['throughput']['output_tokens_per_s'], '{:.1f}')} |")
@@ -60,19 +61,23 @@ def _open_table(docs: list[dict], workload: str) -> list[str]:
 
 
 def capacities(docs: list[dict], workload: str, attainment: float = ATTAINMENT) -> dict[str, float | None]:
-    """Per server: the highest open-loop rate it ran `workload` at with at least `attainment` of the
-    requests sent within the SLO (the goodput of a serving system in the sense of a sustainable rate;
-    None: no rate run met it). Only as fine as the rates run."""
-    best: dict[str, float | None] = {}
+    """Per server: the highest open-loop rate it ran `workload` at such that at that rate and every lower
+    one it ran, at least `attainment` of the requests sent met the SLO: the rate it sustains (a rate met
+    above one missed says more about that run's requests than about the server). None: its lowest rate
+    missed. Only as fine as the rates run."""
+    runs: dict[str, list[tuple[float, float]]] = {}
     for doc in docs:
-        if doc["meta"]["workload"] != workload:
-            continue
-        server = doc["meta"]["server"]
-        best.setdefault(server, None)
-        for run in doc["runs"]:
-            c, s = run["config"], run["summary"]
-            if c["mode"] == "open" and s["goodput"]["fraction"] >= attainment:
-                best[server] = max(c["rate"], best[server] or 0.0)
+        if doc["meta"]["workload"] == workload:
+            runs.setdefault(doc["meta"]["server"], []).extend(
+                (r["config"]["rate"], r["summary"]["goodput"]["fraction"]) for r in doc["runs"]
+                if r["config"]["mode"] == "open")
+    best: dict[str, float | None] = {}
+    for server, points in runs.items():
+        best[server] = None
+        for rate, fraction in sorted(points):
+            if fraction < attainment:
+                break
+            best[server] = rate
     return best
 
 
