@@ -87,7 +87,8 @@ def _capacity_line(docs: list[dict], workload: str) -> list[str]:
         return []
     text = ", ".join(f"{LABELS.get(k, k)} {'none of its rates' if v is None else f'{v:g} req/s'}"
                      for k, v in caps.items())
-    return [f"Highest rate run with ≥ {100 * ATTAINMENT:.0f}% of requests within the SLO: {text}.", ""]
+    return [(f"Rate sustained (the highest up to which every rate run had ≥ {100 * ATTAINMENT:.0f}% of requests "
+             f"within the SLO): {text}."), ""]
 
 
 def _closed_table(docs: list[dict]) -> list[str]:
