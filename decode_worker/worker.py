@@ -134,8 +134,9 @@ class DecodeWorker(WorkerBase):
         return items
 
     def inject_fault(self, kind: str | None) -> None:
-        """Fault injection for tests: "sample" (the next token this worker samples cannot be picked: its
-        request fails alone, as one whose logits hold no finite value would). None clears it."""
+        """Fault injection for tests: "sample" (the next request to arrive here gets a token that cannot be
+        picked: it fails alone, as one whose logits hold no finite value would; requests already here sample
+        as they should). None clears it."""
         if kind not in (None, "sample"):
             raise ValueError(f"kind must be sample or None; got {kind!r}")
         self._owner.call(lambda: self._arm_sampling_fault(kind == "sample"))
@@ -204,17 +205,22 @@ class DecodeWorker(WorkerBase):
         return Round.WAITING if self._landing or self.engine.scheduler.waiting else Round.IDLE
 
     def _arm_sampling_fault(self, armed: bool) -> None:
-        """The engine's sampler fails the first row of its next call (`armed`), or samples as it should."""
-        sampler = self.engine.sampler
+        """The engine's sampler fails the row of the first request that arrives after now (`armed`): its
+        first token sampled here; a request already here (any leftover) cannot take the fault instead. Not
+        armed: it samples as it should."""
+        sampler, sched = self.engine.sampler, self.engine.scheduler
         sampler.__dict__.pop("sample", None)  # the class's own method again
         if not armed:
             return
         real = sampler.sample
+        here = {s.request_id for s in (*sched.waiting, *sched.running, *sched.receiving.values())}
 
         def once(logits: torch.Tensor, seqs: list[Sequence]) -> list[int | SamplingError]:
-            del sampler.sample
             tokens = real(logits, seqs)
-            tokens[0] = SamplingError("injected fault: no token could be picked")
+            row = next((i for i, seq in enumerate(seqs) if seq.request_id not in here), None)
+            if row is not None:
+                del sampler.sample
+                tokens[row] = SamplingError("injected fault: no token could be picked")
             return tokens
         sampler.sample = once
 

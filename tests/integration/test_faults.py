@@ -328,12 +328,13 @@ def test_a_token_that_cannot_be_picked_fails_its_request_alone(cluster, side):
         return failed, out, router
 
     failed, out, router = asyncio.run(main())
-    assert isinstance(failed, RequestFailed), failed
+    text = router.metrics_text()[0].decode()
+    placed = [line for line in text.splitlines() if line.startswith("pdserve_placement_decisions_total{")]
+    assert isinstance(failed, RequestFailed), (failed, placed)
     assert "no token could be picked" in str(failed), failed
     kind = ErrorKind.PREFILL_FAILED if side == "prefill" else ErrorKind.INTERNAL
     assert failed.kind == kind, failed
     assert out == greedy_reference(ref, after, 12)
-    text = router.metrics_text()[0].decode()
     assert "pdserve_worker_failures_total{" not in text, text  # a request failed, not its worker
     assert_all_free_eventually(pools)
 
