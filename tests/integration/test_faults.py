@@ -339,6 +339,36 @@ def test_a_token_that_cannot_be_picked_fails_its_request_alone(cluster, side):
     assert_all_free_eventually(pools)
 
 
+def test_a_token_that_cannot_be_picked_fails_the_request_that_arrives_not_one_already_decoding(cluster):
+    """The sampling fault is armed on the decode workers while a request decodes there: the next request to
+    arrive takes it and fails alone; the one already decoding runs on to the end exactly."""
+    ref, pools = cluster[0], cluster[1]
+    running, victim = random_prompt(35, seed=630), random_prompt(30, seed=631)
+
+    async def main():
+        router = make_router(cluster, policy="always_remote", on_prefill_failure="fail")
+        await settle(router)
+        progress: dict = {}
+        first = asyncio.create_task(run_one(router, running, 120, progress, 0))
+        while progress.get(0, (0,))[0] < 5 and not first.done():  # it decodes on its decode worker
+            await asyncio.sleep(0.01)
+        for w in pools.decode:
+            await asyncio.wait_for(w.inject_fault.remote("sample"), 30)
+        try:
+            failed = await asyncio.wait_for(run_one(router, victim, 10, {}, 1), 60)
+        finally:
+            for w in pools.decode:
+                await asyncio.wait_for(w.inject_fault.remote(None), 30)
+        out = await asyncio.wait_for(first, 120)
+        await router.stop_polling()
+        return failed, out
+
+    failed, out = asyncio.run(main())
+    assert isinstance(failed, RequestFailed) and "no token could be picked" in str(failed), failed
+    assert out == greedy_reference(ref, running, 120)
+    assert_all_free_eventually(pools)
+
+
 def assert_all_free_eventually(pools, timeout_s: float = 30) -> None:
     """Blocks a failed transfer held on the sending side return once that side sees it fail."""
     import time
