@@ -349,11 +349,12 @@ def test_a_token_that_cannot_be_picked_fails_the_request_that_arrives_not_one_al
         router = make_router(cluster, policy="always_remote", on_prefill_failure="fail")
         await settle(router)
         progress: dict = {}
-        first = asyncio.create_task(run_one(router, running, 120, progress, 0))
+        first = asyncio.create_task(run_one(router, running, 300, progress, 0))
         while progress.get(0, (0,))[0] < 5 and not first.done():  # it decodes on its decode worker
             await asyncio.sleep(0.01)
         for w in pools.decode:
             await asyncio.wait_for(w.inject_fault.remote("sample"), 30)
+        armed_while_decoding = not first.done()
         try:
             failed = await asyncio.wait_for(run_one(router, victim, 10, {}, 1), 60)
         finally:
@@ -361,11 +362,12 @@ def test_a_token_that_cannot_be_picked_fails_the_request_that_arrives_not_one_al
                 await asyncio.wait_for(w.inject_fault.remote(None), 30)
         out = await asyncio.wait_for(first, 120)
         await router.stop_polling()
-        return failed, out
+        return armed_while_decoding, failed, out
 
-    failed, out = asyncio.run(main())
+    armed_while_decoding, failed, out = asyncio.run(main())
+    assert armed_while_decoding, "the first request ended before the fault was armed: the test proves nothing"
     assert isinstance(failed, RequestFailed) and "no token could be picked" in str(failed), failed
-    assert out == greedy_reference(ref, running, 120)
+    assert out == greedy_reference(ref, running, 300)
     assert_all_free_eventually(pools)
 
 
