@@ -25,7 +25,16 @@ from loadtest.report import (
     warmup_meta,
     write_results,
 )
-from loadtest.runner import RunResult, WarmupResult, run_closed_loop, run_conversations, run_open_loop, warm_up
+from loadtest.runner import (
+    REPLIES,
+    STAND_IN,
+    RunResult,
+    WarmupResult,
+    run_closed_loop,
+    run_conversations,
+    run_open_loop,
+    warm_up,
+)
 from loadtest.workload import (
     RequestSpec,
     WorkloadError,
@@ -129,6 +138,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "prompts of the same workload drawn with their own seed (default: %(default)s)")
     p.add_argument("--think-time", type=float, default=1.0, help="multi-turn: seconds between a turn's end and "
                    "the conversation's next turn (default: 1)")
+    p.add_argument("--replies", choices=REPLIES, default=STAND_IN, help="multi-turn: the history's replies: the "
+                   "workload's seeded stand-ins, the same prompts for every server (stand-in, the default), or the "
+                   "server's own answers, as a chat client resends them (answered; a token-id prompt resends their "
+                   "ids, asked with return_token_ids)")
     p.add_argument("--max-duration", type=_positive_float, default=600.0, help="seconds per run; then in-flight "
                    "requests are cancelled (default: 600)")
     p.add_argument("--timeout", type=_positive_float, default=300.0, help="per-request timeout, s (default: 300)")
@@ -188,7 +201,7 @@ async def _run_all(args: argparse.Namespace, specs: list[RequestSpec]) -> tuple[
             run_specs = specs if i == 0 else _specs(args, seed)
             if any(s.conversation is not None for s in run_specs):
                 runs.append(await run_conversations(client, run_specs, rate, args.think_time, seed, args.max_duration,
-                                                    progress, args.burstiness))
+                                                    progress, args.burstiness, args.replies))
             else:
                 runs.append(await run_open_loop(client, run_specs, rate, seed, args.max_duration, progress,
                                                 args.burstiness))

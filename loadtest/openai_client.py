@@ -9,7 +9,10 @@ token-id prompts cannot be sent as chat) and "max_completion_tokens" instead of 
 Read: every `data:` event until `data: [DONE]`. A chunk carrying output is a choice with non-empty `text`
 (or chat `delta.content`); the usage event gives completion_tokens, prompt_tokens (for chat, the server's
 count after its chat template) and pdserve's `usage.pdserve_timings` (also accepted top-level on the
-finishing chunk). Anything malformed fails the request, never the run.
+finishing chunk). A spec with `keep_output` keeps the output's text on the record, and for a token-id
+prompt also asks for its token ids (`"return_token_ids": true`, as pdserve and vLLM name it) and keeps
+them (each chunk's `token_ids`; a server that sends none leaves them None). Anything malformed fails the
+request, never the run.
 """
 from __future__ import annotations
 
@@ -65,6 +68,8 @@ class OpenAIClient:
             body["ignore_eos"] = True
         if self.model:
             body["model"] = self.model
+        if spec.keep_output and spec.prompt_token_ids is not None:
+            body["return_token_ids"] = True
         return body
 
     async def send(self, spec: RequestSpec) -> RequestRecord:
@@ -74,7 +79,7 @@ class OpenAIClient:
                                                   timeout=aiohttp.ClientTimeout(total=None), headers=self._headers)
         rec = RequestRecord(spec.index, spec.prompt_tokens, spec.output_tokens)
         t0 = time.perf_counter()
-        state = _StreamState(rec, t0)
+        state = _StreamState(rec, t0, spec.keep_output)
         try:
             async with asyncio.timeout(self.timeout_s):
                 async with self._session.post(self.url, json=self.body(spec)) as resp:
@@ -113,8 +118,10 @@ def chat_messages(spec: RequestSpec) -> list[dict[str, str]]:
 class _StreamState:
     """Folds SSE events into a record."""
 
-    def __init__(self, rec: RequestRecord, t0: float) -> None:
-        self.rec, self.t0 = rec, t0
+    def __init__(self, rec: RequestRecord, t0: float, keep_output: bool = False) -> None:
+        self.rec, self.t0, self.keep_output = rec, t0, keep_output
+        self.texts: list[str] = []
+        self.token_ids: list[int] | None = None
         self.done = False
         self.output_chunks = 0
         self.usage_tokens: int | None = None
@@ -153,6 +160,8 @@ class _StreamState:
                 text = c["delta"].get("content")
             if text is not None and not isinstance(text, str):
                 raise StreamError(R.BAD_RESPONSE, f"choice text is not a string: {text!r:.80}")
+            if self.keep_output:
+                self._keep(text, c.get("token_ids"))
             if text:
                 self.output_chunks += 1
                 self.rec.chunk_times_s.append(now)
@@ -160,6 +169,15 @@ class _StreamState:
                     self.rec.ttft_s = now
             if c.get("finish_reason") is not None:
                 self.rec.finish_reason = str(c["finish_reason"])
+
+    def _keep(self, text: str | None, token_ids: Any) -> None:
+        if text:
+            self.texts.append(text)
+        if token_ids is not None:
+            if not isinstance(token_ids, list) or not all(type(t) is int for t in token_ids):
+                raise StreamError(R.BAD_RESPONSE, f"choice token_ids is not a list of ids: {token_ids!r:.80}")
+            self.token_ids = self.token_ids or []
+            self.token_ids += token_ids
 
     def _usage(self, usage: dict) -> None:
         tokens = usage.get("completion_tokens")
@@ -177,6 +195,8 @@ class _StreamState:
 
     def finish(self) -> None:
         rec = self.rec
+        if self.keep_output:
+            rec.output_text, rec.output_token_ids = "".join(self.texts), self.token_ids
         if self.usage_tokens is not None:
             rec.output_tokens, rec.output_tokens_source = self.usage_tokens, "usage"
         else:

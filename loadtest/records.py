@@ -32,7 +32,8 @@ class RequestRecord:
     timings: pdserve's phase timings (path, queue_s, prefill_s, transfer_s, decode_s, ttft_s, e2e_s) if sent.
     cached_tokens: prompt tokens the server served from its prefix cache (`usage.prompt_tokens_details`), if
     it says. conversation / turn: in a multi-turn workload, the request's conversation and its turn there
-    (0: the first); conversation None otherwise.
+    (0: the first); conversation None otherwise. output_text / output_token_ids: what the server answered,
+    kept only when the spec asked (`RequestSpec.keep_output`; the ids when the server sends them), else None.
     """
 
     index: int
@@ -53,6 +54,8 @@ class RequestRecord:
     error: str | None = None
     error_kind: str | None = None
     timings: dict[str, Any] | None = None
+    output_text: str | None = None
+    output_token_ids: list[int] | None = None
 
     @property
     def ok(self) -> bool:

@@ -20,7 +20,7 @@ from tqdm import tqdm
 from loadtest import records as R
 from loadtest.clients import Client
 from loadtest.records import RequestRecord
-from loadtest.workload import RequestSpec
+from loadtest.workload import RequestSpec, with_replies
 
 
 @dataclass
@@ -179,16 +179,28 @@ async def run_closed_loop(client: Client, specs: list[RequestSpec], concurrency:
     return tr.result(config, stopped)
 
 
+STAND_IN, ANSWERED = "stand-in", "answered"
+REPLIES = (STAND_IN, ANSWERED)
+
+
 async def run_conversations(client: Client, specs: list[RequestSpec], rate: float, think_s: float = 0.0,
                             seed: int = 0, max_duration_s: float = math.inf, progress: bool = True,
-                            burstiness: float = 1.0) -> RunResult:
+                            burstiness: float = 1.0, replies: str = STAND_IN) -> RunResult:
     """Multi-turn: conversations start at the arrival times `gamma_arrivals(rate, conversations, seed,
     burstiness)` (`rate` conversations/s, Poisson for burstiness 1; inf: all at once),
     and each sends its turns in order, the next one `think_s` after the last one ended (also after a failed
-    turn: the history the workload holds does not depend on the answers). Specs without a conversation run
-    as conversations of one turn. Returns: the run's result."""
+    turn). Specs without a conversation run as conversations of one turn.
+    replies: STAND_IN, each history holds the workload's stand-in replies (every server gets the same
+    prompts); ANSWERED, each turn's answer replaces its stand-in in the later turns (`with_replies`), as
+    a chat client sends them: the output is kept (`RequestSpec.keep_output`), and where a turn failed or
+    the server gave no token ids for a token-id prompt its stand-in stays (counted in the config as
+    `stand_in_replies`). Returns: the run's result."""
     if think_s < 0:
         raise ValueError(f"think time must be >= 0 s, got {think_s}")
+    if replies not in REPLIES:
+        raise ValueError(f"replies must be one of {', '.join(REPLIES)}, got {replies!r}")
+    answered = replies == ANSWERED
+    stand_ins = 0
     conversations: dict[object, list[RequestSpec]] = {}
     for spec in specs:
         key = spec.conversation if spec.conversation is not None else ("single", spec.index)
@@ -196,13 +208,18 @@ async def run_conversations(client: Client, specs: list[RequestSpec], rate: floa
     tr = _Tracker(client, len(specs), f"{len(conversations)} conversations at {rate:g}/s", progress)
 
     async def conversation(turns: list[RequestSpec], at: float) -> None:
+        nonlocal stand_ins
         await asyncio.sleep(max(0.0, at - tr.now()))
+        earlier: list[RequestRecord | None] = []
         for i, spec in enumerate(sorted(turns, key=lambda sp: sp.turn)):
             if i:
                 await asyncio.sleep(think_s)
             if tr.stopping or tr.now() >= max_duration_s:
                 return
-            await tr.launch(spec, tr.now())
+            if answered:
+                spec, kept = with_replies(spec, earlier)
+                spec, stand_ins = replace(spec, keep_output=True), stand_ins + kept
+            earlier.append(await tr.launch(spec, tr.now()))
 
     arrivals = gamma_arrivals(rate, len(conversations), seed, burstiness)
     tasks = [asyncio.create_task(conversation(turns, at)) for turns, at in zip(conversations.values(), arrivals)]
@@ -214,7 +231,8 @@ async def run_conversations(client: Client, specs: list[RequestSpec], rate: floa
         await asyncio.gather(*tasks, return_exceptions=True)
     config = {"mode": "conversations", "rate": rate, "burstiness": burstiness, "concurrency": None,
               "num_requests": len(specs),
-              "conversations": len(conversations), "think_s": think_s, "seed": seed, "max_duration_s": max_duration_s}
+              "conversations": len(conversations), "think_s": think_s, "seed": seed, "max_duration_s": max_duration_s,
+              "replies": replies, **({"stand_in_replies": stand_ins} if answered else {})}
     return tr.result(config, bool(pending) or len(tr.records) < len(specs))
 
 

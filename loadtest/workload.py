@@ -14,9 +14,10 @@ Workload names (`parse_workload_lengths` / `build_workload`):
                  prompt, the conversation's history (every earlier user message, U tokens, each followed by
                  a stand-in of its reply, O seeded tokens, so every server gets the same prompts), and a
                  new user message of U tokens; O output tokens. A runner sends a conversation's turns in
-                 order (`loadtest.runner.run_conversations`). Text prompts also carry the turn as chat
-                 messages (RequestSpec.messages: the system prompt, then user / assistant in turn), which
-                 the chat endpoint sends instead of one user message.
+                 order (`loadtest.runner.run_conversations`); with replies "answered" it puts each turn's
+                 real answer where its stand-in was (`with_replies`), as a chat client does. Text prompts
+                 also carry the turn as chat messages (RequestSpec.messages: the system prompt, then user /
+                 assistant in turn), which the chat endpoint sends instead of one user message.
   prefix:K:P:S:O K shared prefixes of P tokens; request i is prefix i mod K followed by S tokens of its own;
                  O output tokens.
   PATH.jsonl | jsonl:PATH
@@ -30,12 +31,17 @@ token per word; lengths approximate).
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from loadtest.records import RequestRecord
 
 NAMED = {"prompt-heavy": (2000, 50), "decode-heavy": (200, 1000)}
 MULTI_TURN_DEFAULTS = (6, 1000, 64, 64)  # turns, system prompt, user message, output tokens
@@ -85,7 +91,9 @@ class RequestSpec:
     the conversation (None: an independent request) and the turn in it (0: the first). messages: the same
     prompt as chat messages where the workload has them (a multi-turn text prompt: system, then user /
     assistant in turn, ending with the new user message); None: the chat endpoint sends prompt_text as
-    one user message.
+    one user message. reply_spans: in a multi-turn token-id prompt, where each earlier turn's stand-in
+    reply lies in prompt_token_ids ((start, end), in turn order). keep_output: ask the server for the
+    output's text and token ids and keep them on the record (a conversation's next turn resends them).
     """
 
     index: int
@@ -96,6 +104,8 @@ class RequestSpec:
     conversation: int | None = None
     turn: int = 0
     messages: tuple[ChatMessage, ...] | None = None
+    reply_spans: tuple[tuple[int, int], ...] = ()
+    keep_output: bool = False
 
     def __post_init__(self) -> None:
         assert (self.prompt_text is None) != (self.prompt_token_ids is None), "exactly one prompt form"
@@ -309,8 +319,10 @@ class _Pieces:
         """roles: the chat role of each part (text prompts then carry them as messages); None: no messages."""
         if self.token_range is not None:
             ids = tuple(t for part in parts for t in part)
+            ends = list(itertools.accumulate(len(part) for part in parts))
+            replies = tuple((ends[i - 1], ends[i]) for i, role in enumerate(roles or ()) if role == "assistant")
             return RequestSpec(index, len(ids), output_tokens, prompt_token_ids=ids, conversation=conversation,
-                               turn=turn)
+                               turn=turn, reply_spans=replies)
         messages = None if roles is None else tuple(ChatMessage(r, p) for r, p in zip(roles, parts, strict=True))
         text = " ".join(parts)
         count = self.count_tokens(text) if self.count_tokens is not None else len(text.split())
@@ -347,6 +359,37 @@ def _multi_turn(name: str, n: int, max_context: int, pieces: _Pieces) -> list[Re
             specs.append(pieces.spec(len(specs), history, out, conversation, turn, roles))
             history.append(pieces.piece(out))  # the reply's stand-in
     return specs
+
+
+def with_replies(spec: RequestSpec, replies: list[RequestRecord | None]) -> tuple[RequestSpec, int]:
+    """A multi-turn spec with its history's stand-in replies replaced by the answers the server gave
+    (`replies[i]`: the record of the conversation's turn i; None, a failed turn, or a record without the
+    output kept: that stand-in stays). A token-id prompt takes the answer's token ids, a text prompt its
+    text (its messages too; prompt_tokens then moves by the answer's token count against the stand-in's,
+    an estimate). Returns: the spec, and how many of its stand-ins stayed."""
+    if spec.prompt_token_ids is not None:
+        ids, cut, kept = list(spec.prompt_token_ids), 0, 0
+        for (start, end), rec in zip(spec.reply_spans, replies):
+            if rec is None or not rec.ok or rec.output_token_ids is None:
+                kept += 1
+                continue
+            ids[start + cut:end + cut] = rec.output_token_ids
+            cut += len(rec.output_token_ids) - (end - start)
+        return replace(spec, prompt_token_ids=tuple(ids), prompt_tokens=len(ids)), kept
+    if spec.messages is None:
+        return spec, 0
+    messages, answers, moved, kept = list(spec.messages), iter(replies), 0, 0
+    for i, m in enumerate(messages):
+        if m.role != "assistant":
+            continue
+        rec = next(answers, None)
+        if rec is None or not rec.ok or rec.output_text is None:
+            kept += 1
+            continue
+        messages[i] = ChatMessage("assistant", rec.output_text)
+        moved += rec.output_tokens - spec.output_tokens
+    return replace(spec, messages=tuple(messages), prompt_text=" ".join(m.content for m in messages),
+                   prompt_tokens=max(1, spec.prompt_tokens + moved)), kept
 
 
 def _prefixed(name: str, n: int, max_context: int, pieces: _Pieces) -> list[RequestSpec]:

@@ -137,7 +137,7 @@ class SequenceOutput:
     candidate: Candidate
     prompt_tokens: int
     texts: list[str] = field(default_factory=list)
-    completion_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None  # OpenAI's, once finished
     usage: Usage | None = None
@@ -145,7 +145,7 @@ class SequenceOutput:
 
     def add(self, chunk: Chunk) -> None:
         self.texts.append(chunk.text)
-        self.completion_tokens += len(chunk.token_ids)
+        self.token_ids += chunk.token_ids
         self.logprobs += chunk.logprobs
 
     def finish(self, finish_reason: str, chunk: Chunk) -> None:
@@ -157,6 +157,10 @@ class SequenceOutput:
     @property
     def text(self) -> str:
         return "".join(self.texts)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
 
     @property
     def cumulative_logprob(self) -> float:

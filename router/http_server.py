@@ -235,7 +235,7 @@ async def _generate(request: web.Request, parsed: ParsedRequest, chat: bool) -> 
         logprobs = LogprobsBuilder(chat, _token_text(router)) if first.sampling.logprobs is not None else None
         builder = ResponseBuilder(chat=chat, request_id=streams[0].request_id, model=first.model or router.model_name,
                                   created=int(time.time()), include_usage=parsed.include_usage, logprobs=logprobs,
-                                  tools=parsed.tools)
+                                  tools=parsed.tools, token_ids=parsed.return_token_ids)
         outputs = [choices.SequenceOutput(c, s.prompt_tokens) for c, s in zip(candidates, streams, strict=True)]
         if parsed.stream:
             return await _stream(request, streams, outputs, builder, parsed.n, echo)
@@ -277,9 +277,12 @@ async def _collect(streams: list[RequestStream], outputs: list[choices.SequenceO
             if chunk.finish_reason is not None:
                 outputs[k].finish(openai_finish_reason(chunk, streams[k].request_id), chunk)
     chosen = choices.choose(outputs, parsed.n, parsed.ranked)
+    prompts = {o.candidate.prompt_index: s.prompt_token_ids for o, s in zip(outputs, streams, strict=True)
+               if builder.token_ids}
     body = builder.full_choices(
         [ChoiceOutput(i, (echo[o.candidate.prompt_index] if echo else "") + o.text, o.finish_reason or "",
-                      tuple(o.logprobs)) for i, o in chosen],
+                      tuple(o.logprobs), tuple(o.token_ids), prompts.get(o.candidate.prompt_index, ()))
+         for i, o in chosen],
         choices.total_usage(outputs), chosen[0][1].timings)
     return web.json_response(body, headers={"X-Request-Id": streams[0].request_id})
 
@@ -312,6 +315,7 @@ async def _relay(response: web.StreamResponse, streams: list[RequestStream], out
         for event in b.start_events():
             await _send(response, event)
     echoed = [echo is None] * len(streams)
+    prompts: list[list[int] | None] = [list(s.prompt_token_ids) if builder.token_ids else None for s in streams]
     async with contextlib.aclosing(choices.merge(streams)) as merged:
         async for k, chunk in merged:
             out = outputs[k]
@@ -323,7 +327,10 @@ async def _relay(response: web.StreamResponse, streams: list[RequestStream], out
             if chunk.finish_reason is not None:
                 finish = openai_finish_reason(chunk, streams[k].request_id)
                 out.finish(finish, chunk)
-            for event in builders[k].chunk_events(chunk, finish, None):
+            events = builders[k].chunk_events(chunk, finish, None, prompts[k])
+            if events:  # the prompt's ids ride the choice's first event
+                prompts[k] = None
+            for event in events:
                 await _send(response, event)
     if builder.include_usage:
         await _send(response, builder.usage_event(choices.total_usage(outputs), outputs[0].timings))

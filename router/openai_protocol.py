@@ -20,6 +20,13 @@ with its prompt as sent (token ids: their decoded text), streamed in the choice'
 with logprobs is refused (naming echo): the prompt's tokens would need prompt log-probabilities,
 which pdserve does not compute.
 
+Token ids (`return_token_ids: true`, both endpoints, as vLLM names it): each choice carries the ids of
+its output tokens (`token_ids`) and its prompt's ids as the model ran them (`prompt_token_ids`: on the
+completions choice, top-level on a chat response, the chat template applied); streamed, every chunk
+carries the ids of its own tokens (also when their text is held back) and the choice's first chunk the
+prompt's. A client that continues a conversation with them resends exactly the tokens the model produced,
+so the prefix cache holds its whole history. Not with echo (400 naming return_token_ids).
+
 Log-probabilities: completions `logprobs` (an integer in [0, 20]), chat `logprobs: true` with
 `top_logprobs` (an integer in [0, 20]; above 0 only with `logprobs: true`) become
 `SamplingParams.logprobs`; out of range → InvalidRequestError naming the field. They are the model's
@@ -108,6 +115,7 @@ class ParsedRequest:
         best_of: sequences generated per prompt (>= n); the n with the highest cumulative
             log-probability are returned. None: n (every sequence is returned).
         echo: each completion's text starts with its prompt (completions only).
+        return_token_ids: each choice carries its prompt's and its output's token ids.
         tools: how the choices may call tools (chat only); None: they answer in text.
     Raises: InvalidRequestError naming the field for a combination OpenAI refuses or pdserve cannot serve.
     """
@@ -119,6 +127,7 @@ class ParsedRequest:
     best_of: int | None = None
     echo: bool = False
     tools: ToolCalling | None = None
+    return_token_ids: bool = False
 
     def __post_init__(self) -> None:
         if not self.requests:
@@ -137,6 +146,9 @@ class ParsedRequest:
             if self.request.sampling.logprobs is not None:
                 raise InvalidRequestError("echo", "cannot be combined with logprobs: the prompt's tokens would need "
                                                   "prompt log-probabilities, which pdserve does not compute")
+            if self.return_token_ids:
+                raise InvalidRequestError("return_token_ids", "cannot be combined with echo: the prompt's ids "
+                                                              "come as prompt_token_ids")
 
     @property
     def request(self) -> GenerateRequest:
@@ -258,7 +270,8 @@ def _parsed(body: dict, requests: tuple[GenerateRequest, ...], limits: RequestLi
         raise InvalidRequestError("stream_options", "is only allowed when stream is true")
     include_usage = _typed(options or {}, "include_usage", bool, "a boolean", False, "stream_options.include_usage")
     return ParsedRequest(requests=requests, stream=stream, include_usage=include_usage,
-                         n=_choices(body, "n", limits, 1), best_of=best_of, echo=echo, tools=tools)
+                         n=_choices(body, "n", limits, 1), best_of=best_of, echo=echo, tools=tools,
+                         return_token_ids=bool(_typed(body, "return_token_ids", bool, "a boolean", False)))
 
 
 def _choices(body: dict, name: str, limits: RequestLimits, default: int | None) -> int | None:
@@ -559,21 +572,25 @@ def _finite(logprob: float) -> float:
 @dataclass(frozen=True)
 class ChoiceOutput:
     """One finished choice of a non-streamed response: its index in `choices`, text, OpenAI finish
-    reason and the logprobs of its tokens (written only when the request asked for them)."""
+    reason, the logprobs of its tokens and its output's and prompt's token ids (each written only when
+    the request asked for them)."""
 
     index: int
     text: str
     finish_reason: str
     logprobs: tuple[TokenLogprob, ...] = ()
+    token_ids: tuple[int, ...] = ()
+    prompt_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
 class ResponseBuilder:
     """Builds one request's response bodies (whole, or stream chunks) in OpenAI's shapes; with
-    `logprobs` (the request asked for them) each choice carries its tokens' logprobs. Stream chunks
-    are those of choice `index`: `for_choice(i)` gives the builder of another choice. With `tools` (chat),
-    a choice's output becomes its message's `tool_calls` when it holds calls (`router.tool_calls`); its
-    stream chunks go through the builder's own `ToolStream`."""
+    `logprobs` (the request asked for them) each choice carries its tokens' logprobs, with `token_ids`
+    its output's and its prompt's token ids. Stream chunks are those of choice `index`: `for_choice(i)`
+    gives the builder of another choice. With `tools` (chat), a choice's output becomes its message's
+    `tool_calls` when it holds calls (`router.tool_calls`); its stream chunks go through the builder's own
+    `ToolStream`."""
 
     chat: bool
     request_id: str
@@ -583,6 +600,7 @@ class ResponseBuilder:
     logprobs: LogprobsBuilder | None = None
     index: int = 0
     tools: ToolCalling | None = None
+    token_ids: bool = False
     _tool_stream: ToolStream | None = field(init=False, default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -606,7 +624,8 @@ class ResponseBuilder:
 
     def full_choices(self, choices: Iterable[ChoiceOutput], usage: Usage, timings: PhaseTimings | None) -> dict:
         """The non-streamed response: these choices (in the order given), the request's usage and timings."""
-        body = []
+        body: list[dict] = []
+        head = self._head(False)
         for c in choices:
             lp = self.logprobs.fresh().build(c.logprobs) if self.logprobs is not None else None
             if self.chat and self.tools is not None:
@@ -620,20 +639,28 @@ class ResponseBuilder:
                              "finish_reason": c.finish_reason, "logprobs": lp})
             else:
                 body.append({"text": c.text, "index": c.index, "logprobs": lp, "finish_reason": c.finish_reason})
-        return {**self._head(False), "choices": body, "usage": usage_body(usage, timings)}
+            if self.token_ids:
+                body[-1]["token_ids"] = list(c.token_ids)
+                if self.chat:
+                    head.setdefault("prompt_token_ids", list(c.prompt_token_ids))
+                else:
+                    body[-1]["prompt_token_ids"] = list(c.prompt_token_ids)
+        return {**head, "choices": body, "usage": usage_body(usage, timings)}
 
     def start_events(self) -> list[dict]:
         """Stream events before any output: the chat role chunk."""
         return [self._chunk({"role": "assistant", "content": ""}, None)] if self.chat else []
 
-    def chunk_events(self, chunk: Chunk, finish_reason: str | None, usage: Usage | None) -> list[dict]:
+    def chunk_events(self, chunk: Chunk, finish_reason: str | None, usage: Usage | None,
+                     prompt_token_ids: list[int] | None = None) -> list[dict]:
         """Stream events for one router chunk; finish_reason (OpenAI's) on the last one only. With
         include_usage, `usage` (given) adds the usage chunk with the chunk's timings after the finishing
         one; without it, the timings go top-level on the finishing chunk. When the request asked for
-        logprobs, a chunk with tokens is sent even while its text is held back."""
+        logprobs or token ids, a chunk with tokens is sent even while its text is held back; its ids ride
+        its first event, with `prompt_token_ids` (given for the choice's first chunk)."""
         events = []
         lp = self.logprobs.build(chunk.logprobs) if self.logprobs is not None else None
-        tokens = lp is not None and bool(chunk.logprobs)
+        tokens = bool(chunk.token_ids) if self.token_ids else lp is not None and bool(chunk.logprobs)
         if self._tool_stream is not None:
             events += [self._chunk(delta, None) for delta in self._tool_stream.feed(chunk.text)]
             if finish_reason is not None:
@@ -652,6 +679,8 @@ class ResponseBuilder:
                 events.append(self._chunk({}, finish_reason))
         elif chunk.text or tokens or finish_reason is not None:
             events.append(self._chunk(chunk.text, finish_reason, lp))
+        if self.token_ids and events:
+            self._add_token_ids(events, chunk.token_ids, prompt_token_ids)
         if finish_reason is not None:
             if self.include_usage:
                 if usage is not None:
@@ -659,6 +688,13 @@ class ResponseBuilder:
             elif chunk.timings is not None:
                 events[-1]["pdserve_timings"] = chunk.timings.as_dict()
         return events
+
+    def _add_token_ids(self, events: list[dict], token_ids: list[int], prompt_token_ids: list[int] | None) -> None:
+        """The chunk's ids on its first event (the others carry none), the prompt's beside them when given."""
+        for j, event in enumerate(events):
+            event["choices"][0]["token_ids"] = list(token_ids) if j == 0 else []
+        if prompt_token_ids is not None:
+            (events[0] if self.chat else events[0]["choices"][0])["prompt_token_ids"] = list(prompt_token_ids)
 
     def usage_event(self, usage: Usage, timings: PhaseTimings | None) -> dict:
         """The stream's last event with include_usage: no choices, the request's usage and timings."""

@@ -89,6 +89,7 @@ class RouterStream:
         self.request_id = request_id
         self._worker_rid = request_id  # the id workers know this attempt by: a fresh one per placement
         self.prompt_tokens = len(prompt)
+        self.prompt_token_ids = tuple(prompt)
         self._pools, self._feeds, self._booking, self._prompt, self._sampling = pools, feeds, booking, prompt, sampling
         self._arrival, self._metrics, self._planner = arrival, metrics, planner
         self._queue: asyncio.Queue = asyncio.Queue()

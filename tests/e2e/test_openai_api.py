@@ -72,6 +72,27 @@ def test_completion_matches_generate(client, server, oracle):
     assert "".join(c.choices[0].text for c in stream if c.choices) == text_of(oracle, want_ids)
 
 
+def test_a_conversation_resent_as_token_ids_reuses_the_kv_of_its_answer(client, server, oracle):
+    """return_token_ids gives the prompt's and the answer's ids, equal to `generate`'s (streamed too). The
+    next turn, sent as those ids and a new message, equals `generate`, and the server serves the answer's
+    KV from its cache: more cached tokens than the first prompt held (the decode worker keeps the blocks
+    its decode steps filled)."""
+    ids = oracle[1]("A short story about a lighthouse keeper:")["input_ids"]
+    want = greedy_ids(oracle, ids, 40)
+    asked = {"return_token_ids": True, "ignore_eos": True}
+    resp = client.completions.create(model=server.model, prompt=ids, max_tokens=40, temperature=0, extra_body=asked)
+    choice = resp.choices[0].model_extra
+    assert choice["prompt_token_ids"] == ids and choice["token_ids"] == want
+    stream = client.completions.create(model=server.model, prompt=ids, max_tokens=40, temperature=0, stream=True,
+                                       extra_body=asked)
+    chunks = [c.choices[0].model_extra for c in stream if c.choices]
+    assert [t for c in chunks for t in c["token_ids"]] == want and chunks[0]["prompt_token_ids"] == ids
+    nxt = ids + want + oracle[1](" The end. Another story:")["input_ids"]
+    two = client.completions.create(model=server.model, prompt=nxt, max_tokens=12, temperature=0)
+    assert two.choices[0].text == text_of(oracle, greedy_ids(oracle, nxt, 12))
+    assert two.usage.prompt_tokens_details.cached_tokens > len(ids)  # the answer's blocks too
+
+
 def test_n_greedy_choices_all_equal_the_reference(client, server, oracle):
     """n=3, greedy: three requests at the router, three equal choices, each the greedy reference."""
     prompt = "The three primary colours are"

@@ -23,12 +23,13 @@ MAX_MODEL_LEN = 64
 
 
 class FakeStream:
-    def __init__(self, request_id: str, prompt_tokens: int, max_tokens: int, explode: bool, owner: "FakeRouter",
-                 logprobs: int | None = None, seed: int | None = None):
+    def __init__(self, request_id: str, prompt_token_ids: list[int], max_tokens: int, explode: bool,
+                 owner: "FakeRouter", logprobs: int | None = None, seed: int | None = None):
         self.request_id = request_id
         self._logprobs = logprobs
         self._seed = seed or 0
-        self.prompt_tokens = prompt_tokens
+        self.prompt_token_ids = tuple(prompt_token_ids)
+        self.prompt_tokens = len(prompt_token_ids)
         self._max_tokens = max_tokens
         self._explode = explode
         self._owner = owner
@@ -97,7 +98,7 @@ class FakeRouter:
         if text.strip() == "overload":
             raise OverloadedError("all decode workers are full; retry later", retry_after_s=2.0)
         rid = request.request_id or f"fake-{len(self.requests)}"
-        return FakeStream(rid, len(ids), request.sampling.max_tokens, text.strip() == "explode", self,
+        return FakeStream(rid, ids, request.sampling.max_tokens, text.strip() == "explode", self,
                           request.sampling.logprobs, request.sampling.seed)
 
     def tokenize(self, request: GenerateRequest) -> list[int]:

@@ -249,6 +249,42 @@ def test_echo_puts_the_prompt_first(client: openai.OpenAI) -> None:
         assert texts[0] == "say it" + words(1) and "".join(texts) == "say it" + words(2)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("chat", [False, True])
+def test_return_token_ids_gives_the_prompt_and_output_ids(server: ServerThread, chat: bool, stream: bool) -> None:
+    """return_token_ids: each choice's output ids (streamed: each chunk its own), and the prompt's ids once
+    per choice: on the completions choice, top-level for chat."""
+    body = {"max_tokens": 3, "n": 2, "stream": stream, "return_token_ids": True,
+            **({"messages": [{"role": "user", "content": "hi there"}]} if chat else {"prompt": "a bb"})}
+    status, _, raw = server.request("POST", CHAT if chat else C, body)
+    assert status == 200, raw
+    prompt = [5, 2, 5] if chat else [1, 2]  # the fake's ids: each word's length ("user:", "hi", "there")
+    if not stream:
+        resp = json.loads(raw)
+        assert [c["token_ids"] for c in resp["choices"]] == [[100, 101, 102]] * 2
+        if chat:
+            assert resp["prompt_token_ids"] == prompt
+        else:
+            assert [c["prompt_token_ids"] for c in resp["choices"]] == [prompt] * 2
+        return
+    events = [json.loads(e) for e in sse_events(raw)[:-1]]
+    for i in range(2):
+        mine = [e for e in events if e["choices"] and e["choices"][0]["index"] == i]
+        assert [t for e in mine for t in e["choices"][0].get("token_ids", [])] == [100, 101, 102]
+        given = [e.get("prompt_token_ids") if chat else e["choices"][0].get("prompt_token_ids") for e in mine]
+        assert [p for p in given if p is not None] == [prompt]
+        assert given[0 if not chat else 1] == prompt  # its first chunk with tokens (chat: after the role chunk)
+
+
+def test_return_token_ids_is_off_by_default_and_refused_with_echo(server: ServerThread) -> None:
+    status, _, raw = server.request("POST", C, {"prompt": "a", "max_tokens": 1})
+    assert status == 200 and "token_ids" not in raw.decode()
+    status, _, raw = server.request("POST", C, {"prompt": "a", "max_tokens": 1, "return_token_ids": True, "echo": True})
+    assert_error(status, raw, 400, "return_token_ids")
+    status, _, raw = server.request("POST", C, {"prompt": "a", "max_tokens": 1, "return_token_ids": "yes"})
+    assert_error(status, raw, 400, "return_token_ids")
+
+
 @pytest.mark.parametrize("chat", [False, True])
 def test_streamed_choices_interleave_with_one_usage_chunk(server: ServerThread, chat: bool) -> None:
     body = {"max_tokens": 3, "n": 2, "stream": True, "stream_options": {"include_usage": True},

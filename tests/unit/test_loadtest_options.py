@@ -20,7 +20,7 @@ from loadtest.openai_client import OpenAIClient, chat_messages
 from loadtest.records import RequestRecord
 from loadtest.report import format_summary
 from loadtest.runner import gamma_arrivals, poisson_arrivals, warm_up
-from loadtest.workload import ChatMessage, RequestSpec, build_workload, run_seed, warmup_seed
+from loadtest.workload import ChatMessage, RequestSpec, build_workload, run_seed, warmup_seed, with_replies
 
 # ---------------------------------------------------------------- gamma arrivals
 
@@ -248,6 +248,40 @@ def test_multi_turn_text_specs_carry_their_history_as_messages() -> None:
         ChatMessage("tool", "x")
     with pytest.raises(AssertionError):
         RequestSpec(0, 1, 1, prompt_token_ids=(5,), messages=(ChatMessage("user", "x"),))
+
+
+def answer(ok: bool = True, ids: list[int] | None = None, text: str | None = None, n: int = 2) -> RequestRecord:
+    rec = RequestRecord(0, 1, n, output_tokens=n, output_token_ids=ids, output_text=text)
+    return rec if ok else rec.fail(R.SERVER_ERROR, "boom")
+
+
+def test_with_replies_puts_each_answer_where_its_stand_in_was() -> None:
+    """Token ids: each span takes the answer's ids (of any length, later spans moved along); text: the
+    assistant messages take its text. A failed turn, or one whose ids the server did not send, keeps its
+    stand-in and is counted."""
+    spec = build_workload("multi-turn:3:5:2:2", 3, seed=0, vocab_size=1000)[2]
+    ids = spec.prompt_token_ids
+    assert spec.reply_spans == ((7, 9), (11, 13)) and len(ids) == 15  # system 5, user 2, reply 2, user 2, ...
+    got, kept = with_replies(spec, [answer(ids=[1, 2, 3]), answer(ids=[4])])
+    assert got.prompt_token_ids == ids[:7] + (1, 2, 3) + ids[9:11] + (4,) + ids[13:] and kept == 0
+    assert got.prompt_tokens == 15 and got.turn == 2 and got.reply_spans == spec.reply_spans
+    got, kept = with_replies(spec, [answer(ok=False, ids=[1]), answer(ids=None, text="t")])
+    assert got.prompt_token_ids == ids and kept == 2
+    text = build_workload("multi-turn:3:5:2:2", 3, seed=0)[2]
+    got, kept = with_replies(text, [answer(text="one two three", n=3), answer(ok=False, text="x")])
+    assert [m.content for m in got.messages] == [m.content for m in text.messages[:2]] + ["one two three"] + \
+        [m.content for m in text.messages[3:]] and kept == 1
+    assert got.prompt_text == " ".join(m.content for m in got.messages) and got.prompt_tokens == text.prompt_tokens + 1
+    one = build_workload("fixed:4:2", 1, seed=0)[0]
+    assert with_replies(one, []) == (one, 0)
+
+
+def test_a_spec_keeping_its_output_asks_for_token_ids_only_for_a_token_id_prompt() -> None:
+    ids = RequestSpec(0, 2, 2, prompt_token_ids=(5, 6), keep_output=True)
+    assert OpenAIClient("127.0.0.1:1").body(ids)["return_token_ids"] is True
+    text = RequestSpec(0, 2, 2, prompt_text="a b", keep_output=True)  # any OpenAI server: its text is enough
+    assert "return_token_ids" not in OpenAIClient("127.0.0.1:1").body(text)
+    assert "return_token_ids" not in OpenAIClient("127.0.0.1:1").body(RequestSpec(0, 2, 2, prompt_token_ids=(5, 6)))
 
 
 def test_make_client_endpoints() -> None:

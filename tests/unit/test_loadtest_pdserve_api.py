@@ -136,6 +136,42 @@ def test_conversations_send_their_turns_in_order_after_the_think_time(served: Se
                                  "fraction": 0.0}
 
 
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_answered_replies_resend_each_turns_answer_in_the_later_turns(served: Served, endpoint: str) -> None:
+    """replies="answered": every later turn's history holds the answers the server gave (token-id prompts:
+    their ids, asked with return_token_ids; chat: their text) where the workload's stand-ins were."""
+    chat = endpoint == "chat"
+    specs = build_workload("multi-turn:3:6:3:4", 6, seed=5) if chat else \
+        build_workload("multi-turn:3:20:4:5", 6, seed=3, vocab_size=64)
+    before = len(served.router.requests)
+
+    async def main() -> RunResult:
+        client = make_client("openai", served.target("openai"), timeout_s=10, endpoint=endpoint)
+        try:
+            return await run_conversations(client, specs, float("inf"), progress=False, replies="answered")
+        finally:
+            await client.aclose()
+
+    result = asyncio.run(main())
+    assert all(r.ok for r in result.records), [r.error for r in result.records]
+    assert result.config["replies"] == "answered" and result.config["stand_in_replies"] == 0
+    sent = served.router.requests[before:]
+    if chat:  # the fake answers "w0 w1 ... " (one word per token)
+        histories = [[m["content"] for m in r.messages if m["role"] == "assistant"] for r in sent]
+        assert sorted(map(len, histories)) == [0, 0, 1, 1, 2, 2]
+        assert all(h == ["w0 w1 w2 w3 "] * len(h) for h in histories)
+        assert all(r.output_text == "w0 w1 w2 w3 " and r.output_token_ids is None for r in result.records)
+        return
+    answered = []
+    for s in specs:  # the fake's output ids are 100, 101, ...
+        ids = list(s.prompt_token_ids)
+        for start, end in reversed(s.reply_spans):
+            ids[start:end] = range(100, 105)
+        answered.append(ids)
+    assert sorted(r.prompt for r in sent) == sorted(answered)
+    assert any(s.reply_spans for s in specs) and all(r.output_token_ids == list(range(100, 105)) for r in result.records)
+
+
 def test_chat_endpoint_on_pdserve_sends_the_history_as_messages_and_reads_the_servers_count(served: Served) -> None:
     specs = build_workload("multi-turn:2:6:3:4", 4, seed=5)  # text prompts: 2 conversations of 2 turns
 
