@@ -1,7 +1,8 @@
 """Streams one request from pdserve's gRPC API (GenerationService.Generate, grpc.aio) and times it.
 
 A chunk carrying output is a response with token ids or text; the last response's usage gives the
-output token count and its timings pdserve's phase split. gRPC errors fail the request, never the run.
+output token count and its timings pdserve's phase split. A spec with `keep_output` keeps the output's
+text and token ids on the record. gRPC errors fail the request, never the run.
 """
 from __future__ import annotations
 
@@ -49,6 +50,8 @@ class GrpcClient:
         t0 = time.perf_counter()
         token_ids = 0
         usage_tokens: int | None = None
+        kept_ids: list[int] = []
+        kept_text: list[str] = []
         try:
             async with asyncio.timeout(self.timeout_s):
                 call = self._stub.Generate(self.request(spec), timeout=self.timeout_s, metadata=self._metadata)
@@ -56,6 +59,9 @@ class GrpcClient:
                     now = time.perf_counter() - t0
                     if resp.token_ids or resp.text:
                         token_ids += len(resp.token_ids)
+                        if spec.keep_output:
+                            kept_ids += resp.token_ids
+                            kept_text.append(resp.text)
                         rec.chunk_times_s.append(now)
                         if rec.ttft_s is None:
                             rec.ttft_s = now
@@ -67,6 +73,8 @@ class GrpcClient:
                         rec.timings = _timings(resp.timings)
                     if resp.finish_reason:
                         rec.finish_reason = resp.finish_reason
+            if spec.keep_output:
+                rec.output_text, rec.output_token_ids = "".join(kept_text), kept_ids
             if usage_tokens is not None:
                 rec.output_tokens, rec.output_tokens_source = usage_tokens, "usage"
             else:

@@ -277,8 +277,8 @@ async def _collect(streams: list[RequestStream], outputs: list[choices.SequenceO
             if chunk.finish_reason is not None:
                 outputs[k].finish(openai_finish_reason(chunk, streams[k].request_id), chunk)
     chosen = choices.choose(outputs, parsed.n, parsed.ranked)
-    prompts = {o.candidate.prompt_index: s.prompt_token_ids for o, s in zip(outputs, streams, strict=True)
-               if builder.token_ids}
+    prompts = {o.candidate.prompt_index: s.prompt_token_ids
+               for o, s in zip(outputs, streams, strict=True)} if builder.token_ids else {}
     body = builder.full_choices(
         [ChoiceOutput(i, (echo[o.candidate.prompt_index] if echo else "") + o.text, o.finish_reason or "",
                       tuple(o.logprobs), tuple(o.token_ids), prompts.get(o.candidate.prompt_index, ()))

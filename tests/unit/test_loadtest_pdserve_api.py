@@ -136,8 +136,8 @@ def test_conversations_send_their_turns_in_order_after_the_think_time(served: Se
                                  "fraction": 0.0}
 
 
-@pytest.mark.parametrize("endpoint", ["completions", "chat"])
-def test_answered_replies_resend_each_turns_answer_in_the_later_turns(served: Served, endpoint: str) -> None:
+@pytest.mark.parametrize(("api", "endpoint"), [("openai", "completions"), ("openai", "chat"), ("grpc", "completions")])
+def test_answered_replies_resend_each_turns_answer_in_the_later_turns(served: Served, api: str, endpoint: str) -> None:
     """replies="answered": every later turn's history holds the answers the server gave (token-id prompts:
     their ids, asked with return_token_ids; chat: their text) where the workload's stand-ins were."""
     chat = endpoint == "chat"
@@ -146,7 +146,7 @@ def test_answered_replies_resend_each_turns_answer_in_the_later_turns(served: Se
     before = len(served.router.requests)
 
     async def main() -> RunResult:
-        client = make_client("openai", served.target("openai"), timeout_s=10, endpoint=endpoint)
+        client = make_client(api, served.target(api), timeout_s=10, endpoint=endpoint)
         try:
             return await run_conversations(client, specs, float("inf"), progress=False, replies="answered")
         finally:
