@@ -236,6 +236,33 @@ def test_prefill_kernel_matches_reference(build, d, heads, kv_heads, bs, start, 
 
 
 @pytest.mark.parametrize("build", PREFILL_BUILDS, ids=[b.name for b in PREFILL_BUILDS])
+@pytest.mark.parametrize("d", kernels.PREFILL_HEAD_DIMS)
+@pytest.mark.parametrize("rise", [4.0, 400.0])
+def test_prefill_kernel_keeps_its_softmax_exact_when_later_keys_dominate(build, d, rise):
+    """The kernel moves a row's running maximum only when a score passes it by a margin. Scores that rise
+    along the context by `rise` in all (far past what exp can take without the maximum moving), and one key
+    that stands above them all: the output still equals the reference."""
+    kernel = _loaded(build)
+    g = torch.Generator().manual_seed(int(rise) + d)
+    heads, kv_heads, bs, start, n = 9, 3, 16, 600, 72
+    ctx, blocks = start + n, -(-(start + n) // bs)
+    u = torch.nn.functional.normalize(torch.randn(kv_heads, d, generator=g), dim=-1)
+    q = u.repeat_interleave(heads // kv_heads, 0)[:, None, :] * 8 + 0.1 * torch.randn(heads, n, d, generator=g)
+    # q . k * d^-0.5 climbs by about `rise` over the context: k_t = u * rise * t / ctx * d^0.5 / 8
+    keys = u[:, None, :] * (torch.linspace(0, rise, ctx)[None, :, None] * d ** 0.5 / 8)
+    keys = keys + 0.1 * torch.randn(kv_heads, ctx, d, generator=g)
+    keys[:, 450] = u * 1.2 * rise * d ** 0.5 / 8  # one key above them all, before the chunk
+    pad = torch.zeros(kv_heads, blocks * bs - ctx, d)
+    k_pool = torch.cat([keys, pad], 1).reshape(kv_heads, blocks, bs, d).to(torch.bfloat16)
+    v_pool = torch.randn(kv_heads, blocks, bs, d, generator=g).to(torch.bfloat16)
+    table = torch.arange(blocks)
+    out = kernel.prefill_attention(q.to(torch.bfloat16), k_pool, v_pool, table, start, d ** -0.5)
+    want = reference_prefill(q.to(torch.bfloat16), k_pool, v_pool, table, start, d ** -0.5)
+    assert out is not None and torch.isfinite(out.float()).all()
+    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("build", PREFILL_BUILDS, ids=[b.name for b in PREFILL_BUILDS])
 def test_prefill_kernel_declines_what_it_cannot_run(build):
     """A head dim other than 64 and 128: the kernel declines (None), so the caller gathers instead."""
     kernel = _loaded(build)
