@@ -271,7 +271,7 @@ def _parsed(body: dict, requests: tuple[GenerateRequest, ...], limits: RequestLi
     include_usage = _typed(options or {}, "include_usage", bool, "a boolean", False, "stream_options.include_usage")
     return ParsedRequest(requests=requests, stream=stream, include_usage=include_usage,
                          n=_choices(body, "n", limits, 1), best_of=best_of, echo=echo, tools=tools,
-                         return_token_ids=bool(_typed(body, "return_token_ids", bool, "a boolean", False)))
+                         return_token_ids=_typed(body, "return_token_ids", bool, "a boolean", False))
 
 
 def _choices(body: dict, name: str, limits: RequestLimits, default: int | None) -> int | None:

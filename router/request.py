@@ -89,7 +89,6 @@ class RouterStream:
         self.request_id = request_id
         self._worker_rid = request_id  # the id workers know this attempt by: a fresh one per placement
         self.prompt_tokens = len(prompt)
-        self.prompt_token_ids = tuple(prompt)
         self._pools, self._feeds, self._booking, self._prompt, self._sampling = pools, feeds, booking, prompt, sampling
         self._arrival, self._metrics, self._planner = arrival, metrics, planner
         self._queue: asyncio.Queue = asyncio.Queue()
@@ -105,6 +104,11 @@ class RouterStream:
         self._task = asyncio.get_running_loop().create_task(self._run())
 
     # -- consumer side ----------------------------------------------------------------------------
+    @property
+    def prompt_token_ids(self) -> tuple[int, ...]:
+        """The prompt as the workers run it (asked only by a client that wants the ids back)."""
+        return tuple(self._prompt)
+
     def __aiter__(self) -> AsyncIterator[Chunk]:
         return self._chunks()
 

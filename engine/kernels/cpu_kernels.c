@@ -1172,9 +1172,9 @@ static void px_pack(const uint16_t* k_head, const uint16_t* v_head, const int64_
             const __m512i key1 = _mm512_add_epi32(key0, _mm512_set1_epi32(16));                                   \
             const int seen = t0 + PX_KEYS - 1 <= pos[0]; /* every row sees all 32 keys: no mask */             \
             for (int r = 0; r < R; r++) {                                                                         \
-                const __m512i at = _mm512_set1_epi32(pos[r]);                                                     \
                 __m512 v0 = _mm512_mul_ps(s0[r], vscale), v1 = _mm512_mul_ps(s1[r], vscale);                      \
                 if (!seen) {                                                                                      \
+                    const __m512i at = _mm512_set1_epi32(pos[r]);                                                 \
                     v0 = _mm512_mask_blend_ps(_mm512_cmple_epi32_mask(key0, at), ninf, v0);                       \
                     v1 = _mm512_mask_blend_ps(_mm512_cmple_epi32_mask(key1, at), ninf, v1);                       \
                 }                                                                                                 \
