@@ -138,12 +138,11 @@ PAGED_DECODE(decode_bf16_d64, uint16_t, bf16_load, bf16_store, 64)
 PAGED_DECODE(decode_bf16_d128, uint16_t, bf16_load, bf16_store, 128)
 PAGED_DECODE(decode_bf16_any, uint16_t, bf16_load, bf16_store, 0)
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-/* bf16 with AVX-512: scores 16 at a time with bf16 dot products (fp32 accumulation, no horizontal
- * sum per token: one transposing reduction per 16), a vector exp, and P·V in fp32 with the
- * accumulators in registers. D = 16 * NF. */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+/* Every build with AVX-512 (F, BW, VL, DQ): the helpers below, and decode attention over fp32 or bf16
+ * caches 16 tokens at a time (bf16 widened to fp32 by a shift: no bf16 instructions needed). */
 #include <immintrin.h>
-#define HAVE_AVX512_BF16 1
+#define HAVE_AVX512 1
 
 /* Lane j of reduce16's result sums input slot PERM16[j]; PERM16 is its own inverse, so token j's
  * partial sums go into slot PERM16[j] and come out in lane j. */
@@ -178,6 +177,156 @@ static inline __m512 bf16x16_to_f32(const uint16_t* src) {
 /* Lanes that interleave an even-dims and an odd-dims vector back into dims order: the low 16, the high 16. */
 #define INTERLEAVE_LO _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0)
 #define INTERLEAVE_HI _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8)
+
+static inline __m512 ld16_f32(const float* p) { return _mm512_loadu_ps(p); }
+static inline void st16_f32(float* dst, __m512 x) { _mm512_storeu_ps(dst, x); }
+/* 16 floats rounded to bf16 (nearest even, NaN kept a quiet NaN) with integer ops: bf16_store in vector. */
+static inline void st16_bf16(uint16_t* dst, __m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    const __m512i h = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    _mm256_storeu_si256((__m256i*)dst, _mm512_cvtepi32_epi16(h));
+}
+
+/* Any cache dtype with AVX-512 F: the scheme of PAGED_DECODE_AVX512 below (GB heads per K/V row read, 16
+ * slots of one transposing reduction, the next task's keys prefetched), the dot products as fp32 FMAs over
+ * rows widened to fp32 (LD16). D = 16 * NF. */
+#define PAGED_DECODE_AVX512F(NAME, T, LD16, ST16, NF, HEADS)                                           \
+    static void NAME(const T* q, const T* k_new, const T* v_new, const int64_t* slots, T* k, T* v,      \
+                     const int64_t* tables, const int64_t* ctx, T* out, int B, int H, int KVH, int NB,  \
+                     int BS, int MAXNB, float scale, int nthreads) {                                    \
+        enum { D = 16 * (NF), GB = (HEADS), TPR = 16 / GB, LINE = 64 / (int)sizeof(T) };                \
+        const int G = H / KVH;                                                                          \
+        _Pragma("omp parallel num_threads(nthreads)")                                                   \
+        {                                                                                               \
+            int lo, hi;                                                                                 \
+            task_range(ctx, B, KVH, omp_get_num_threads(), omp_get_thread_num(), &lo, &hi);             \
+            for (int task = lo; task < hi; task++) {                                                    \
+                const int b = task / KVH, kh = task % KVH;                                              \
+                const int L = (int)ctx[b], LP = (L + TPR + 15) & ~15;                                   \
+                const int64_t dst = ((int64_t)kh * NB * BS + slots[b]) * D;                             \
+                memcpy(k + dst, k_new + ((int64_t)kh * B + b) * D, sizeof(T) * D);                      \
+                memcpy(v + dst, v_new + ((int64_t)kh * B + b) * D, sizeof(T) * D);                      \
+                const int64_t* tb = tables + (int64_t)b * MAXNB;                                        \
+                const T* kbase = k + (int64_t)kh * NB * BS * D;                                         \
+                const T* vbase = v + (int64_t)kh * NB * BS * D;                                         \
+                const int nb = (task + 1) / KVH, nL = task + 1 < hi ? (int)ctx[nb] : 0;                 \
+                const int64_t* ntb = tables + (int64_t)nb * MAXNB;                                      \
+                const T* nk = k + (int64_t)((task + 1) % KVH) * NB * BS * D;                            \
+                float* sc = (float*)malloc(sizeof(float) * (size_t)(GB * LP) + sizeof(int64_t) * (size_t)L); \
+                int64_t* row = (int64_t*)(sc + GB * LP);                                                \
+                for (int t = 0, bi = 0, o = 0; t < L; t++) {                                            \
+                    row[t] = (tb[bi] * BS + o) * D;                                                     \
+                    if (++o == BS) o = 0, bi++;                                                         \
+                }                                                                                       \
+                for (int g0 = 0; g0 < G; g0 += GB) {                                                    \
+                    const int hb = G - g0 < GB ? G - g0 : GB;                                           \
+                    __m512 qv[GB][NF];                                                                  \
+                    for (int h = 0; h < GB; h++)                                                        \
+                        for (int i = 0; i < NF; i++)                                                    \
+                            qv[h][i] = h < hb ? LD16(q + ((int64_t)b * H + kh * G + g0 + h) * D + 16 * i) \
+                                              : _mm512_setzero_ps();                                    \
+                    __mmask16 heads = 0;                                                                \
+                    for (int h = 0; h < hb; h++) heads |= (__mmask16)(((1u << TPR) - 1u) << (h * TPR)); \
+                    __m512 vmax = _mm512_set1_ps(-INFINITY);                                            \
+                    for (int t0 = 0; t0 < L; t0 += TPR) {                                               \
+                        const int m = L - t0 < TPR ? L - t0 : TPR;                                      \
+                        const int c16 = (t0 + 15) & ~15;                                                \
+                        if (g0 == 0 && c16 < t0 + TPR && c16 < L) {                                     \
+                            const int m2 = L - c16 - 16 < 16 ? L - c16 - 16 : 16;                       \
+                            for (int j = 0; j < m2; j++)                                                \
+                                for (int c = 0; c < D; c += LINE)                                       \
+                                    _mm_prefetch((const char*)(kbase + row[c16 + 16 + j] + c), _MM_HINT_T0); \
+                            const int m1 = L - c16 < 16 ? L - c16 : 16;                                 \
+                            for (int j = 0; j < m1; j++)                                                \
+                                for (int c = 0; c < D; c += LINE)                                       \
+                                    _mm_prefetch((const char*)(vbase + row[c16 + j] + c), _MM_HINT_T1); \
+                        }                                                                               \
+                        __m512 acc[16];                                                                 \
+                        for (int j = GB * TPR; j < 16; j++) acc[PERM16[j]] = _mm512_setzero_ps();       \
+                        for (int t = 0; t < TPR; t++) {                                                 \
+                            __m512 kr[NF];                                                              \
+                            for (int i = 0; i < NF; i++)                                                \
+                                kr[i] = t < m ? LD16(kbase + row[t0 + t] + 16 * i) : _mm512_setzero_ps(); \
+                            for (int h = 0; h < GB; h++) {                                              \
+                                __m512 a = _mm512_mul_ps(qv[h][0], kr[0]);                              \
+                                for (int i = 1; i < NF; i++) a = _mm512_fmadd_ps(qv[h][i], kr[i], a);   \
+                                acc[PERM16[h * TPR + t]] = a;                                           \
+                            }                                                                           \
+                        }                                                                               \
+                        const __m512 s = _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale));           \
+                        float lanes[16];                                                                \
+                        _mm512_storeu_ps(lanes, s);                                                     \
+                        for (int h = 0; h < hb; h++) memcpy(sc + h * LP + t0, lanes + h * TPR, sizeof(float) * TPR); \
+                        __mmask16 valid = 0;                                                            \
+                        for (int h = 0; h < GB; h++) valid |= (__mmask16)(((1u << m) - 1u) << (h * TPR)); \
+                        vmax = _mm512_mask_max_ps(vmax, valid & heads, vmax, s);                        \
+                    }                                                                                   \
+                    float maxes[16], inv[GB];                                                           \
+                    _mm512_storeu_ps(maxes, vmax);                                                      \
+                    for (int h = 0; h < hb; h++) {                                                      \
+                        float mh = -INFINITY;                                                           \
+                        for (int t = 0; t < TPR; t++) mh = maxes[h * TPR + t] > mh ? maxes[h * TPR + t] : mh; \
+                        const __m512 mx = _mm512_set1_ps(mh);                                           \
+                        __m512 z = _mm512_setzero_ps();                                                 \
+                        for (int t0 = 0; t0 < L; t0 += 16) {                                            \
+                            const int m = L - t0 < 16 ? L - t0 : 16;                                    \
+                            const __mmask16 mask = (__mmask16)((1u << m) - 1u);                         \
+                            const __m512 e = _mm512_maskz_mov_ps(mask, exp512(_mm512_sub_ps(           \
+                                _mm512_loadu_ps(sc + h * LP + t0), mx)));                               \
+                            _mm512_storeu_ps(sc + h * LP + t0, e);                                      \
+                            z = _mm512_add_ps(z, e);                                                    \
+                        }                                                                               \
+                        inv[h] = 1.f / _mm512_reduce_add_ps(z);                                         \
+                    }                                                                                   \
+                    __m512 o[GB][NF];                                                                   \
+                    for (int h = 0; h < GB; h++)                                                        \
+                        for (int i = 0; i < NF; i++) o[h][i] = _mm512_setzero_ps();                     \
+                    const int last = g0 + GB >= G;                                                      \
+                    for (int t = 0; t < L; t++) {                                                       \
+                        if (last && t < nL) {                                                           \
+                            const T* nr = nk + (ntb[t / BS] * BS + t % BS) * D;                         \
+                            for (int c = 0; c < D; c += LINE) _mm_prefetch((const char*)(nr + c), _MM_HINT_T1); \
+                        }                                                                               \
+                        const T* vr = vbase + row[t];                                                   \
+                        __m512 vv[NF];                                                                  \
+                        for (int i = 0; i < NF; i++) vv[i] = LD16(vr + 16 * i);                         \
+                        for (int h = 0; h < GB; h++) {                                                  \
+                            if (h >= hb) break;                                                         \
+                            const __m512 p = _mm512_set1_ps(sc[h * LP + t]);                            \
+                            for (int i = 0; i < NF; i++) o[h][i] = _mm512_fmadd_ps(p, vv[i], o[h][i]);  \
+                        }                                                                               \
+                    }                                                                                   \
+                    for (int h = 0; h < hb; h++) {                                                      \
+                        T* og = out + ((int64_t)b * H + kh * G + g0 + h) * D;                           \
+                        const __m512 ih = _mm512_set1_ps(inv[h]);                                       \
+                        for (int i = 0; i < NF; i++) ST16(og + 16 * i, _mm512_mul_ps(o[h][i], ih));     \
+                    }                                                                                   \
+                }                                                                                       \
+                free(sc);                                                                               \
+            }                                                                                           \
+        }                                                                                               \
+    }
+
+PAGED_DECODE_AVX512F(decode_f32_avx512_d64, float, ld16_f32, st16_f32, 4, 4)
+PAGED_DECODE_AVX512F(decode_f32_avx512_d64_g3, float, ld16_f32, st16_f32, 4, 3)
+PAGED_DECODE_AVX512F(decode_f32_avx512_d128, float, ld16_f32, st16_f32, 8, 2)
+PAGED_DECODE_AVX512F(decode_f32_avx512_d64_mha, float, ld16_f32, st16_f32, 4, 1)
+PAGED_DECODE_AVX512F(decode_f32_avx512_d128_mha, float, ld16_f32, st16_f32, 8, 1)
+PAGED_DECODE_AVX512F(decode_bf16_avx512f_d64, uint16_t, bf16x16_to_f32, st16_bf16, 4, 4)
+PAGED_DECODE_AVX512F(decode_bf16_avx512f_d64_g3, uint16_t, bf16x16_to_f32, st16_bf16, 4, 3)
+PAGED_DECODE_AVX512F(decode_bf16_avx512f_d128, uint16_t, bf16x16_to_f32, st16_bf16, 8, 2)
+PAGED_DECODE_AVX512F(decode_bf16_avx512f_d64_mha, uint16_t, bf16x16_to_f32, st16_bf16, 4, 1)
+PAGED_DECODE_AVX512F(decode_bf16_avx512f_d128_mha, uint16_t, bf16x16_to_f32, st16_bf16, 8, 1)
+#endif
+
+#if defined(HAVE_AVX512) && defined(__AVX512BF16__)
+/* bf16 with AVX-512 BF16: scores 16 at a time with bf16 dot products (fp32 accumulation, no horizontal
+ * sum per token: one transposing reduction per 16), a vector exp, and P·V in fp32 with the
+ * accumulators in registers. D = 16 * NF. */
+#define HAVE_AVX512_BF16 1
 
 /* Query heads are taken GB at a time (grouped queries: 4 at D = 64, or 3 where the group is a multiple
  * of 3 but not of 4; 2 at D = 128; one without grouping): each K and V row is read once for all of them.
@@ -487,7 +636,25 @@ PAGED_DECODE_AVX2(decode_bf16_avx2_any, uint16_t, ld8_bf16, st8_bf16, bf16_load,
         else PREFIX##_any(ARGS);                                                                        \
     } while (0)
 
+/* Head dims 64 and 128 on AVX-512 by the head grouping (PAGED_DECODE_AVX512F's HEADS); 0 where none fits. */
+#define BY_GROUPING(PREFIX)                                                                             \
+    do {                                                                                                \
+        const int G = H / KVH;                                                                          \
+        if (D == 64 && H == KVH) PREFIX##_d64_mha(AVX512_ARGS);                                         \
+        else if (D == 64 && G % 3 == 0 && G % 4 != 0) PREFIX##_d64_g3(AVX512_ARGS);                     \
+        else if (D == 64) PREFIX##_d64(AVX512_ARGS);                                                    \
+        else if (H == KVH) PREFIX##_d128_mha(AVX512_ARGS);                                              \
+        else PREFIX##_d128(AVX512_ARGS);                                                                \
+    } while (0)
+#define AVX512_ARGS q, k_new, v_new, slots, k, v, tables, ctx, out, B, H, KVH, NB, BS, MAXNB, scale, nthreads
+
 void paged_decode_f32 SIGNATURE(float) {
+#ifdef HAVE_AVX512
+    if (D == 64 || D == 128) {
+        BY_GROUPING(decode_f32_avx512);
+        return;
+    }
+#endif
 #ifdef HAVE_AVX2
     if (D % 8 == 0) {
         BY_DIM(decode_f32_avx2);
@@ -498,17 +665,14 @@ void paged_decode_f32 SIGNATURE(float) {
 }
 
 void paged_decode_bf16 SIGNATURE(uint16_t) {
-#ifdef HAVE_AVX512_BF16
-#define AVX512_ARGS q, k_new, v_new, slots, k, v, tables, ctx, out, B, H, KVH, NB, BS, MAXNB, scale, nthreads
-    if (D == 64) {
-        if (H == KVH) decode_bf16_avx512_d64_mha(AVX512_ARGS);
-        else if ((H / KVH) % 3 == 0 && (H / KVH) % 4 != 0) decode_bf16_avx512_d64_g3(AVX512_ARGS);
-        else decode_bf16_avx512_d64(AVX512_ARGS);
+#if defined(HAVE_AVX512_BF16)
+    if (D == 64 || D == 128) {
+        BY_GROUPING(decode_bf16_avx512);
         return;
     }
-    if (D == 128) {
-        if (H == KVH) decode_bf16_avx512_d128_mha(AVX512_ARGS);
-        else decode_bf16_avx512_d128(AVX512_ARGS);
+#elif defined(HAVE_AVX512)
+    if (D == 64 || D == 128) {
+        BY_GROUPING(decode_bf16_avx512f);
         return;
     }
 #endif
@@ -1431,6 +1595,8 @@ const char* pdserve_kernel_isa(void) {
     return "amx_bf16";
 #elif defined(HAVE_AVX512_BF16)
     return "avx512_bf16";
+#elif defined(HAVE_AVX512)
+    return "avx512";
 #elif defined(HAVE_AVX2)
     return "avx2";
 #else

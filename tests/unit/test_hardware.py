@@ -122,7 +122,8 @@ def test_blocked_weights_are_a_way_of_their_own_picked_where_they_are_fastest():
 @pytest.mark.parametrize("flags,arch,want", [
     (AMX, "x86_64", "amx_bf16"),
     (AVX512_BF16, "x86_64", "avx512_bf16"),
-    (AVX512, "x86_64", "avx2"),  # AVX-512 without BF16: the AVX2 build's fp32 and bf16 paths
+    (AVX512, "x86_64", "avx512"),  # AVX-512 without BF16 (Ice Lake): 16-lane fp32 and widened-bf16 paths
+    (AVX512 - {"avx512dq"}, "x86_64", "avx2"),  # AVX-512 F alone: the AVX2 build
     (AVX2, "x86_64", "avx2"),
     (AVX2 - {"f16c"}, "x86_64", "portable"),
     (frozenset(), "x86_64", "portable"),
@@ -136,6 +137,7 @@ def test_the_kernel_is_the_best_build_the_cpu_runs(flags, arch, want):
 def test_a_forced_kernel_wins_where_the_cpu_runs_it():
     assert choose_kernel(cpu(AVX512_BF16), "portable").build.name == "portable"
     assert choose_kernel(cpu(AVX512_BF16), "avx2").build.name == "avx2"
+    assert choose_kernel(cpu(AVX512_BF16), "avx512").build.name == "avx512"
     torch_ops = choose_kernel(cpu(AVX2), "torch")
     assert torch_ops.build is None and hardware.FORCE_ENV in torch_ops.reason
 
