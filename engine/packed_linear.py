@@ -7,9 +7,9 @@ given a weight reordered once into its own blocked layout, runs them faster at t
 decode lives at, but pays a fixed cost per call that small matrices at batch 1 do not earn back
 (BENCHMARKS.md, "packed linear layers"); the kernel (`engine.kernels`: fp32 with AVX2 + FMA, bf16
 with AVX-512 BF16, on AMX tiles where the CPU has them) streams each weight once for all the rows
-with no fixed cost to speak of; on a blocked copy (`engine.kernels.block_weight`: bf16 with AVX-512
-BF16 in blocks of 16 output columns by pairs of K, fp32 with AVX2 + FMA in blocks of 8 columns) it
-needs no horizontal sums, so it runs any number of rows near the CPU's vector rate, prefill's too.
+with no fixed cost to speak of; on a blocked copy (`engine.kernels.Kernel.block_weight`: bf16 with AVX-512
+BF16 in blocks of 16 output columns by pairs of K, fp32 in blocks of 16 columns with AVX-512 or 8 with
+AVX2 + FMA) it needs no horizontal sums, so it runs any number of rows near the CPU's vector rate, prefill's too.
 So the choice is per group of layers (one name and shape: "gate_proj 1536x576", "lm_head 49152x576"):
 `EngineConfig(linear="auto")` times each group's own weights every way at start-up (`measure`,
 decided by `hardware.pick_linear`) the first time this machine serves the model that way, and keeps
@@ -219,19 +219,24 @@ def _(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None, out_fea
     return x.new_empty((*x.shape[:-1], out_features))
 
 
+def _blocked_op(dtype: torch.dtype):
+    """The blocked kernel's C++ operator, or the Python one over ctypes: what a `BlockedLinear` of `dtype` calls."""
+    from engine import kernels
+
+    return kernels.active().blocked_op(dtype) or blocked_linear
+
+
 class BlockedLinear(torch.nn.Module):
     """An `nn.Linear` (same in/out features and bias, fp32 or bf16) whose weight lives as a blocked copy for
-    pdserve's kernel (`engine.kernels.block_weight`), for every number of rows: decode steps and prefill."""
+    pdserve's kernel (`engine.kernels.Kernel.block_weight`), for every number of rows: decode steps and prefill."""
 
     def __init__(self, linear: torch.nn.Linear) -> None:
-        from engine import kernels
-
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight_dtype = linear.weight.dtype
-        self.register_buffer("blocked", kernels.block_weight(linear.weight), persistent=False)
+        self.register_buffer("blocked", _kernel().block_weight(linear.weight), persistent=False)
         self.bias = linear.bias
-        self._op = kernels.active().blocked_op(self.weight_dtype) or blocked_linear
+        self._op = _blocked_op(self.weight_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._op(x, self.blocked, self.bias, self.out_features)
@@ -299,7 +304,9 @@ def measure(model: torch.nn.Module, reps: int = 3, layers: int = 4, kernel: bool
     """Seconds of decode-sized products through up to `layers` layers of each group, plain (`F.linear`),
     packed, with `kernel` on pdserve's kernel and with `blocked` on its blocked weights, one figure per
     batch of `PROBE_BATCHES`: {group: {"plain": [s, ...], "packed": [s, ...], "kernel": [s, ...],
-    "blocked": [s, ...]}}. The packed and blocked copies live only while timed."""
+    "blocked": [s, ...]}}. Each way is called as its layer calls it (the kernels through the operators
+    `KernelLinear` and `BlockedLinear` call: at batch 1 a call's overhead is a share of the time). The packed
+    and blocked copies live only while timed."""
     out: dict[str, dict[str, list[float]]] = {}
     for group, members in groups(model).items():
         weights = [child.weight for _, _, child in members[:layers]]
@@ -307,14 +314,13 @@ def measure(model: torch.nn.Module, reps: int = 3, layers: int = 4, kernel: bool
         ways = {"plain": lambda x, ws=weights: [F.linear(x, w) for w in ws],
                 "packed": lambda x, ws=weights, ps=packed: [_pointwise(x, p, None, w.shape[0])
                                                             for w, p in zip(ws, ps, strict=True)]}
+        dtype = weights[0].dtype
         if kernel:
-            ways["kernel"] = lambda x, ws=weights: [_kernel_forward(x, w, None) for w in ws]
+            ways["kernel"] = lambda x, ws=weights, op=_kernel_op(dtype): [op(x, w, None) for w in ws]
         if blocked:
-            from engine.kernels import block_weight
-
-            copies = [block_weight(w) for w in weights]
-            ways["blocked"] = lambda x, ws=weights, bs=copies: [_blocked_forward(x, b, None, w.shape[0])
-                                                                for w, b in zip(ws, bs, strict=True)]
+            copies = [_kernel().block_weight(w) for w in weights]
+            ways["blocked"] = lambda x, ws=weights, bs=copies, op=_blocked_op(dtype): [
+                op(x, b, None, w.shape[0]) for w, b in zip(ws, bs, strict=True)]
         times = out[group] = {way: [] for way in ways}
         for batch in PROBE_BATCHES:
             x = torch.randn(batch, weights[0].shape[1], dtype=weights[0].dtype)

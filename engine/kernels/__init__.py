@@ -37,9 +37,10 @@ _ENTRY = {torch.float32: "paged_decode_f32", torch.bfloat16: "paged_decode_bf16"
 _LINEAR_ENTRY = {torch.float32: "pdserve_linear_f32", torch.bfloat16: "pdserve_linear_bf16"}
 # Linear layers on blocked weights: fp32 in the builds with AVX2 + FMA, bf16 in those with AVX-512 BF16.
 _BLOCKED_ENTRY = {torch.float32: "pdserve_linear_f32_blocked", torch.bfloat16: "pdserve_linear_bf16_blocked"}
-# A blocked weight's block, by dtype: output columns, and elements of K per row of the block (one vector of
-# the kernel: 8 fp32 lanes for an FMA, 16 bf16 pairs for a pair dot product). The C++ operator checks the same.
-BLOCK_SHAPE = {torch.float32: (8, 1), torch.bfloat16: (16, 2)}
+# A blocked weight's block: output columns, and elements of K per row of the block (one vector of the
+# kernel: 16 bf16 pairs for a pair dot product; fp32, one lane per column for an FMA: 16 columns in the builds
+# with AVX-512, 8 in the AVX2 build, as the build says (`Kernel.block_shape`)). The C++ operator is told the same.
+_BF16_BLOCK = (16, 2)
 _PREFILL_ENTRY = "pdserve_prefill_attn_bf16"  # the builds with AVX-512 BF16 (AMX tiles in amx_bf16): bf16
 PREFILL_HEAD_DIMS, PREFILL_BLOCK_MULTIPLE = (64, 128), 16
 
@@ -163,6 +164,16 @@ class Kernel:
                                                   m, n, k, torch.get_num_threads())
         return out
 
+    def block_shape(self, dtype: torch.dtype) -> tuple[int, int]:
+        """The block of this build's blocked weights of `dtype`: (output columns, elements of K per row)."""
+        if dtype == torch.float32:
+            return self.lib.pdserve_linear_f32_block_cols(), 1
+        return _BF16_BLOCK
+
+    def block_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """`weight` laid out for this build's blocked kernel (`block_weight` with its `block_shape`)."""
+        return block_weight(weight, self.block_shape(weight.dtype))
+
     def has_blocked(self, dtype: torch.dtype) -> bool:
         """Whether this build computes linear layers of `dtype` on a blocked weight (`block_weight`;
         fp32: the builds with AVX2 + FMA; bf16: those with AVX-512 BF16)."""
@@ -174,15 +185,15 @@ class Kernel:
         fp32 accumulation.
 
         Args:
-            x: [M, K]; blocked: `block_weight(weight)` of a weight [out_features, K]; bias: [out_features]
-                or None; one dtype.
+            x: [M, K]; blocked: `self.block_weight(weight)` of a weight [out_features, K]; bias:
+                [out_features] or None; one dtype.
         Returns:
             [M, out_features].
         """
-        check_blocked(blocked, out_features, x.shape[-1])
         if blocked.dtype != x.dtype or not self.has_blocked(x.dtype):
             raise ValueError(f"no {x.dtype} blocked linear kernel for a {blocked.dtype} blocked weight in the "
                              f"{self.name} build")
+        check_blocked(blocked, out_features, x.shape[-1], self.block_shape(x.dtype))
         x = x.contiguous()
         bias = None if bias is None else bias.contiguous()
         out = torch.empty(x.shape[0], out_features, dtype=x.dtype)
@@ -193,22 +204,23 @@ class Kernel:
         return out
 
 
-def block_weight(weight: torch.Tensor) -> torch.Tensor:
-    """A linear weight [N, K] laid out for the blocked kernel: [ceil(N / C), ceil(K / P), C, P] with (C, P)
-    the dtype's `BLOCK_SHAPE` (bf16: 16 output columns by pairs of K, the operand order of a bf16 pair
-    dot product; fp32: 8 columns by single elements), block b holding output columns bC..bC+C-1; zeros
-    past N and K. A new tensor; the weight is not kept."""
-    cols, per_row = BLOCK_SHAPE[weight.dtype]
+def block_weight(weight: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """A linear weight [N, K] laid out for a blocked kernel: [ceil(N / C), ceil(K / P), C, P] with (C, P) =
+    `shape`, the build's `Kernel.block_shape` (bf16: 16 output columns by pairs of K, the operand order of a
+    bf16 pair dot product; fp32: 16 or 8 columns by single elements), block b holding output columns
+    bC..bC+C-1; zeros past N and K. A new tensor; the weight is not kept."""
+    cols, per_row = shape
     n, k = weight.shape
     padded = torch.nn.functional.pad(weight.detach(), (0, -k % per_row, 0, -n % cols))
     return padded.view(-1, cols, -(-k // per_row), per_row).transpose(1, 2).contiguous()
 
 
-def check_blocked(blocked: torch.Tensor, out_features: int, in_features: int) -> None:
-    """Raise ValueError where `blocked` is not `block_weight` of an [out_features, in_features] weight."""
-    if blocked.dtype not in BLOCK_SHAPE:
+def check_blocked(blocked: torch.Tensor, out_features: int, in_features: int, shape: tuple[int, int]) -> None:
+    """Raise ValueError where `blocked` is not `block_weight(weight, shape)` of an [out_features, in_features]
+    weight."""
+    if blocked.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"a blocked weight is float32 or bfloat16, got {blocked.dtype}")
-    cols, per_row = BLOCK_SHAPE[blocked.dtype]
+    cols, per_row = shape
     want = (-(-out_features // cols), -(-in_features // per_row), cols, per_row)
     if tuple(blocked.shape) != want or not blocked.is_contiguous():
         raise ValueError(f"a {blocked.dtype} blocked weight of {out_features}x{in_features} is a contiguous "
@@ -297,7 +309,7 @@ def _self_check(kernel: Kernel) -> None:
         if not kernel.has_blocked(dtype):
             continue
         w, bias = torch.randn(n, k, generator=g).to(dtype), torch.randn(n, generator=g).to(dtype)
-        blocked = block_weight(w)
+        blocked = kernel.block_weight(w)
         for m in rows:
             x = torch.randn(m, k, generator=g).to(dtype)
             for b in (None, bias):
@@ -398,7 +410,8 @@ def _torch_op(kernel: Kernel) -> tuple[object | None, str]:
         rows = [ctypes.c_int64(kernel.linear_max_rows(t)) for t in _LINEAR_ENTRY]
         blocked = [ctypes.cast(getattr(kernel.lib, _BLOCKED_ENTRY[t]), ctypes.c_void_p) if kernel.has_blocked(t)
                    else None for t in _LINEAR_ENTRY]
-        ctypes.CDLL(str(path)).pdserve_bind(*entry, *linear, *rows, *blocked)
+        f32_cols = ctypes.c_int64(kernel.block_shape(torch.float32)[0] if kernel.has_blocked(torch.float32) else 0)
+        ctypes.CDLL(str(path)).pdserve_bind(*entry, *linear, *rows, *blocked, f32_cols)
         torch.library.register_fake("pdserve_cpu::paged_decode")(_fake_decode)
         torch.library.register_fake("pdserve_cpu::linear")(_fake_linear)
         torch.library.register_fake("pdserve_cpu::blocked_linear")(_fake_blocked_linear)

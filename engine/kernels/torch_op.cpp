@@ -85,6 +85,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
 }
 
 LinearFn blocked_f32_fn = nullptr, blocked_bf16_fn = nullptr;
+int64_t blocked_f32_cols = 8;  // the bound build's fp32 block columns (engine.kernels.Kernel.block_shape)
 
 at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& blocked, const std::optional<at::Tensor>& bias,
                           int64_t out_features) {
@@ -95,7 +96,7 @@ at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& blocked, const 
     TORCH_CHECK(fn != nullptr, "no ", x.scalar_type(), " blocked linear kernel bound (fp32: a build with AVX2 + FMA; "
                 "bf16: a build with AVX-512 BF16)");
     const int64_t k = x.size(-1);
-    const int64_t cols = f32 ? 8 : 16, per_row = f32 ? 1 : 2;  // engine.kernels.BLOCK_SHAPE
+    const int64_t cols = f32 ? blocked_f32_cols : 16, per_row = f32 ? 1 : 2;  // engine.kernels.Kernel.block_shape
     TORCH_CHECK(blocked.dim() == 4 && blocked.is_contiguous() && blocked.size(0) == (out_features + cols - 1) / cols &&
                     blocked.size(1) == (k + per_row - 1) / per_row && blocked.size(2) == cols &&
                     blocked.size(3) == per_row,
@@ -167,7 +168,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& handle, const st
 }  // namespace
 
 extern "C" void pdserve_bind(void* f32, void* bf16, void* lin_f32, void* lin_bf16, int64_t lin_f32_max_rows,
-                             int64_t lin_bf16_max_rows, void* blk_f32, void* blk_bf16) {
+                             int64_t lin_bf16_max_rows, void* blk_f32, void* blk_bf16, int64_t blk_f32_cols) {
     f32_fn = reinterpret_cast<DecodeFn>(f32);
     bf16_fn = reinterpret_cast<DecodeFn>(bf16);
     linear_f32_fn = reinterpret_cast<LinearFn>(lin_f32);
@@ -176,6 +177,7 @@ extern "C" void pdserve_bind(void* f32, void* bf16, void* lin_f32, void* lin_bf1
     linear_bf16_max_rows = lin_bf16_max_rows;
     blocked_f32_fn = reinterpret_cast<LinearFn>(blk_f32);
     blocked_bf16_fn = reinterpret_cast<LinearFn>(blk_bf16);
+    blocked_f32_cols = blk_f32_cols;
 }
 
 TORCH_LIBRARY(pdserve_cpu, m) {

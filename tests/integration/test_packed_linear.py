@@ -212,27 +212,47 @@ def test_a_blocked_layer_equals_the_plain_one(dtype, tol, rows, shape, bias):
 
 def test_a_bf16_blocked_weight_holds_16_columns_by_pairs_of_k_padded_with_zeros():
     w = torch.arange(20 * 5, dtype=torch.bfloat16).view(20, 5)  # integers up to 256: exact in bf16
-    blocked = kernels.block_weight(w)
+    blocked = kernels.block_weight(w, (16, 2))
     assert blocked.shape == (2, 3, 16, 2) and blocked.is_contiguous()
     for b, kp, c, e in [(0, 0, 0, 0), (0, 0, 0, 1), (0, 2, 15, 0), (1, 1, 3, 1), (1, 0, 2, 0)]:
         assert blocked[b, kp, c, e] == w[16 * b + c, 2 * kp + e]
     assert not blocked[1, :, 4:].any() and not blocked[:, 2, :, 1].any()  # past N and past K: zeros
-    kernels.check_blocked(blocked, 20, 5)
+    kernels.check_blocked(blocked, 20, 5, (16, 2))
     with pytest.raises(ValueError, match=r"blocked weight of 20x6 is a contiguous \[2, 3, 16, 2\], got \[2, 3, 16, 2\]"):
-        kernels.check_blocked(blocked.transpose(0, 1).contiguous().transpose(0, 1), 20, 6)
+        kernels.check_blocked(blocked.transpose(0, 1).contiguous().transpose(0, 1), 20, 6, (16, 2))
     with pytest.raises(ValueError, match=r"of 33x5 is a contiguous \[3, 3, 16, 2\]"):
-        kernels.check_blocked(blocked, 33, 5)
+        kernels.check_blocked(blocked, 33, 5, (16, 2))
     with pytest.raises(ValueError, match="float32 or bfloat16, got torch.float16"):
-        kernels.check_blocked(blocked.half(), 20, 5)
+        kernels.check_blocked(blocked.half(), 20, 5, (16, 2))
 
 
-def test_an_fp32_blocked_weight_holds_8_columns_by_single_elements_of_k():
+def test_an_fp32_blocked_weight_holds_8_or_16_columns_by_single_elements_of_k():
     w = torch.arange(11 * 3, dtype=torch.float32).view(11, 3)
-    blocked = kernels.block_weight(w)
+    blocked = kernels.block_weight(w, (8, 1))
     assert blocked.shape == (2, 3, 8, 1)
     assert blocked[1, 2, 2, 0] == w[10, 2] and blocked[0, 1, 7, 0] == w[7, 1]
     assert not blocked[1, :, 3:].any()  # past N: zeros
-    kernels.check_blocked(blocked, 11, 3)
+    kernels.check_blocked(blocked, 11, 3, (8, 1))
+    wide = kernels.block_weight(w, (16, 1))
+    assert wide.shape == (1, 3, 16, 1) and wide[0, 2, 10, 0] == w[10, 2] and not wide[0, :, 11:].any()
+    with pytest.raises(ValueError, match=r"of 11x3 is a contiguous \[2, 3, 8, 1\], got \[1, 3, 16, 1\]"):
+        kernels.check_blocked(wide, 11, 3, (8, 1))
+
+
+@pytest.mark.parametrize("build", [b for b in hardware.runnable(hardware.this_cpu()) if "avx2" in b.needs],
+                         ids=lambda b: b.name)
+def test_each_vector_build_says_its_fp32_block_and_computes_on_it(build):
+    """16 columns in the builds with AVX-512, 8 in the AVX2 build; each computes from its own blocks."""
+    kernel = kernels.load(build)
+    assert kernel.block_shape(torch.float32) == ((16, 1) if "avx512f" in build.needs else (8, 1))
+    g = torch.Generator().manual_seed(3)
+    w, bias = torch.randn(37, 45, generator=g), torch.randn(37, generator=g)
+    for rows in (1, 5, 70):
+        x = torch.randn(rows, 45, generator=g)
+        torch.testing.assert_close(kernel.blocked_linear(x, kernel.block_weight(w), bias, 37),
+                                   torch.nn.functional.linear(x, w, bias), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(kernel.linear(x, w, bias), torch.nn.functional.linear(x, w, bias),
+                                   atol=1e-4, rtol=1e-4)
 
 
 @needs("blocked", torch.bfloat16)
