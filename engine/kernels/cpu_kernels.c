@@ -828,10 +828,11 @@ static void linear_f32_blocked_avx2(const float* x, const float* wb, const float
 #ifdef HAVE_AVX512
 /* The blocked fp32 linear kernel 16 lanes wide (the builds with AVX-512): `linear_f32_blocked_avx2`'s scheme on
  * 16-column blocks, wb[ceil(N/16)][K][16] (one 64-byte line per k and block), tiles of BLZ_MR rows by BLZ_NR
- * blocks (16 accumulators of the 32 registers). On a 2-core Ice Lake it took 0.75-0.9x the AVX2 kernel's time
- * at 16-32 rows. (The small-batch kernel 16 lanes wide ran slower than its AVX2 form there: not kept.) */
-#define BLZ_MR 4
-#define BLZ_NR 4
+ * blocks (24 accumulators of the 32 registers: each block row loaded serves 8 rows of x). On a 2-core Ice Lake
+ * it took 0.55-0.75x the AVX2 kernel's time at 16 rows, and 4 x 4 tiles 1.0-1.35x this one's. (The small-batch
+ * kernel 16 lanes wide ran slower than its AVX2 form there: not kept.) */
+#define BLZ_MR 8
+#define BLZ_NR 3
 #define BLZ_TILE(MR, NR)                                                                                   \
     static void blz_tile_##MR##_##NR(const float* x, const float* wb, const float* bias, float* y, int m0, \
                                      int nb0, int N, int K) {                                              \
@@ -856,17 +857,21 @@ static void linear_f32_blocked_avx2(const float* x, const float* wb, const float
                 _mm512_mask_storeu_ps(y + (int64_t)(m0 + i) * N + n0, mask, _mm512_add_ps(acc[i][j], b));  \
         }                                                                                                  \
     }
-#define BLZ_ROWS(NR) BLZ_TILE(1, NR) BLZ_TILE(2, NR) BLZ_TILE(3, NR) BLZ_TILE(4, NR)
+#define BLZ_ROWS(NR) BLZ_TILE(1, NR) BLZ_TILE(2, NR) BLZ_TILE(3, NR) BLZ_TILE(4, NR) BLZ_TILE(5, NR) \
+    BLZ_TILE(6, NR) BLZ_TILE(7, NR) BLZ_TILE(8, NR)
 BLZ_ROWS(1)
 BLZ_ROWS(2)
 BLZ_ROWS(3)
-BLZ_ROWS(4)
 #define BLZ_PANEL(NR)                                                                                      \
     static void blz_panel_##NR(const float* x, const float* wb, const float* bias, float* y, int m0, int m1, \
                                int nb0, int N, int K) {                                                    \
         int m = m0;                                                                                        \
-        for (; m + BLZ_MR <= m1; m += BLZ_MR) blz_tile_4_##NR(x, wb, bias, y, m, nb0, N, K);               \
+        for (; m + BLZ_MR <= m1; m += BLZ_MR) blz_tile_8_##NR(x, wb, bias, y, m, nb0, N, K);               \
         switch (m1 - m) {                                                                                  \
+            case 7: blz_tile_7_##NR(x, wb, bias, y, m, nb0, N, K); break;                                  \
+            case 6: blz_tile_6_##NR(x, wb, bias, y, m, nb0, N, K); break;                                  \
+            case 5: blz_tile_5_##NR(x, wb, bias, y, m, nb0, N, K); break;                                  \
+            case 4: blz_tile_4_##NR(x, wb, bias, y, m, nb0, N, K); break;                                  \
             case 3: blz_tile_3_##NR(x, wb, bias, y, m, nb0, N, K); break;                                  \
             case 2: blz_tile_2_##NR(x, wb, bias, y, m, nb0, N, K); break;                                  \
             case 1: blz_tile_1_##NR(x, wb, bias, y, m, nb0, N, K); break;                                  \
@@ -876,7 +881,6 @@ BLZ_ROWS(4)
 BLZ_PANEL(1)
 BLZ_PANEL(2)
 BLZ_PANEL(3)
-BLZ_PANEL(4)
 
 static void linear_f32_blocked_avx512(const float* x, const float* wb, const float* bias, float* y, int M, int N,
                                       int K, int nthreads) {
@@ -888,9 +892,8 @@ static void linear_f32_blocked_avx512(const float* x, const float* wb, const flo
         for (int m0 = 0; m0 < M; m0 += BLF_MB) {
             const int m1 = M - m0 > BLF_MB ? m0 + BLF_MB : M;
             int b = b0;
-            for (; b + BLZ_NR <= b1; b += BLZ_NR) blz_panel_4(x, wb, bias, y, m0, m1, b, N, K);
+            for (; b + BLZ_NR <= b1; b += BLZ_NR) blz_panel_3(x, wb, bias, y, m0, m1, b, N, K);
             switch (b1 - b) {
-                case 3: blz_panel_3(x, wb, bias, y, m0, m1, b, N, K); break;
                 case 2: blz_panel_2(x, wb, bias, y, m0, m1, b, N, K); break;
                 case 1: blz_panel_1(x, wb, bias, y, m0, m1, b, N, K); break;
                 default: break;
