@@ -829,8 +829,9 @@ static void linear_f32_blocked_avx2(const float* x, const float* wb, const float
 /* The blocked fp32 linear kernel 16 lanes wide (the builds with AVX-512): `linear_f32_blocked_avx2`'s scheme on
  * 16-column blocks, wb[ceil(N/16)][K][16] (one 64-byte line per k and block), tiles of BLZ_MR rows by BLZ_NR
  * blocks (24 accumulators of the 32 registers: each block row loaded serves 8 rows of x). On a 2-core Ice Lake
- * it took 0.55-0.75x the AVX2 kernel's time at 16 rows, and 4 x 4 tiles 1.0-1.35x this one's. (The small-batch
- * kernel 16 lanes wide ran slower than its AVX2 form there: not kept.) */
+ * it took 0.57-0.75x the AVX2 kernel's time from 16 to 2000 rows (280-300 GFLOP/s at 2000, oneDNN's rate), the
+ * same at 1-4 rows (memory-bound). (The small-batch kernel 16 lanes wide ran slower than its AVX2 form there:
+ * not kept.) */
 #define BLZ_MR 8
 #define BLZ_NR 3
 #define BLZ_TILE(MR, NR)                                                                                   \
