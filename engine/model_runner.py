@@ -71,10 +71,10 @@ class ModelRunner:
             self.use_kernel = triton_attention.available()
         else:
             self.use_kernel = kernels.supports(self.dtype, self.device, group)
-        # prompt chunks over a cached context on the CPU prefill kernel (bf16), else gather + SDPA; and prompts
-        # with none (first chunks) too where the kernel beats causal SDPA (no AMX tiles), else causal SDPA
+        # prompt chunks over a cached context on the CPU prefill kernel (bf16, or fp32 with AVX-512), else gather +
+        # SDPA; and prompts with none (first chunks) too where the kernel beats causal SDPA, else causal SDPA
         self.prefill_kernel = kernels.supports_prefill(self.dtype, self.device, layout.head_dim)
-        self.prefill_kernel_whole = self.prefill_kernel and kernels.prefill_whole()
+        self.prefill_kernel_whole = self.prefill_kernel and kernels.prefill_whole(self.dtype)
         self._step: Callable[..., torch.Tensor] | None = None  # the compiled decode step
         self._step_ready = False  # its graphs are warm: only the guards that tell them apart are checked
         self._layer_hook: Callable[[int], None] | None = None

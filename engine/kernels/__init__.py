@@ -41,7 +41,10 @@ _BLOCKED_ENTRY = {torch.float32: "pdserve_linear_f32_blocked", torch.bfloat16: "
 # kernel: 16 bf16 pairs for a pair dot product; fp32, one lane per column for an FMA: 16 columns in the builds
 # with AVX-512, 8 in the AVX2 build, as the build says (`Kernel.block_shape`)). The C++ operator is told the same.
 _BF16_BLOCK = (16, 2)
-_PREFILL_ENTRY = "pdserve_prefill_attn_bf16"  # the builds with AVX-512 BF16 (AMX tiles in amx_bf16): bf16
+# Prefill attention, by dtype: bf16 in the builds with AVX-512 BF16 (AMX tiles in amx_bf16), fp32 in those with
+# AVX-512; and whether each takes whole prompts too (the build says: `pdserve_prefill_attn_*whole`).
+_PREFILL_ENTRY = {torch.bfloat16: "pdserve_prefill_attn_bf16", torch.float32: "pdserve_prefill_attn_f32"}
+_PREFILL_WHOLE = {torch.bfloat16: "pdserve_prefill_attn_whole", torch.float32: "pdserve_prefill_attn_f32_whole"}
 PREFILL_HEAD_DIMS, PREFILL_BLOCK_MULTIPLE = (64, 128), 16
 
 
@@ -88,17 +91,15 @@ class Kernel:
             tables.shape[1], ctypes.c_float(scale), torch.get_num_threads())
         return out
 
-    @property
-    def has_prefill(self) -> bool:
-        """Whether this build holds the prefill attention kernel (bf16: the builds with AVX-512 BF16; on
-        AMX tiles in the amx_bf16 build, where the OS gives them)."""
-        return hasattr(self.lib, _PREFILL_ENTRY)
+    def has_prefill(self, dtype: torch.dtype) -> bool:
+        """Whether this build holds the prefill attention kernel for `dtype` (bf16: the builds with AVX-512
+        BF16, on AMX tiles in the amx_bf16 build where the OS gives them; fp32: the builds with AVX-512)."""
+        return dtype in _PREFILL_ENTRY and hasattr(self.lib, _PREFILL_ENTRY[dtype])
 
-    @property
-    def prefill_whole(self) -> bool:
-        """Whether prompts with no cached context (first chunks) go to the prefill kernel too: where it
-        beats torch's causal flash attention, as the build says (`pdserve_prefill_attn_whole`)."""
-        return self.has_prefill and bool(self.lib.pdserve_prefill_attn_whole())
+    def prefill_whole(self, dtype: torch.dtype) -> bool:
+        """Whether `dtype` prompts with no cached context (first chunks) go to the prefill kernel too: where
+        it beats torch's causal flash attention, as the build says (`pdserve_prefill_attn_*whole`)."""
+        return self.has_prefill(dtype) and bool(getattr(self.lib, _PREFILL_WHOLE[dtype])())
 
     def prefill_attention(self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
                           start: int, scale: float) -> torch.Tensor | None:
@@ -106,15 +107,15 @@ class Kernel:
         [start, start + n) over the keys up to its own position, read in place (no gather).
 
         Args:
-            q: [H, n, D] bf16 queries (D one of `PREFILL_HEAD_DIMS`, contiguous in D).
+            q: [H, n, D] bf16 or fp32 queries (D one of `PREFILL_HEAD_DIMS`, contiguous in D), the pools' dtype.
             k_pool, v_pool: [KVH, blocks, block_size, D] one layer's cache, the chunk's own K/V already
                 written (AMX tiles take block sizes that are multiples of `PREFILL_BLOCK_MULTIPLE`, the
                 dot products any).
             table: [>= ceil((start + n) / block_size)] int64 block ids of the sequence.
             start: the chunk's first position (its cached context). scale: softmax scale.
         Returns:
-            [H, n, D] bf16 (a view), or None where the kernel declined (an unsupported shape): the caller
-            computes it another way.
+            [H, n, D] in q's dtype (a view), or None where the kernel declined (an unsupported shape): the
+            caller computes it another way.
         """
         if q.stride(-1) != 1:
             q = q.contiguous()
@@ -124,7 +125,7 @@ class Kernel:
         table = table.to(torch.int64).contiguous()
         out = torch.empty(n, h, d, dtype=q.dtype)
         p, i64 = ctypes.c_void_p, ctypes.c_int64
-        rc = getattr(self.lib, _PREFILL_ENTRY)(
+        rc = getattr(self.lib, _PREFILL_ENTRY[q.dtype])(
             p(q.data_ptr()), i64(q.stride(1)), i64(q.stride(0)), p(k_pool.data_ptr()), p(v_pool.data_ptr()),
             i64(k_pool.stride(0)), bs, p(table.data_ptr()), start, n, h, kvh, d, ctypes.c_float(scale),
             p(out.data_ptr()), i64(h * d), torch.get_num_threads())
@@ -283,8 +284,9 @@ def _self_check(kernel: Kernel) -> None:
         err = float((out.float() - want).abs().max())
         if not err <= tol:
             raise KernelError(f"differs from the reference attention in {dtype} (max error {err:.3g})")
-    if kernel.has_prefill:  # prefill attention: partial tiles of rows and keys, a chunk starting mid-block
-        _check_prefill(kernel, g)
+    for dtype in _PREFILL_ENTRY:  # prefill attention: partial tiles of rows and keys, a chunk starting mid-block
+        if kernel.has_prefill(dtype):
+            _check_prefill(kernel, g, dtype)
     # The linear kernel: every tile height, a tail of w's rows and of K, with and without bias; bf16 also
     # on AMX tiles (K a multiple of 32, rows of w past the last 32, two blocks of 16 rows of x and a part).
     for dtype, (n, k), rows, tol in ((torch.float32, (13, 20), range(1, 8), 1e-4),
@@ -320,21 +322,22 @@ def _self_check(kernel: Kernel) -> None:
                                       f"{err:.3g})")
 
 
-def _check_prefill(kernel: Kernel, g: torch.Generator) -> None:
+def _check_prefill(kernel: Kernel, g: torch.Generator, dtype: torch.dtype) -> None:
     from engine.attention import reference_prefill
 
     kvh, heads, bs, blocks = 2, 6, PREFILL_BLOCK_MULTIPLE, 12
     tables = torch.randperm(blocks, generator=g)
+    tol = 3e-2 if dtype == torch.bfloat16 else 1e-4
     for d, start, n in [(d, start, n) for d in PREFILL_HEAD_DIMS for start, n in ((0, 1), (0, 37), (21, 40), (70, 3))]:
-        k_pool, v_pool = (torch.randn(kvh, blocks, bs, d, generator=g).to(torch.bfloat16) for _ in range(2))
-        q = torch.randn(heads, n, d, generator=g).to(torch.bfloat16)
+        k_pool, v_pool = (torch.randn(kvh, blocks, bs, d, generator=g).to(dtype) for _ in range(2))
+        q = torch.randn(heads, n, d, generator=g).to(dtype)
         out = kernel.prefill_attention(q, k_pool, v_pool, tables, start, d ** -0.5)
         if out is None:
             raise KernelError(f"its prefill attention declined a shape it takes (head dim {d})")
         want = reference_prefill(q, k_pool, v_pool, tables, start, d ** -0.5)
         err = float((out.float() - want).abs().max())
-        if not err <= 3e-2:
-            raise KernelError(f"its prefill attention differs from the reference (max error {err:.3g})")
+        if not err <= tol:
+            raise KernelError(f"its {dtype} prefill attention differs from the reference (max error {err:.3g})")
 
 
 _loaded: dict[str, Kernel] = {}
@@ -514,13 +517,14 @@ def supports_prefill(dtype: torch.dtype, device: torch.device, head_dim: int) ->
     """Whether prompt chunks over a cached context run on this process's prefill attention kernel (any block
     size: the AMX tiles take multiples of `PREFILL_BLOCK_MULTIPLE`, dot products the rest)."""
     kernel = active().kernel if device.type == "cpu" else None
-    return kernel is not None and kernel.has_prefill and dtype == torch.bfloat16 and head_dim in PREFILL_HEAD_DIMS
+    return kernel is not None and kernel.has_prefill(dtype) and head_dim in PREFILL_HEAD_DIMS
 
 
-def prefill_whole() -> bool:
-    """Whether prompts with no cached context run on this process's prefill kernel too (`Kernel.prefill_whole`)."""
+def prefill_whole(dtype: torch.dtype) -> bool:
+    """Whether `dtype` prompts with no cached context run on this process's prefill kernel too
+    (`Kernel.prefill_whole`)."""
     kernel = active().kernel
-    return kernel is not None and kernel.prefill_whole
+    return kernel is not None and kernel.prefill_whole(dtype)
 
 
 def prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,

@@ -925,6 +925,152 @@ void pdserve_linear_f32_blocked(const float* x, const float* wb, const float* bi
 }
 #endif
 
+#ifdef HAVE_AVX512
+/* Prefill attention in fp32 (the builds with AVX-512): `pdserve_prefill_attn_bf16`'s scheme (below) with fp32
+ * FMAs. K and V are packed once per call and kv head: kt [key blocks of 16][D][16 keys] (scores: lanes are 16
+ * keys, a query dim broadcast) and vf [keys][D] (P.V: lanes are 16 dims, a row's P broadcast). A task is R rows
+ * of one query head, 32 keys at a time, online softmax whose maximum moves only by PX_SLACK, O in registers. */
+#define PX_KEYS 32
+#define PX_SLACK 8.0f /* a row's running maximum moves only when a score passes it by this: P <= e^8 */
+
+/* Keys [t0, t0 + 16) of one kv head into kt and vf (zeros past ctx). */
+static void pxf_pack(const float* k_head, const float* v_head, const int64_t* table, int bs, int D, int ctx, int t0,
+                     float* kt, float* vf) {
+    const int real = ctx - t0 >= 16 ? 16 : ctx - t0;
+    int rows[16] __attribute__((aligned(64))); /* each key's row, in floats from the pool's start */
+    for (int j = 0; j < 16; j++) {
+        const int t = t0 + (j < real ? j : real - 1);
+        rows[j] = (int)((table[t / bs] * bs + t % bs) * D);
+    }
+    const __m512i idx = _mm512_load_si512(rows);
+    const __mmask16 live = real == 16 ? 0xffff : (__mmask16)((1u << real) - 1);
+    float* kb = kt + (int64_t)(t0 / 16) * D * 16;
+    for (int d = 0; d < D; d++)
+        _mm512_store_ps(kb + d * 16, _mm512_maskz_mov_ps(live, _mm512_i32gather_ps(idx, k_head + d, 4)));
+    for (int j = 0; j < 16; j++) {
+        float* dst = vf + (int64_t)(t0 + j) * D;
+        if (j < real) memcpy(dst, v_head + rows[j], sizeof(float) * (size_t)D);
+        else memset(dst, 0, sizeof(float) * (size_t)D);
+    }
+}
+
+#define PXF_ROWS(NAME, R, NF)                                                                                     \
+    static void NAME(const float* q, int64_t q_row, int64_t q_head, const float* kt, const float* vf, int start,  \
+                     int n, int h, int i0, float scale, float* out, int64_t out_row) {                            \
+        enum { D = (NF) * 16 };                                                                                   \
+        const float* qr[R];                                                                                       \
+        int pos[R];                                                                                               \
+        float m[R];                                                                                               \
+        __m512 l[R], o[R][NF];                                                                                    \
+        for (int r = 0; r < R; r++) {                                                                             \
+            const int i = i0 + r < n ? i0 + r : n - 1;                                                            \
+            qr[r] = q + (int64_t)i * q_row + (int64_t)h * q_head;                                                 \
+            pos[r] = start + i;                                                                                   \
+            m[r] = -INFINITY;                                                                                     \
+            l[r] = _mm512_setzero_ps();                                                                           \
+            for (int f = 0; f < NF; f++) o[r][f] = _mm512_setzero_ps();                                           \
+        }                                                                                                         \
+        const int last = pos[R - 1];                                                                              \
+        const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);              \
+        const __m512 vscale = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);                            \
+        float pf[R][PX_KEYS] __attribute__((aligned(64))); /* P of each row */                                    \
+        for (int t0 = 0; t0 <= last; t0 += PX_KEYS) {                                                             \
+            const int two = t0 + 16 <= last;                                                                      \
+            const float* k0 = kt + (int64_t)(t0 / 16) * D * 16;                                                   \
+            __m512 s0[R], s1[R];                                                                                  \
+            for (int r = 0; r < R; r++) s0[r] = s1[r] = _mm512_setzero_ps();                                      \
+            for (int d = 0; d < D; d++) {                                                                         \
+                const __m512 a0 = _mm512_load_ps(k0 + d * 16);                                                    \
+                for (int r = 0; r < R; r++) s0[r] = _mm512_fmadd_ps(a0, _mm512_set1_ps(qr[r][d]), s0[r]);         \
+                if (two) {                                                                                        \
+                    const __m512 a1 = _mm512_load_ps(k0 + D * 16 + d * 16);                                       \
+                    for (int r = 0; r < R; r++) s1[r] = _mm512_fmadd_ps(a1, _mm512_set1_ps(qr[r][d]), s1[r]);     \
+                }                                                                                                 \
+            }                                                                                                     \
+            const __m512i key0 = _mm512_add_epi32(lane, _mm512_set1_epi32(t0));                                   \
+            const __m512i key1 = _mm512_add_epi32(key0, _mm512_set1_epi32(16));                                   \
+            const int seen = t0 + PX_KEYS - 1 <= pos[0];                                                          \
+            for (int r = 0; r < R; r++) {                                                                         \
+                __m512 v0 = _mm512_mul_ps(s0[r], vscale), v1 = _mm512_mul_ps(s1[r], vscale);                      \
+                if (!seen) {                                                                                      \
+                    const __m512i at = _mm512_set1_epi32(pos[r]);                                                 \
+                    v0 = _mm512_mask_blend_ps(_mm512_cmple_epi32_mask(key0, at), ninf, v0);                       \
+                    v1 = _mm512_mask_blend_ps(_mm512_cmple_epi32_mask(key1, at), ninf, v1);                       \
+                }                                                                                                 \
+                const __m512 vmax = _mm512_max_ps(v0, v1);                                                        \
+                if (_mm512_cmp_ps_mask(vmax, _mm512_set1_ps(m[r] + PX_SLACK), _CMP_GT_OQ)) {                      \
+                    const float mnew = fmaxf(m[r], _mm512_reduce_max_ps(vmax));                                   \
+                    const __m512 alpha = _mm512_set1_ps(expf(m[r] - mnew));                                       \
+                    l[r] = _mm512_mul_ps(l[r], alpha);                                                            \
+                    for (int f = 0; f < NF; f++) o[r][f] = _mm512_mul_ps(o[r][f], alpha);                         \
+                    m[r] = mnew;                                                                                  \
+                }                                                                                                 \
+                const __m512 mv = _mm512_set1_ps(m[r]);                                                           \
+                const __m512 p0 = exp512(_mm512_sub_ps(v0, mv)), p1 = exp512(_mm512_sub_ps(v1, mv));              \
+                l[r] = _mm512_add_ps(l[r], _mm512_add_ps(p0, p1));                                                \
+                _mm512_store_ps(pf[r], p0);                                                                       \
+                _mm512_store_ps(pf[r] + 16, p1);                                                                  \
+            }                                                                                                     \
+            const int keys = last - t0 + 1 < PX_KEYS ? last - t0 + 1 : PX_KEYS;                                  \
+            const float* v0p = vf + (int64_t)t0 * D;                                                              \
+            for (int t = 0; t < keys; t++)                                                                        \
+                for (int f = 0; f < NF; f++) {                                                                    \
+                    const __m512 b = _mm512_loadu_ps(v0p + (int64_t)t * D + f * 16);                              \
+                    for (int r = 0; r < R; r++) o[r][f] = _mm512_fmadd_ps(_mm512_set1_ps(pf[r][t]), b, o[r][f]);  \
+                }                                                                                                 \
+        }                                                                                                         \
+        for (int r = 0; r < R && i0 + r < n; r++) {                                                               \
+            const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(l[r]));                                 \
+            float* dst = out + (int64_t)(i0 + r) * out_row + (int64_t)h * D;                                      \
+            for (int f = 0; f < NF; f++) _mm512_storeu_ps(dst + f * 16, _mm512_mul_ps(o[r][f], inv));             \
+        }                                                                                                         \
+    }
+PXF_ROWS(pxf_rows64, 4, 4)
+PXF_ROWS(pxf_rows128, 2, 8)
+
+/* The arguments as for `pdserve_prefill_attn_bf16` (below), in fp32: q, the pools and out hold floats. */
+int pdserve_prefill_attn_f32(const float* q, int64_t q_row, int64_t q_head, const float* k_pool, const float* v_pool,
+                             int64_t pool_head, int bs, const int64_t* table, int start, int n, int H, int KVH, int D,
+                             float scale, float* out, int64_t out_row, int nthreads) {
+    if ((D != 64 && D != 128) || n < 1 || KVH < 1 || H % KVH != 0 || pool_head > INT32_MAX) return -1;
+    const int ctx = start + n, ctx_pad = (ctx + PX_KEYS - 1) / PX_KEYS * PX_KEYS, G = H / KVH, R = D == 64 ? 4 : 2;
+    const int blocks16 = ctx_pad / 16, tiles = (n + R - 1) / R;
+    const int64_t per_head = (int64_t)ctx_pad * D; /* floats of kt, and of vf, per kv head */
+    float* packed = aligned_alloc(64, (size_t)2 * KVH * per_head * sizeof(float));
+    if (packed == NULL) return -1;
+    float *kt = packed, *vf = packed + KVH * per_head;
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+    {
+#pragma omp for schedule(static)
+        for (int c = 0; c < KVH * blocks16; c++) {
+            const int kh = c / blocks16, t0 = (c % blocks16) * 16;
+            if (t0 < ctx)
+                pxf_pack(k_pool + kh * pool_head, v_pool + kh * pool_head, table, bs, D, ctx, t0, kt + kh * per_head,
+                         vf + kh * per_head);
+            else { /* past the context: zeros, read by the last 32 keys' products */
+                memset(kt + kh * per_head + (int64_t)t0 * D, 0, (size_t)16 * D * sizeof(float));
+                memset(vf + kh * per_head + (int64_t)t0 * D, 0, (size_t)16 * D * sizeof(float));
+            }
+        }
+#pragma omp for schedule(dynamic, 4)
+        for (int task = 0; task < H * tiles; task++) { /* the last rows (most keys) first */
+            const int h = task % H, i0 = (tiles - 1 - task / H) * R, kh = h / G;
+            if (D == 64)
+                pxf_rows64(q, q_row, q_head, kt + kh * per_head, vf + kh * per_head, start, n, h, i0, scale, out,
+                           out_row);
+            else
+                pxf_rows128(q, q_row, q_head, kt + kh * per_head, vf + kh * per_head, start, n, h, i0, scale, out,
+                            out_row);
+        }
+    }
+    free(packed);
+    return 0;
+}
+
+/* Whether fp32 prompts with no cached context go to `pdserve_prefill_attn_f32` too (see its bf16 twin). */
+int pdserve_prefill_attn_f32_whole(void) { return 1; }
+#endif
+
 #ifdef HAVE_AVX512_BF16
 /* Small-batch linear layers, bf16 (fp32 accumulation, rounded to bf16 like oneDNN's): the same
  * y[M, N] = x[M, K] w[N, K]^T (+ bias[N]) with AVX-512 BF16 dot products, 32 elements of K per
@@ -1362,8 +1508,6 @@ static int prefill_attn_amx(const uint16_t* q, int64_t q_row, int64_t q_head, co
  * passes it by PX_SLACK (so P <= e^8, far inside fp32 and bf16): most steps skip the reduction and the
  * rescaling, and 32 keys that every row of the task sees take no causal mask. On a 2-core EPYC of family
  * 25 (512-bit ops in two halves) the two took 72 query rows over 1,400 cached keys from 165 to 300 GFLOP/s. */
-#define PX_KEYS 32
-#define PX_SLACK 8.0f
 static const uint16_t PX_LO[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
                                    8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
 

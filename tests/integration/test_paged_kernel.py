@@ -200,27 +200,37 @@ def test_every_build_binds_its_torch_operator(build):
         kernels._torch_op(sel.kernel)  # the process's operator serves its active build again
 
 
-PREFILL_BUILDS = [b for b in BUILDS if b.name in ("amx_bf16", "avx512_bf16")]
+PREFILL_BUILDS = [b for b in BUILDS if b.name in ("amx_bf16", "avx512_bf16")]  # bf16 prefill attention
 
 
-@pytest.mark.parametrize("build", PREFILL_BUILDS, ids=[b.name for b in PREFILL_BUILDS])
+def _holds_prefill(build: hardware.KernelBuild, dtype: torch.dtype) -> bool:
+    """bf16: the builds with AVX-512 BF16; fp32: every build with AVX-512."""
+    return build in PREFILL_BUILDS if dtype == torch.bfloat16 else "avx512f" in build.needs
+
+
+PREFILL_CASES = [(b, dt) for b in BUILDS for dt in (torch.bfloat16, torch.float32) if _holds_prefill(b, dt)]
+PREFILL_IDS = [f"{b.name}-{str(dt).removeprefix('torch.')}" for b, dt in PREFILL_CASES]
+_PREFILL_TOL = {torch.bfloat16: 2e-2, torch.float32: 1e-4}
+
+
+@pytest.mark.parametrize("build,dtype", PREFILL_CASES, ids=PREFILL_IDS)
 @pytest.mark.parametrize("d", kernels.PREFILL_HEAD_DIMS)
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1), (16, 2)])
 @pytest.mark.parametrize("bs", [8, 16, 32])
 @pytest.mark.parametrize("start,n", [(0, 1), (1, 1), (5, 3), (16, 16), (17, 40), (31, 33), (100, 136), (700, 70),
                                      (0, 300)])
-def test_prefill_kernel_matches_reference(build, d, heads, kv_heads, bs, start, n):
+def test_prefill_kernel_matches_reference(build, dtype, d, heads, kv_heads, bs, start, n):
     """A prompt chunk over its cached context (or a whole prompt) on the prefill kernel, head dims 64 and
-    128, on AMX tiles (amx_bf16, blocks of 16 and 32) and AVX-512 BF16 dot products (avx512_bf16, and the
-    AMX build's blocks of 8): chunks of 1 row to several tiles (partial ones), starting and ending inside
-    blocks and tiles of 32 keys, scattered block tables, GQA groups of 1 to 8; the pool past the context
-    holds NaN, which must never be read into the answer."""
+    128: bf16 on AMX tiles (amx_bf16, blocks of 16 and 32) and AVX-512 BF16 dot products (avx512_bf16, and
+    the AMX build's blocks of 8), fp32 on AVX-512 FMAs: chunks of 1 row to several tiles (partial ones),
+    starting and ending inside blocks and tiles of 32 keys, scattered block tables, GQA groups of 1 to 8; the
+    pool past the context holds NaN, which must never be read into the answer."""
     kernel = _loaded(build)
-    assert kernel.has_prefill
+    assert kernel.has_prefill(dtype)
     g = torch.Generator().manual_seed(start * 7 + n + heads + bs + d)
     ctx = start + n
     blocks = -(-ctx // bs)
-    k_pool, v_pool = (torch.randn(kv_heads, blocks + 5, bs, d, generator=g).to(torch.bfloat16) for _ in range(2))
+    k_pool, v_pool = (torch.randn(kv_heads, blocks + 5, bs, d, generator=g).to(dtype) for _ in range(2))
     table = torch.randperm(blocks + 5, generator=g)[:blocks]
     for pool in (k_pool, v_pool):  # the rest of the last block, and every block outside the table
         outside = torch.ones(blocks + 5, dtype=torch.bool)
@@ -228,17 +238,17 @@ def test_prefill_kernel_matches_reference(build, d, heads, kv_heads, bs, start, 
         pool[:, outside] = float("nan")
         if ctx % bs:
             pool[:, table[-1], ctx % bs:] = float("nan")
-    q = (torch.randn(heads, n, d, generator=g) * 3).to(torch.bfloat16)
+    q = (torch.randn(heads, n, d, generator=g) * 3).to(dtype)
     out = kernel.prefill_attention(q, k_pool, v_pool, table, start, d ** -0.5)
-    assert out is not None and out.dtype == torch.bfloat16 and out.shape == q.shape
+    assert out is not None and out.dtype == dtype and out.shape == q.shape
     want = reference_prefill(q, k_pool.nan_to_num(), v_pool.nan_to_num(), table, start, d ** -0.5)
-    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.float(), want, atol=_PREFILL_TOL[dtype], rtol=_PREFILL_TOL[dtype])
 
 
-@pytest.mark.parametrize("build", PREFILL_BUILDS, ids=[b.name for b in PREFILL_BUILDS])
+@pytest.mark.parametrize("build,dtype", PREFILL_CASES, ids=PREFILL_IDS)
 @pytest.mark.parametrize("d", kernels.PREFILL_HEAD_DIMS)
 @pytest.mark.parametrize("rise", [4.0, 400.0])
-def test_prefill_kernel_keeps_its_softmax_exact_when_later_keys_dominate(build, d, rise):
+def test_prefill_kernel_keeps_its_softmax_exact_when_later_keys_dominate(build, dtype, d, rise):
     """The kernel moves a row's running maximum only when a score passes it by a margin. Scores that rise
     along the context by `rise` in all (far past what exp can take without the maximum moving), and one key
     that stands above them all: the output still equals the reference."""
@@ -253,33 +263,36 @@ def test_prefill_kernel_keeps_its_softmax_exact_when_later_keys_dominate(build, 
     keys = keys + 0.1 * torch.randn(kv_heads, ctx, d, generator=g)
     keys[:, 450] = u * 1.2 * rise * d ** 0.5 / 8  # one key above them all, before the chunk
     pad = torch.zeros(kv_heads, blocks * bs - ctx, d)
-    k_pool = torch.cat([keys, pad], 1).reshape(kv_heads, blocks, bs, d).to(torch.bfloat16)
-    v_pool = torch.randn(kv_heads, blocks, bs, d, generator=g).to(torch.bfloat16)
+    k_pool = torch.cat([keys, pad], 1).reshape(kv_heads, blocks, bs, d).to(dtype)
+    v_pool = torch.randn(kv_heads, blocks, bs, d, generator=g).to(dtype)
     table = torch.arange(blocks)
-    out = kernel.prefill_attention(q.to(torch.bfloat16), k_pool, v_pool, table, start, d ** -0.5)
-    want = reference_prefill(q.to(torch.bfloat16), k_pool, v_pool, table, start, d ** -0.5)
+    out = kernel.prefill_attention(q.to(dtype), k_pool, v_pool, table, start, d ** -0.5)
+    want = reference_prefill(q.to(dtype), k_pool, v_pool, table, start, d ** -0.5)
     assert out is not None and torch.isfinite(out.float()).all()
-    torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.float(), want, atol=_PREFILL_TOL[dtype], rtol=_PREFILL_TOL[dtype])
 
 
-@pytest.mark.parametrize("build", PREFILL_BUILDS, ids=[b.name for b in PREFILL_BUILDS])
-def test_prefill_kernel_declines_what_it_cannot_run(build):
+@pytest.mark.parametrize("build,dtype", PREFILL_CASES, ids=PREFILL_IDS)
+def test_prefill_kernel_declines_what_it_cannot_run(build, dtype):
     """A head dim other than 64 and 128: the kernel declines (None), so the caller gathers instead."""
     kernel = _loaded(build)
     for bs, d in ((8, 80), (16, 80), (16, 96)):
-        pool = torch.zeros(1, 4, bs, d, dtype=torch.bfloat16)
-        q = torch.zeros(1, 4, d, dtype=torch.bfloat16)
+        pool = torch.zeros(1, 4, bs, d, dtype=dtype)
+        q = torch.zeros(1, 4, d, dtype=dtype)
         assert kernel.prefill_attention(q, pool, pool, torch.arange(4), 10, 0.125) is None
 
 
-def test_the_builds_with_avx512_bf16_hold_the_prefill_kernel():
-    """The prefill kernel is in the builds with AVX-512 BF16; the others serve chunks over a context with
-    SDPA. Without AMX tiles the kernel takes whole prompts too (torch's flash attention is slower there)."""
+def test_the_builds_with_avx512_hold_the_prefill_kernel():
+    """bf16 prefill attention is in the builds with AVX-512 BF16, fp32 in every build with AVX-512; the others
+    serve chunks over a context with SDPA. Without AMX tiles the bf16 kernel takes whole prompts too (torch's
+    flash attention is slower there), and the fp32 one everywhere."""
     for build in BUILDS:
         kernel = _loaded(build)
-        assert kernel.has_prefill == (build in PREFILL_BUILDS)
+        for dtype in (torch.bfloat16, torch.float32):
+            assert kernel.has_prefill(dtype) == _holds_prefill(build, dtype)
+        assert kernel.prefill_whole(torch.float32) == _holds_prefill(build, torch.float32)
         if build.name == "avx512_bf16":
-            assert kernel.prefill_whole
+            assert kernel.prefill_whole(torch.bfloat16)
 
 
 @pytest.mark.parametrize("build", PREFILL_BUILDS, ids=[b.name for b in PREFILL_BUILDS])
