@@ -32,10 +32,10 @@ def test_auto_serves_what_generate_gives_in_the_chosen_dtype(tmp_path):
 
 
 def test_undecided_flags_measure_both_dtypes_on_the_model(tmp_path):
-    """AVX-512 without BF16 does not decide: the model is probed in both dtypes, the faster one is
-    loaded and the reason gives both timings."""
+    """Arm with BF16 does not decide: the model is probed in both dtypes, the faster one is loaded and the
+    reason gives both timings."""
     tiny_model("qwen2", seed=4).save_pretrained(tmp_path)
-    cpu = hardware.CpuInfo("test cpu", frozenset({"avx2", "fma", "f16c", "avx512f"}), "x86_64")
+    cpu = hardware.CpuInfo("test cpu", frozenset({"asimd", "bf16"}), "aarch64")
     model, _, choice = load_for("auto", str(tmp_path), "cpu", cpu=cpu)
     assert choice.reason.startswith("measured on the model: float32 ")
     assert next(model.parameters()).dtype == TORCH_DTYPES[choice.dtype]
