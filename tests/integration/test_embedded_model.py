@@ -81,8 +81,19 @@ def test_compiled_decode_is_kept_in_bfloat16():
     engine.runner.prefill_kernel = engine.runner.prefill_kernel_whole = False
     prompts = [encode_prompt(tokenizer, c, chat=True) for c in CHATS]
     outs = engine.generate(prompts, SamplingParams(max_tokens=12))
-    for out, prompt in zip(outs, prompts):  # near-ties late in a sequence may break either way in bf16
-        assert out.output_token_ids[:6] == reference(ref, prompt, 12, tokenizer.eos_token_id)[:6]
+    for out, prompt in zip(outs, prompts):
+        got, want = out.output_token_ids[:6], reference(ref, prompt, 12, tokenizer.eos_token_id)[:6]
+        if got == want:
+            continue
+        # bf16 logits of this size round in steps of 0.125: two tokens one step apart are a near-tie that either
+        # summation order may break (seen on an AVX-512 CPU without BF16: 0.125 apart in `generate`, equal in
+        # the engine). Tokens agree up to the first difference, and there the engine's token is such a near-tie
+        # in `generate`'s own logits; a wrong step is off by far more.
+        j = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        assert j is not None, (got, want)  # one ended (EOS) where the other went on
+        with torch.no_grad():
+            logits = ref(torch.tensor([prompt + want[:j]])).logits[0, -1].float()
+        assert float(logits[want[j]] - logits[got[j]]) <= 0.13, (j, got, want)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
