@@ -195,7 +195,7 @@ KERNEL_BUILDS: tuple[KernelBuild, ...] = (
     KernelBuild("amx_bf16", _AVX512_BF16 | {"amx_tile", "amx_bf16"}, (*_AVX512_BF16_FLAGS, "-mamx-tile", "-mamx-bf16")),
     KernelBuild("avx512_bf16", _AVX512_BF16, _AVX512_BF16_FLAGS),
     # AVX-512 without BF16 (e.g. Intel Ice Lake): decode attention 16 lanes wide (fp32, and bf16 widened), the
-    # 16-column blocked fp32 linear kernel and fp32 prefill attention; every AVX-512 build holds these.
+    # 16-column blocked fp32 linear kernel and fp32 prefill attention 16 lanes wide; every AVX-512 build holds these.
     KernelBuild("avx512", _AVX512_BF16 - {"avx512_bf16"}, tuple(f for f in _AVX512_BF16_FLAGS if f != "-mavx512bf16")),
     KernelBuild("avx2", frozenset({"avx2", "fma", "f16c"}), ("-mavx2", "-mfma", "-mf16c")),
     KernelBuild("portable", frozenset(), ()),

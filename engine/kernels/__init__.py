@@ -42,7 +42,8 @@ _BLOCKED_ENTRY = {torch.float32: "pdserve_linear_f32_blocked", torch.bfloat16: "
 # with AVX-512, 8 in the AVX2 build, as the build says (`Kernel.block_shape`)). The C++ operator is told the same.
 _BF16_BLOCK = (16, 2)
 # Prefill attention, by dtype: bf16 in the builds with AVX-512 BF16 (AMX tiles in amx_bf16), fp32 in those with
-# AVX-512; and whether each takes whole prompts too (the build says: `pdserve_prefill_attn_*whole`).
+# AVX2 + FMA (16 lanes wide with AVX-512); and whether each takes whole prompts too (the build says:
+# `pdserve_prefill_attn_*whole`).
 _PREFILL_ENTRY = {torch.bfloat16: "pdserve_prefill_attn_bf16", torch.float32: "pdserve_prefill_attn_f32"}
 _PREFILL_WHOLE = {torch.bfloat16: "pdserve_prefill_attn_whole", torch.float32: "pdserve_prefill_attn_f32_whole"}
 PREFILL_HEAD_DIMS, PREFILL_BLOCK_MULTIPLE = (64, 128), 16
@@ -93,7 +94,7 @@ class Kernel:
 
     def has_prefill(self, dtype: torch.dtype) -> bool:
         """Whether this build holds the prefill attention kernel for `dtype` (bf16: the builds with AVX-512
-        BF16, on AMX tiles in the amx_bf16 build where the OS gives them; fp32: the builds with AVX-512)."""
+        BF16, on AMX tiles in the amx_bf16 build where the OS gives them; fp32: the builds with AVX2 + FMA)."""
         return dtype in _PREFILL_ENTRY and hasattr(self.lib, _PREFILL_ENTRY[dtype])
 
     def prefill_whole(self, dtype: torch.dtype) -> bool:

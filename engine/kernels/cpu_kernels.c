@@ -1,8 +1,9 @@
 /* pdserve's CPU kernels: paged decode attention (below), small-batch linear layers
- * (`pdserve_linear_f32` and `pdserve_linear_bf16`, at the end), and in the builds with AVX-512 BF16
- * the attention of prompt chunks over their cached context (`pdserve_prefill_attn_bf16`; on AMX
- * tiles in the AMX build) and linear layers on a blocked copy of the weight
- * (`pdserve_linear_f32_blocked` with AVX2 + FMA, `pdserve_linear_bf16_blocked` with AVX-512 BF16).
+ * (`pdserve_linear_f32` and `pdserve_linear_bf16`, at the end), the attention of prompts and prompt
+ * chunks over their cached context in place in the pool (`pdserve_prefill_attn_f32` with AVX2 + FMA,
+ * `pdserve_prefill_attn_bf16` with AVX-512 BF16, on AMX tiles in the AMX build) and linear layers on a
+ * blocked copy of the weight (`pdserve_linear_f32_blocked` with AVX2 + FMA, `pdserve_linear_bf16_blocked`
+ * with AVX-512 BF16).
  *
  * One layer of a decode step straight over the paged KV pool: write each sequence's new
  * key and value at its slot, then attend its one query token over its blocks, read in
@@ -37,6 +38,10 @@ static inline uint16_t bf16_store(float f) {
  * vector exps below share it). */
 static const float EXP2_POLY[7] = {1.5403530393381608e-4f, 1.3333558146428443e-3f, 9.618129107628477e-3f,
                                    5.550410866482158e-2f,  2.402265069591007e-1f,  6.931471805599453e-1f, 1.f};
+
+/* The prefill attention kernels' online softmax: a row's running maximum moves only when a score passes it by
+ * this, so P <= e^8 (far inside fp32 and bf16) and most key tiles skip the reduction and the rescaling. */
+#define PX_SLACK 8.0f
 
 /* The decode kernels' tasks (sequence b, kv head kh; task b * KVH + kh) split into `nt` contiguous ranges
  * of about equal work (a task's work: its context plus a fixed part), [*lo, *hi) for thread `id`. Being
@@ -929,9 +934,13 @@ void pdserve_linear_f32_blocked(const float* x, const float* wb, const float* bi
 /* Prefill attention in fp32 (the builds with AVX-512): `pdserve_prefill_attn_bf16`'s scheme (below) with fp32
  * FMAs. K and V are packed once per call and kv head: kt [key blocks of 16][D][16 keys] (scores: lanes are 16
  * keys, a query dim broadcast) and vf [keys][D] (P.V: lanes are 16 dims, a row's P broadcast). A task is R rows
- * of one query head, 32 keys at a time, online softmax whose maximum moves only by PX_SLACK, O in registers. */
+ * of one query head, 32 keys at a time, online softmax whose maximum moves only by PX_SLACK, O in registers.
+ * The entry point, `pdserve_prefill_attn_f32`, is shared with the AVX2 build's (after it). */
 #define PX_KEYS 32
-#define PX_SLACK 8.0f /* a row's running maximum moves only when a score passes it by this: P <= e^8 */
+#define PXF_BLOCK 16    /* keys per block of kt */
+#define PXF_TILE PX_KEYS /* keys per step of a task */
+#define PXF_R64 4       /* rows per task at head dim 64 */
+#define PXF_R128 2      /* and 128 */
 
 /* Keys [t0, t0 + 16) of one kv head into kt and vf (zeros past ctx). */
 static void pxf_pack(const float* k_head, const float* v_head, const int64_t* table, int bs, int D, int ctx, int t0,
@@ -1025,16 +1034,167 @@ static void pxf_pack(const float* k_head, const float* v_head, const int64_t* ta
             for (int f = 0; f < NF; f++) _mm512_storeu_ps(dst + f * 16, _mm512_mul_ps(o[r][f], inv));             \
         }                                                                                                         \
     }
-PXF_ROWS(pxf_rows64, 4, 4)
-PXF_ROWS(pxf_rows128, 2, 8)
+PXF_ROWS(pxf_rows64, PXF_R64, 4)
+PXF_ROWS(pxf_rows128, PXF_R128, 8)
+#endif
 
-/* The arguments as for `pdserve_prefill_attn_bf16` (below), in fp32: q, the pools and out hold floats. */
+#if defined(HAVE_AVX2) && !defined(HAVE_AVX512)
+/* Prefill attention in fp32 with AVX2 + FMA: the AVX-512 kernel's scheme (above) 8 lanes wide. K is packed once
+ * per call and kv head as kt [key blocks of 8][D][8 keys] (scores: lanes are 8 keys, a query dim broadcast),
+ * V as vf [keys][D]. A task is PXF_R64 / PXF_R128 rows of one query head, 16 keys at a time, the same online
+ * softmax. 16 registers cannot hold O as well, so it lives in a tile on the stack and P.V computes it 16 dims at
+ * a time: 4 rows x 2 vectors of accumulators, two vectors of V and a broadcast P. */
+#define PXF_BLOCK 8
+#define PXF_TILE 16
+#define PXF_R64 32 /* rows per task */
+#define PXF_R128 32
+
+static inline float hmax8(__m256 x) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+static inline float hsum8(__m256 x) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* Keys [t0, t0 + 8) of one kv head into kt and vf (zeros past ctx). */
+static void pxf_pack(const float* k_head, const float* v_head, const int64_t* table, int bs, int D, int ctx, int t0,
+                     float* kt, float* vf) {
+    float* kb = kt + (int64_t)(t0 / 8) * D * 8;
+    for (int j = 0; j < 8; j++) {
+        float* dst = vf + (int64_t)(t0 + j) * D;
+        const int t = t0 + j;
+        if (t < ctx) {
+            const int64_t row = (table[t / bs] * bs + t % bs) * D;
+            for (int d = 0; d < D; d++) kb[d * 8 + j] = k_head[row + d];
+            memcpy(dst, v_head + row, sizeof(float) * (size_t)D);
+        } else {
+            for (int d = 0; d < D; d++) kb[d * 8 + j] = 0.f;
+            memset(dst, 0, sizeof(float) * (size_t)D);
+        }
+    }
+}
+
+/* The scores of 4 rows (queries gq[0..3]) over one tile of 16 keys (kt blocks k0, k0 + 8 * D): both blocks
+ * of 8, always (keys past the context are packed as zeros and masked by the caller), in 8 named sums, which
+ * stay in registers through the loop (sums in an array the caller indexes were stored at every step). */
+static inline void pxf_scores4(const float* k0, const float* const* gq, int D, __m256* s0, __m256* s1) {
+    __m256 a = _mm256_setzero_ps(), b = a, c = a, d = a, e = a, f = a, g = a, h = a;
+    const float *q0 = gq[0], *q1 = gq[1], *q2 = gq[2], *q3 = gq[3], *k1 = k0 + D * 8;
+    for (int i = 0; i < D; i++) {
+        const __m256 x0 = _mm256_load_ps(k0 + i * 8), x1 = _mm256_load_ps(k1 + i * 8);
+        __m256 y = _mm256_broadcast_ss(q0 + i);
+        a = _mm256_fmadd_ps(x0, y, a), b = _mm256_fmadd_ps(x1, y, b);
+        y = _mm256_broadcast_ss(q1 + i);
+        c = _mm256_fmadd_ps(x0, y, c), d = _mm256_fmadd_ps(x1, y, d);
+        y = _mm256_broadcast_ss(q2 + i);
+        e = _mm256_fmadd_ps(x0, y, e), f = _mm256_fmadd_ps(x1, y, f);
+        y = _mm256_broadcast_ss(q3 + i);
+        g = _mm256_fmadd_ps(x0, y, g), h = _mm256_fmadd_ps(x1, y, h);
+    }
+    s0[0] = a, s1[0] = b, s0[1] = c, s1[1] = d, s0[2] = e, s1[2] = f, s0[3] = g, s1[3] = h;
+}
+
+/* A task: rows [i0, i0 + QB) of query head h (those below n), all over each tile of 16 keys in turn, so the
+ * tile's packed K and V (8 KB at head dim 64) are read from L1 by every 4 rows of the task rather than from L3
+ * by each 4 rows: 4 rows at a time, their scores, softmax and P.V as one step of the AVX-512 kernel. */
+#define PXF_ROWS(NAME, QB, DIM)                                                                                   \
+    static void NAME(const float* q, int64_t q_row, int64_t q_head, const float* kt, const float* vf, int start,  \
+                     int n, int h, int i0, float scale, float* out, int64_t out_row) {                            \
+        enum { D = DIM, R = 4 };                                                                                  \
+        const int rows = n - i0 < QB ? n - i0 : QB, groups = (rows + R - 1) / R;                                  \
+        const float* qr[QB];                                                                                      \
+        int pos[QB];                                                                                              \
+        float m[QB];                                                                                              \
+        __m256 l[QB];                                                                                             \
+        float o[QB][D] __attribute__((aligned(32)));                                                              \
+        for (int r = 0; r < groups * R; r++) { /* a last group past n repeats row n - 1 */                        \
+            const int i = i0 + (r < rows ? r : rows - 1);                                                         \
+            qr[r] = q + (int64_t)i * q_row + (int64_t)h * q_head;                                                 \
+            pos[r] = start + i;                                                                                   \
+            m[r] = -INFINITY;                                                                                     \
+            l[r] = _mm256_setzero_ps();                                                                           \
+            memset(o[r], 0, sizeof o[r]);                                                                         \
+        }                                                                                                         \
+        const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);                                               \
+        const __m256 vscale = _mm256_set1_ps(scale), ninf = _mm256_set1_ps(-INFINITY);                            \
+        float pf[R][PXF_TILE] __attribute__((aligned(32))); /* P of each row of a group */                        \
+        for (int t0 = 0; t0 <= pos[groups * R - 1]; t0 += PXF_TILE) {                                             \
+            const float* k0 = kt + (int64_t)(t0 / 8) * D * 8;                                                     \
+            const float* vt = vf + (int64_t)t0 * D;                                                               \
+            const __m256 key0 = _mm256_add_ps(lane, _mm256_set1_ps((float)t0));                                   \
+            const __m256 key1 = _mm256_add_ps(key0, _mm256_set1_ps(8.f));                                         \
+            for (int g = 0; g < groups; g++) {                                                                    \
+                const float* const* gq = qr + g * R;                                                              \
+                const int* gp = pos + g * R;                                                                      \
+                const int last = gp[R - 1];                                                                       \
+                if (t0 > last) continue; /* the group's keys end before this tile */                              \
+                __m256 s0[R], s1[R];                                                                              \
+                pxf_scores4(k0, gq, D, s0, s1);                                                                   \
+                const int seen = t0 + PXF_TILE - 1 <= gp[0];                                                      \
+                for (int r = 0; r < R; r++) {                                                                     \
+                    const int x = g * R + r;                                                                      \
+                    __m256 v0 = _mm256_mul_ps(s0[r], vscale), v1 = _mm256_mul_ps(s1[r], vscale);                  \
+                    if (!seen) {                                                                                  \
+                        const __m256 at = _mm256_set1_ps((float)gp[r]);                                           \
+                        v0 = _mm256_blendv_ps(v0, ninf, _mm256_cmp_ps(key0, at, _CMP_GT_OQ));                     \
+                        v1 = _mm256_blendv_ps(v1, ninf, _mm256_cmp_ps(key1, at, _CMP_GT_OQ));                     \
+                    }                                                                                             \
+                    const __m256 vmax = _mm256_max_ps(v0, v1);                                                    \
+                    if (_mm256_movemask_ps(_mm256_cmp_ps(vmax, _mm256_set1_ps(m[x] + PX_SLACK), _CMP_GT_OQ))) {   \
+                        const float mnew = fmaxf(m[x], hmax8(vmax));                                              \
+                        const __m256 alpha = _mm256_set1_ps(expf(m[x] - mnew));                                   \
+                        l[x] = _mm256_mul_ps(l[x], alpha);                                                        \
+                        for (int d = 0; d < D; d += 8)                                                            \
+                            _mm256_store_ps(o[x] + d, _mm256_mul_ps(_mm256_load_ps(o[x] + d), alpha));            \
+                        m[x] = mnew;                                                                              \
+                    }                                                                                             \
+                    const __m256 mv = _mm256_set1_ps(m[x]);                                                       \
+                    const __m256 p0 = exp256(_mm256_sub_ps(v0, mv)), p1 = exp256(_mm256_sub_ps(v1, mv));          \
+                    l[x] = _mm256_add_ps(l[x], _mm256_add_ps(p0, p1));                                            \
+                    _mm256_store_ps(pf[r], p0);                                                                   \
+                    _mm256_store_ps(pf[r] + 8, p1);                                                               \
+                }                                                                                                 \
+                const int keys = last - t0 + 1 < PXF_TILE ? last - t0 + 1 : PXF_TILE;                             \
+                float(*go)[D] = o + g * R;                                                                        \
+                for (int c = 0; c < D; c += 16) {                                                                 \
+                    __m256 a0[R], a1[R];                                                                          \
+                    for (int r = 0; r < R; r++) a0[r] = _mm256_load_ps(go[r] + c), a1[r] = _mm256_load_ps(go[r] + c + 8); \
+                    for (int t = 0; t < keys; t++) {                                                              \
+                        const __m256 b0 = _mm256_load_ps(vt + t * D + c), b1 = _mm256_load_ps(vt + t * D + c + 8);\
+                        for (int r = 0; r < R; r++) {                                                             \
+                            const __m256 p = _mm256_broadcast_ss(&pf[r][t]);                                      \
+                            a0[r] = _mm256_fmadd_ps(p, b0, a0[r]);                                                \
+                            a1[r] = _mm256_fmadd_ps(p, b1, a1[r]);                                                \
+                        }                                                                                         \
+                    }                                                                                             \
+                    for (int r = 0; r < R; r++) _mm256_store_ps(go[r] + c, a0[r]), _mm256_store_ps(go[r] + c + 8, a1[r]); \
+                }                                                                                                 \
+            }                                                                                                     \
+        }                                                                                                         \
+        for (int r = 0; r < rows; r++) {                                                                          \
+            const __m256 inv = _mm256_set1_ps(1.0f / hsum8(l[r]));                                                \
+            float* dst = out + (int64_t)(i0 + r) * out_row + (int64_t)h * D;                                      \
+            for (int d = 0; d < D; d += 8) _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_load_ps(o[r] + d), inv)); \
+        }                                                                                                         \
+    }
+PXF_ROWS(pxf_rows64, PXF_R64, 64)
+PXF_ROWS(pxf_rows128, PXF_R128, 128)
+#endif
+
+#ifdef HAVE_AVX2
+/* Prefill attention in fp32, the arguments as for `pdserve_prefill_attn_bf16` (below) with q, the pools and out
+ * holding floats: the build's `pxf_pack` and `pxf_rows64` / `pxf_rows128` (16 lanes with AVX-512, else 8). */
 int pdserve_prefill_attn_f32(const float* q, int64_t q_row, int64_t q_head, const float* k_pool, const float* v_pool,
                              int64_t pool_head, int bs, const int64_t* table, int start, int n, int H, int KVH, int D,
                              float scale, float* out, int64_t out_row, int nthreads) {
     if ((D != 64 && D != 128) || n < 1 || KVH < 1 || H % KVH != 0 || pool_head > INT32_MAX) return -1;
-    const int ctx = start + n, ctx_pad = (ctx + PX_KEYS - 1) / PX_KEYS * PX_KEYS, G = H / KVH, R = D == 64 ? 4 : 2;
-    const int blocks16 = ctx_pad / 16, tiles = (n + R - 1) / R;
+    const int ctx = start + n, ctx_pad = (ctx + PXF_TILE - 1) / PXF_TILE * PXF_TILE, G = H / KVH;
+    const int R = D == 64 ? PXF_R64 : PXF_R128, blocks = ctx_pad / PXF_BLOCK, tiles = (n + R - 1) / R;
     const int64_t per_head = (int64_t)ctx_pad * D; /* floats of kt, and of vf, per kv head */
     float* packed = aligned_alloc(64, (size_t)2 * KVH * per_head * sizeof(float));
     if (packed == NULL) return -1;
@@ -1042,14 +1202,14 @@ int pdserve_prefill_attn_f32(const float* q, int64_t q_row, int64_t q_head, cons
 #pragma omp parallel num_threads(nthreads) if (nthreads > 1)
     {
 #pragma omp for schedule(static)
-        for (int c = 0; c < KVH * blocks16; c++) {
-            const int kh = c / blocks16, t0 = (c % blocks16) * 16;
+        for (int c = 0; c < KVH * blocks; c++) {
+            const int kh = c / blocks, t0 = (c % blocks) * PXF_BLOCK;
             if (t0 < ctx)
                 pxf_pack(k_pool + kh * pool_head, v_pool + kh * pool_head, table, bs, D, ctx, t0, kt + kh * per_head,
                          vf + kh * per_head);
-            else { /* past the context: zeros, read by the last 32 keys' products */
-                memset(kt + kh * per_head + (int64_t)t0 * D, 0, (size_t)16 * D * sizeof(float));
-                memset(vf + kh * per_head + (int64_t)t0 * D, 0, (size_t)16 * D * sizeof(float));
+            else { /* past the context: zeros, read by the last tile's products */
+                memset(kt + kh * per_head + (int64_t)t0 * D, 0, (size_t)PXF_BLOCK * D * sizeof(float));
+                memset(vf + kh * per_head + (int64_t)t0 * D, 0, (size_t)PXF_BLOCK * D * sizeof(float));
             }
         }
 #pragma omp for schedule(dynamic, 4)

@@ -204,8 +204,8 @@ PREFILL_BUILDS = [b for b in BUILDS if b.name in ("amx_bf16", "avx512_bf16")]  #
 
 
 def _holds_prefill(build: hardware.KernelBuild, dtype: torch.dtype) -> bool:
-    """bf16: the builds with AVX-512 BF16; fp32: every build with AVX-512."""
-    return build in PREFILL_BUILDS if dtype == torch.bfloat16 else "avx512f" in build.needs
+    """bf16: the builds with AVX-512 BF16; fp32: every build with AVX2 + FMA (8 lanes, or 16 with AVX-512)."""
+    return build in PREFILL_BUILDS if dtype == torch.bfloat16 else {"avx2", "fma"} <= build.needs
 
 
 PREFILL_CASES = [(b, dt) for b in BUILDS for dt in (torch.bfloat16, torch.float32) if _holds_prefill(b, dt)]
@@ -222,7 +222,7 @@ _PREFILL_TOL = {torch.bfloat16: 2e-2, torch.float32: 1e-4}
 def test_prefill_kernel_matches_reference(build, dtype, d, heads, kv_heads, bs, start, n):
     """A prompt chunk over its cached context (or a whole prompt) on the prefill kernel, head dims 64 and
     128: bf16 on AMX tiles (amx_bf16, blocks of 16 and 32) and AVX-512 BF16 dot products (avx512_bf16, and
-    the AMX build's blocks of 8), fp32 on AVX-512 FMAs: chunks of 1 row to several tiles (partial ones),
+    the AMX build's blocks of 8), fp32 on AVX-512 or AVX2 FMAs: chunks of 1 row to several tiles (partial ones),
     starting and ending inside blocks and tiles of 32 keys, scattered block tables, GQA groups of 1 to 8; the
     pool past the context holds NaN, which must never be read into the answer."""
     kernel = _loaded(build)
@@ -282,8 +282,8 @@ def test_prefill_kernel_declines_what_it_cannot_run(build, dtype):
         assert kernel.prefill_attention(q, pool, pool, torch.arange(4), 10, 0.125) is None
 
 
-def test_the_builds_with_avx512_hold_the_prefill_kernel():
-    """bf16 prefill attention is in the builds with AVX-512 BF16, fp32 in every build with AVX-512; the others
+def test_the_builds_hold_the_prefill_kernel_for_their_dtypes():
+    """bf16 prefill attention is in the builds with AVX-512 BF16, fp32 in every build with AVX2 + FMA; the others
     serve chunks over a context with SDPA. Without AMX tiles the bf16 kernel takes whole prompts too (torch's
     flash attention is slower there), and the fp32 one everywhere."""
     for build in BUILDS:
