@@ -57,7 +57,7 @@ class EngineConfig:
         chat_template: the Jinja chat template chat prompts are rendered with instead of the model's
             own: a file's path, or the template itself (`engine.chat_template`); None: the model's.
         compile: run each decode step as one `torch.compile`d graph (with the paged decode kernel:
-            a CPU build or Triton on CUDA; about 15 s of compilation at start, cached on disk).
+            a CPU build or Triton on CUDA; 15 s to 2 min of compilation at the first start, by CPU; cached on disk).
             Checked once against the eager model at start; a decoder it does not reproduce stays eager.
         cache: the KV cache settings.
     """
@@ -86,8 +86,8 @@ class EngineConfig:
         "help": "Jinja chat template for chat prompts instead of the model's own: a file, or the template itself "
         "(default: the model's)"})
     compile: bool = field(default=False, metadata={
-        "help": "run each decode step as one torch.compile'd graph (faster decode; ~15 s of compiling at start, "
-        "cached on disk after)"})
+        "help": "run each decode step as one torch.compile'd graph (faster decode; 15 s to 2 min of compiling at the "
+        "first start, by CPU; cached on disk after)"})
     cache: CacheConfig = field(default_factory=CacheConfig)
 
     def __post_init__(self) -> None:

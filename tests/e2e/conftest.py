@@ -15,7 +15,8 @@ import pytest
 import torch
 
 # A cold start (nothing in torch's compile cache yet) on a 2-core AVX2 machine compiles four decode
-# graphs (one and two threads): ~6 min; below pytest's 600 s limit for the fixture.
+# graphs (one and two threads, the second pair from the first's kernels): ~4 min; below pytest's 600 s limit
+# for the fixture.
 STARTUP_S = 540
 
 
