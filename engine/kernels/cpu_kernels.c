@@ -761,26 +761,29 @@ void pdserve_linear_f32(const float* x, const float* w, const float* bias, float
 /* Linear layers on a blocked weight, fp32 (`pdserve_linear_bf16_blocked`'s scheme with AVX2 + FMA): w
  * laid out once as wb[ceil(N/8)][K][8] (8 output columns per 32-byte row, zeros past N); x[m][k]
  * broadcast meets 8 columns at once, no horizontal sums. A tile holds BLF_MR rows of x by BLF_NR
- * blocks (12 accumulators of the 16 registers); threads split the blocks; rows go BLF_MB at a time. */
+ * blocks (12 accumulators of the 16 registers); threads split the blocks; rows go BLF_MB at a time. A panel
+ * (NR blocks by all of K) is read once per tile of rows: from memory for its first tile, from cache for the
+ * rest. So where a panel takes more than one tile, its tiles prefetch the next panel between them, one line
+ * every 4 steps of k: the weights of a decode step at batch 8-64 then stream in while the current panel
+ * computes (30 layers of SmolLM2-135M's weights in turn, on a 2-core AVX2 EPYC, calls alternating: 6-12% less
+ * time at 8, 16, 32 and 64 rows; none at 1-4, one tile). */
 #define BLF_MR 4
 #define BLF_NR 3
 #define BLF_MB 64
 #define BLF_TILE(MR, NR)                                                                                   \
     static void blf_tile_##MR##_##NR(const float* x, const float* wb, const float* bias, float* y, int m0, \
-                                     int nb0, int N, int K) {                                              \
+                                     int nb0, int N, int K, const char* pf, int npf) {                     \
         __m256 acc[MR][NR];                                                                                \
         const float* wr[NR];                                                                               \
         for (int j = 0; j < NR; j++) wr[j] = wb + (int64_t)(nb0 + j) * K * 8;                              \
         for (int i = 0; i < MR; i++)                                                                       \
             for (int j = 0; j < NR; j++) acc[i][j] = _mm256_setzero_ps();                                  \
-        for (int k = 0; k < K; k++) {                                                                      \
-            __m256 wv[NR];                                                                                 \
-            for (int j = 0; j < NR; j++) wv[j] = _mm256_loadu_ps(wr[j] + (int64_t)k * 8);                  \
-            for (int i = 0; i < MR; i++) {                                                                 \
-                const __m256 xb = _mm256_set1_ps(x[(int64_t)(m0 + i) * K + k]);                           \
-                for (int j = 0; j < NR; j++) acc[i][j] = _mm256_fmadd_ps(xb, wv[j], acc[i][j]);            \
-            }                                                                                              \
+        int k = 0;                                                                                         \
+        for (int p = 0; p < npf && k + 4 <= K; p++) {                                                      \
+            _mm_prefetch(pf + 64 * (int64_t)p, _MM_HINT_T0);                                               \
+            for (int kk = 0; kk < 4; kk++, k++) BLF_STEP(MR, NR);                                          \
         }                                                                                                  \
+        for (; k < K; k++) BLF_STEP(MR, NR);                                                               \
         for (int j = 0; j < NR; j++) {                                                                     \
             const int n0 = (nb0 + j) * 8, left = N - n0;                                                   \
             const __m256i mask = _mm256_castps_si256(lanes_below(left));                                   \
@@ -789,20 +792,37 @@ void pdserve_linear_f32(const float* x, const float* w, const float* bias, float
                 _mm256_maskstore_ps(y + (int64_t)(m0 + i) * N + n0, mask, _mm256_add_ps(acc[i][j], b));    \
         }                                                                                                  \
     }
+#define BLF_STEP(MR, NR)                                                                                   \
+    do {                                                                                                   \
+        __m256 wv[NR];                                                                                     \
+        for (int j = 0; j < NR; j++) wv[j] = _mm256_loadu_ps(wr[j] + (int64_t)k * 8);                      \
+        for (int i = 0; i < MR; i++) {                                                                     \
+            const __m256 xb = _mm256_set1_ps(x[(int64_t)(m0 + i) * K + k]);                                \
+            for (int j = 0; j < NR; j++) acc[i][j] = _mm256_fmadd_ps(xb, wv[j], acc[i][j]);                \
+        }                                                                                                  \
+    } while (0)
 #define BLF_ROWS(NR) BLF_TILE(1, NR) BLF_TILE(2, NR) BLF_TILE(3, NR) BLF_TILE(4, NR)
 BLF_ROWS(1)
 BLF_ROWS(2)
 BLF_ROWS(3)
+/* Rows m0..m1 of x by NR blocks, 4 rows at a time; tile t prefetches its share of the `next_lines` cache lines
+ * at `next` (the next panel), where there is more than one tile. */
 #define BLF_PANEL(NR)                                                                                      \
     static void blf_panel_##NR(const float* x, const float* wb, const float* bias, float* y, int m0, int m1, \
-                               int nb0, int N, int K) {                                                    \
+                               int nb0, int N, int K, const float* next, int next_lines) {                 \
+        const int tiles = (m1 - m0 + BLF_MR - 1) / BLF_MR;                                                 \
+        const int share = tiles > 1 ? (next_lines + tiles - 1) / tiles : 0;                               \
         int m = m0;                                                                                        \
-        for (; m + BLF_MR <= m1; m += BLF_MR) blf_tile_4_##NR(x, wb, bias, y, m, nb0, N, K);               \
-        switch (m1 - m) {                                                                                  \
-            case 3: blf_tile_3_##NR(x, wb, bias, y, m, nb0, N, K); break;                                  \
-            case 2: blf_tile_2_##NR(x, wb, bias, y, m, nb0, N, K); break;                                  \
-            case 1: blf_tile_1_##NR(x, wb, bias, y, m, nb0, N, K); break;                                  \
-            default: break;                                                                                \
+        for (int t = 0; m < m1; m += BLF_MR, t++) {                                                        \
+            const int lo = t * share;                                                                      \
+            const int n = lo >= next_lines ? 0 : (next_lines - lo < share ? next_lines - lo : share);      \
+            const char* pf = (const char*)next + 64 * (int64_t)lo;                                         \
+            switch (m1 - m < BLF_MR ? m1 - m : BLF_MR) {                                                   \
+                case 4: blf_tile_4_##NR(x, wb, bias, y, m, nb0, N, K, pf, n); break;                       \
+                case 3: blf_tile_3_##NR(x, wb, bias, y, m, nb0, N, K, pf, n); break;                       \
+                case 2: blf_tile_2_##NR(x, wb, bias, y, m, nb0, N, K, pf, n); break;                       \
+                default: blf_tile_1_##NR(x, wb, bias, y, m, nb0, N, K, pf, n); break;                      \
+            }                                                                                              \
         }                                                                                                  \
     }
 BLF_PANEL(1)
@@ -819,10 +839,13 @@ static void linear_f32_blocked_avx2(const float* x, const float* wb, const float
         for (int m0 = 0; m0 < M; m0 += BLF_MB) {
             const int m1 = M - m0 > BLF_MB ? m0 + BLF_MB : M;
             int b = b0;
-            for (; b + BLF_NR <= b1; b += BLF_NR) blf_panel_3(x, wb, bias, y, m0, m1, b, N, K);
+            for (; b + BLF_NR <= b1; b += BLF_NR) {
+                const int nxt = b1 - (b + BLF_NR) < BLF_NR ? b1 - (b + BLF_NR) : BLF_NR; /* blocks in the next panel */
+                blf_panel_3(x, wb, bias, y, m0, m1, b, N, K, wb + (int64_t)(b + BLF_NR) * K * 8, nxt * K / 2);
+            }
             switch (b1 - b) {
-                case 2: blf_panel_2(x, wb, bias, y, m0, m1, b, N, K); break;
-                case 1: blf_panel_1(x, wb, bias, y, m0, m1, b, N, K); break;
+                case 2: blf_panel_2(x, wb, bias, y, m0, m1, b, N, K, wb, 0); break;
+                case 1: blf_panel_1(x, wb, bias, y, m0, m1, b, N, K, wb, 0); break;
                 default: break;
             }
         }
