@@ -18,11 +18,11 @@ from engine.sequence import Sequence
 log = logging.getLogger(__name__)
 
 
-# The compiled CPU decode step's wrapper (the code that calls its ~400 kernels and operators in turn) in C++:
-# 2 ms less per step at batch 1 (22.0 vs 23.9 ms) and 3.6 ms at batch 8 (35.6 vs 39.3 ms) on a 2-core AVX2 EPYC,
-# SmolLM2-135M fp32, the two ways alternating in one process. Built apart from the kernels (`..._build_separate`,
-# the wrapper at -O1): a cold compile then takes what the Python wrapper's does (139 s for both graphs there);
-# built together with them it took 390 s.
+# The compiled CPU decode step's wrapper, the code that calls its several hundred kernels and operators in turn,
+# in C++: 2 ms less per step at batch 1 (22.0 vs 23.9 ms) and 3.6 ms at batch 8 (35.6 vs 39.3 ms) on a 2-core
+# AVX2 EPYC, SmolLM2-135M fp32, the two ways alternating in one process. Built apart from the kernels
+# (`..._build_separate`, the wrapper at -O1): a cold compile then takes what the Python wrapper's does (139 s for
+# both graphs there); built together with them it took 390 s.
 CPU_WRAPPER = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}
 
 
