@@ -763,10 +763,11 @@ void pdserve_linear_f32(const float* x, const float* w, const float* bias, float
  * broadcast meets 8 columns at once, no horizontal sums. A tile holds BLF_MR rows of x by BLF_NR
  * blocks (12 accumulators of the 16 registers); threads split the blocks; rows go BLF_MB at a time. A panel
  * (NR blocks by all of K) is read once per tile of rows: from memory for its first tile, from cache for the
- * rest. So where a panel takes more than one tile, its tiles prefetch the next panel between them, one line
- * every 4 steps of k: the weights of a decode step at batch 8-64 then stream in while the current panel
- * computes (30 layers of SmolLM2-135M's weights in turn, on a 2-core AVX2 EPYC, calls alternating: 6-12% less
- * time at 8, 16, 32 and 64 rows; none at 1-4, one tile). */
+ * rest. So where a panel takes more than one tile, its tiles prefetch the next panel between them, a line
+ * every 4 steps of k: a sixth of a 3-block panel per tile, all of it from 21 rows up. The weights of a decode
+ * step at batch 8-64 then stream in while the current panel computes (30 layers of SmolLM2-135M's weights in
+ * turn, on a 2-core AVX2 EPYC, calls alternating: 6-12% less time at 8, 16, 32 and 64 rows; none at 1-4, one
+ * tile). */
 #define BLF_MR 4
 #define BLF_NR 3
 #define BLF_MB 64
