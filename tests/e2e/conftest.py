@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-# A cold start (nothing in torch's compile cache yet) on a 2-core AVX2 machine compiles four decode
-# graphs (one and two threads, the second pair from the first's kernels): ~4 min; below pytest's 600 s limit
-# for the fixture.
+# A cold start (nothing in torch's compile cache yet) on a 2-core AVX2 machine compiles two decode
+# graphs (one and two threads, the second from the first's kernels) and calibrates: up to ~4 min; below
+# pytest's 600 s limit for the fixture.
 STARTUP_S = 540
 
 

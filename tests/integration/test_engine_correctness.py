@@ -191,7 +191,10 @@ def test_bad_requests_name_the_field(tiny_pair, kwargs, field):
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
 def test_compiled_decode_matches_generate(arch):
-    """`compile=True`: the decode step as one torch.compile graph (batch 1 and batch > 1)."""
+    """`compile=True`: the decode step as one torch.compile graph for every batch size, batch 1 included:
+    start-up compiles one graph, and serving batches of 1 and 3 compiles nothing more."""
+    from torch._dynamo.utils import counters
+
     from engine import kernels
     from tests.conftest import tiny_model
 
@@ -200,11 +203,14 @@ def test_compiled_decode_matches_generate(arch):
     ref, model = tiny_model(arch), tiny_model(arch)
     prompts = [random_prompt(n, seed=n) for n in (5, 37, 80)]
     expected = [greedy_reference(ref, p, 16) for p in prompts]
+    graphs = counters["stats"]["unique_graphs"]
     engine = make_engine(model, compile=True)
     assert engine.runner.compiled
+    assert counters["stats"]["unique_graphs"] == graphs + 1  # checked at batches 2 and 1
     for i in (0, 1):  # batch 1: a one-block context and a longer one
         assert engine.generate([prompts[i]], SamplingParams(max_tokens=16))[0].output_token_ids == expected[i]
     assert [o.output_token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=16))] == expected
+    assert counters["stats"]["unique_graphs"] == graphs + 1, "a batch size compiled a graph of its own"
     assert_all_free(engine)
 
 
