@@ -1,5 +1,6 @@
-"""The bf16 blocked linear kernel before and after (tag=path[:extra -D flag]), on cold weights, alternating pass by pass."""
-import ctypes, subprocess, sys, time, statistics, torch
+"""The blocked linear kernel before and after (tag=path[:extra -D flag]), on cold weights, alternating pass by pass:
+bf16 (AB_DTYPE=bf16, the default) or the fp32 kernel of the builds with AVX-512, 16 columns a block (AB_DTYPE=f32)."""
+import ctypes, os, subprocess, sys, time, statistics, torch
 sys.path.insert(0, '.')  # run from the repository root
 from engine import kernels
 torch.set_num_threads(2)
@@ -11,17 +12,19 @@ def build(spec, tag):
     out = f"/tmp/lx/{tag}.so"
     subprocess.check_call(["gcc", *FLAGS, *defs, src, "-o", out, "-lm"])
     return ctypes.CDLL(out)
+DT, ENTRY, PAIR = ((torch.float32, "pdserve_linear_f32_blocked", 1) if os.environ.get("AB_DTYPE") == "f32" else
+                   (torch.bfloat16, "pdserve_linear_bf16_blocked", 2))
 libs = {tag: build(spec, tag) for tag, spec in (a.split("=", 1) for a in sys.argv[1:])}
 shapes = [(576,576),(192,576),(192,576),(576,576),(1536,576),(1536,576),(576,1536)]
 g = torch.Generator().manual_seed(0)
-W = [[kernels.block_weight(torch.randn(n, k, generator=g).bfloat16(), (16, 2)) for n, k in shapes] for _ in range(30)]
-lm = kernels.block_weight(torch.randn(49152, 576, generator=g).bfloat16(), (16, 2))
+W = [[kernels.block_weight(torch.randn(n, k, generator=g).to(DT), (16, PAIR)) for n, k in shapes] for _ in range(30)]
+lm = kernels.block_weight(torch.randn(49152, 576, generator=g).to(DT), (16, PAIR))
 p = ctypes.c_void_p
 def stepper(lib, M):
-    f = lib.pdserve_linear_bf16_blocked
+    f = getattr(lib, ENTRY)
     gx = torch.Generator().manual_seed(M)
-    xs = {k: torch.randn(M, k, generator=gx).bfloat16() for k in (576, 1536)}
-    ys = {n: torch.empty(M, n, dtype=torch.bfloat16) for n in (192, 576, 1536, 49152)}
+    xs = {k: torch.randn(M, k, generator=gx).to(DT) for k in (576, 1536)}
+    ys = {n: torch.empty(M, n, dtype=DT) for n in (192, 576, 1536, 49152)}
     def step():
         for layer in W:
             for (n, k), w in zip(shapes, layer):
