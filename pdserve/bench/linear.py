@@ -50,7 +50,7 @@ def _engines_process(cfg: dict[str, Any], threads: int, results: Any) -> None:
                        for p in prompts]
             while eng.scheduler.has_prefill_work():  # untimed: the batch's prompts
                 eng.step()
-            eng.step()  # a first decode step at this batch size (a compiled step may specialise to it)
+            eng.step()  # a first decode step at this batch size, untimed (its rows' first touch)
         times: dict[str, list[float]] = {s: [] for s in SETTINGS}
         for _ in range(reps):
             for s, eng in engines.items():

@@ -48,7 +48,7 @@ def _engine_process(cfg: dict[str, Any], threads: int, index: int, barrier: Any,
                for _ in range(batch)]
         while eng.scheduler.has_prefill_work():  # untimed: the batch's prompts
             eng.step()
-        eng.step()  # a first decode step at this batch size (a compiled step may specialise to it)
+        eng.step()  # a first decode step at this batch size, untimed (its rows' first touch)
         barrier.wait()
         times = []
         for _ in range(steps):
