@@ -11,6 +11,7 @@ from transformers import PreTrainedModel
 from engine import hardware, host_memory, kernels, triton_attention
 from engine.attention import ATTN_NAME, AttnMetadata, PrefillSlice
 from engine.config import KVLayout
+from engine.packed_linear import BATCH_HINT
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Chunk
 from engine.sequence import Sequence
@@ -26,11 +27,11 @@ log = logging.getLogger(__name__)
 CPU_WRAPPER = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}
 # The compiled decode step is one graph for every batch size, batch 1 included: its batch dimension is unbacked
 # (Dynamo would otherwise specialise a batch of 1 into a graph of its own, and compile twice at start-up), and
-# inductor tunes its code for this many rows. Cold, on a 2-core AVX-512 EPYC at 1 thread, the engine starts in
-# 46-50 s instead of 79-80 s (fp32, bf16), and the loan's graph compiles in 6-7 s instead of 12. Without the hint
-# inductor assumes a huge batch and the steps ran 3-4% slower at batch 32; with it they time as the two graphs
-# did, within 2% at batch 1-32 (fp32 and bf16, 1 and 2 threads, the two ways alternating in one process).
-BATCH_HINT = 16
+# inductor tunes its code for a typical decode batch (`packed_linear.BATCH_HINT` rows). Cold, on a 2-core AVX-512
+# EPYC at 1 thread, the engine starts in 46-50 s instead of 79-80 s (fp32, bf16), and the loan's graph compiles in
+# 6-7 s instead of 12. Without the hint inductor assumes a huge batch and the steps ran 3-4% slower at batch 32;
+# with it they time as the two graphs did, within 2% at batch 1-32 (fp32 and bf16, 1 and 2 threads, the two ways
+# alternating in one process).
 
 
 def kv_shape(model: PreTrainedModel) -> tuple[int, int, int]:
