@@ -183,8 +183,6 @@ static inline __m512 bf16x16_to_f32(const uint16_t* src) {
 #define INTERLEAVE_LO _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0)
 #define INTERLEAVE_HI _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8)
 
-static inline __m512 ld16_f32(const float* p) { return _mm512_loadu_ps(p); }
-static inline void st16_f32(float* dst, __m512 x) { _mm512_storeu_ps(dst, x); }
 /* 16 floats rounded to bf16 (nearest even, NaN kept a quiet NaN) with integer ops: bf16_store in vector. */
 static inline void st16_bf16(uint16_t* dst, __m512 x) {
     const __m512i u = _mm512_castps_si512(x);
@@ -195,14 +193,56 @@ static inline void st16_bf16(uint16_t* dst, __m512 x) {
     _mm256_storeu_si256((__m256i*)dst, _mm512_cvtepi32_epi16(h));
 }
 
-/* Any cache dtype with AVX-512 F: the scheme of PAGED_DECODE_AVX512 below (GB heads per K/V row read, 16
- * slots of one transposing reduction, the next task's keys prefetched), the dot products as fp32 FMAs over
- * rows widened to fp32 (LD16). D = 16 * NF. */
-#define PAGED_DECODE_AVX512F(NAME, T, LD16, ST16, NF, HEADS)                                           \
-    static void NAME(const T* q, const T* k_new, const T* v_new, const int64_t* slots, T* k, T* v,      \
-                     const int64_t* tables, const int64_t* ctx, T* out, int B, int H, int KVH, int NB,  \
-                     int BS, int MAXNB, float scale, int nthreads) {                                    \
-        enum { D = 16 * (NF), GB = (HEADS), TPR = 16 / GB, LINE = 64 / (int)sizeof(T) };                \
+/* How PAGED_DECODE_AVX512 reads a cache: a way WAY names
+ *   WAY##_T         the cache's element type,
+ *   WAY##_qv        a vector of a query or key row as the dot product takes it, WAY##_PER elements of the row,
+ *   WAY##_ld(p)     one such vector loaded, WAY##_zero() a zero one,
+ *   WAY##_dot(a, q, k)  a + q . k, lane by lane in fp32 (a lane sums WAY##_PER / 16 products),
+ *   WAY##_ldv(vv, p, nf)     a V row widened to nf fp32 vectors, in the order WAY##_sto stores them,
+ *   WAY##_sto(p, o, s, nf)   nf fp32 vectors times s stored as one output row.
+ * f32w (fp32 cache) and bf16w (bf16 widened to fp32 by a shift) take AVX-512 F; bf16dp (bf16 pairs in
+ * dot products) takes AVX-512 BF16 and is defined with its build below. */
+#define AVX512_INLINE static inline __attribute__((always_inline))
+
+#define f32w_PER 16
+typedef float f32w_T;
+typedef __m512 f32w_qv;
+AVX512_INLINE __m512 f32w_ld(const float* p) { return _mm512_loadu_ps(p); }
+AVX512_INLINE __m512 f32w_zero(void) { return _mm512_setzero_ps(); }
+AVX512_INLINE __m512 f32w_dot(__m512 a, __m512 q, __m512 k) { return _mm512_fmadd_ps(q, k, a); }
+AVX512_INLINE void f32w_ldv(__m512* vv, const float* p, int nf) {
+    for (int i = 0; i < nf; i++) vv[i] = _mm512_loadu_ps(p + 16 * i);
+}
+AVX512_INLINE void f32w_sto(float* p, const __m512* o, __m512 s, int nf) {
+    for (int i = 0; i < nf; i++) _mm512_storeu_ps(p + 16 * i, _mm512_mul_ps(o[i], s));
+}
+
+#define bf16w_PER 16
+typedef uint16_t bf16w_T;
+typedef __m512 bf16w_qv;
+AVX512_INLINE __m512 bf16w_ld(const uint16_t* p) { return bf16x16_to_f32(p); }
+#define bf16w_zero f32w_zero /* fp32 vectors, as f32w's */
+#define bf16w_dot f32w_dot
+AVX512_INLINE void bf16w_ldv(__m512* vv, const uint16_t* p, int nf) {
+    for (int i = 0; i < nf; i++) vv[i] = bf16x16_to_f32(p + 16 * i);
+}
+AVX512_INLINE void bf16w_sto(uint16_t* p, const __m512* o, __m512 s, int nf) {
+    for (int i = 0; i < nf; i++) st16_bf16(p + 16 * i, _mm512_mul_ps(o[i], s));
+}
+
+/* Decode attention on AVX-512, any way of reading the cache (WAY, above). D = 16 * NF.
+ * Query heads are taken GB at a time (grouped queries: 4 at D = 64, or 3 where the group is a multiple
+ * of 3 but not of 4; 2 at D = 128; one without grouping): each K and V row is read once for all of them.
+ * Scores: TPR = 16 / GB tokens x GB heads fill the slots of one transposing reduction (lane h * TPR + t:
+ * head h, token t), a vector exp, and P.V with GB x NF fp32 accumulators in registers. Each thread runs a
+ * contiguous range of tasks (`task_range`) and, while it sums the last head group's values, prefetches its
+ * next task's keys. */
+#define PAGED_DECODE_AVX512(NAME, WAY, NF, HEADS)                                                       \
+    static void NAME(const WAY##_T* q, const WAY##_T* k_new, const WAY##_T* v_new, const int64_t* slots, \
+                     WAY##_T* k, WAY##_T* v, const int64_t* tables, const int64_t* ctx, WAY##_T* out,   \
+                     int B, int H, int KVH, int NB, int BS, int MAXNB, float scale, int nthreads) {     \
+        typedef WAY##_T T;                                                                              \
+        enum { D = 16 * (NF), NQ = D / WAY##_PER, GB = (HEADS), TPR = 16 / GB, LINE = 64 / (int)sizeof(T) }; \
         const int G = H / KVH;                                                                          \
         _Pragma("omp parallel num_threads(nthreads)")                                                   \
         {                                                                                               \
@@ -217,29 +257,30 @@ static inline void st16_bf16(uint16_t* dst, __m512 x) {
                 const int64_t* tb = tables + (int64_t)b * MAXNB;                                        \
                 const T* kbase = k + (int64_t)kh * NB * BS * D;                                         \
                 const T* vbase = v + (int64_t)kh * NB * BS * D;                                         \
+                /* the next task's keys, prefetched while this one finishes (none past the range) */   \
                 const int nb = (task + 1) / KVH, nL = task + 1 < hi ? (int)ctx[nb] : 0;                 \
                 const int64_t* ntb = tables + (int64_t)nb * MAXNB;                                      \
                 const T* nk = k + (int64_t)((task + 1) % KVH) * NB * BS * D;                            \
                 float* sc = (float*)malloc(sizeof(float) * (size_t)(GB * LP) + sizeof(int64_t) * (size_t)L); \
-                int64_t* row = (int64_t*)(sc + GB * LP);                                                \
+                int64_t* row = (int64_t*)(sc + GB * LP); /* element offset of token t's row */          \
                 for (int t = 0, bi = 0, o = 0; t < L; t++) {                                            \
                     row[t] = (tb[bi] * BS + o) * D;                                                     \
                     if (++o == BS) o = 0, bi++;                                                         \
                 }                                                                                       \
                 for (int g0 = 0; g0 < G; g0 += GB) {                                                    \
-                    const int hb = G - g0 < GB ? G - g0 : GB;                                           \
-                    __m512 qv[GB][NF];                                                                  \
+                    const int hb = G - g0 < GB ? G - g0 : GB; /* heads in this block */                 \
+                    WAY##_qv qv[GB][NQ];                                                                \
                     for (int h = 0; h < GB; h++)                                                        \
-                        for (int i = 0; i < NF; i++)                                                    \
-                            qv[h][i] = h < hb ? LD16(q + ((int64_t)b * H + kh * G + g0 + h) * D + 16 * i) \
-                                              : _mm512_setzero_ps();                                    \
-                    __mmask16 heads = 0;                                                                \
+                        for (int i = 0; i < NQ; i++)                                                    \
+                            qv[h][i] = h < hb ? WAY##_ld(q + ((int64_t)b * H + kh * G + g0 + h) * D + WAY##_PER * i) \
+                                              : WAY##_zero();                                           \
+                    __mmask16 heads = 0; /* lanes of the block's real heads */                           \
                     for (int h = 0; h < hb; h++) heads |= (__mmask16)(((1u << TPR) - 1u) << (h * TPR)); \
                     __m512 vmax = _mm512_set1_ps(-INFINITY);                                            \
                     for (int t0 = 0; t0 < L; t0 += TPR) {                                               \
                         const int m = L - t0 < TPR ? L - t0 : TPR;                                      \
-                        const int c16 = (t0 + 15) & ~15;                                                \
-                        if (g0 == 0 && c16 < t0 + TPR && c16 < L) {                                     \
+                        const int c16 = (t0 + 15) & ~15; /* a 16-token chunk starts in this slice */     \
+                        if (g0 == 0 && c16 < t0 + TPR && c16 < L) { /* the next chunk's K rows, this V */ \
                             const int m2 = L - c16 - 16 < 16 ? L - c16 - 16 : 16;                       \
                             for (int j = 0; j < m2; j++)                                                \
                                 for (int c = 0; c < D; c += LINE)                                       \
@@ -252,12 +293,12 @@ static inline void st16_bf16(uint16_t* dst, __m512 x) {
                         __m512 acc[16];                                                                 \
                         for (int j = GB * TPR; j < 16; j++) acc[PERM16[j]] = _mm512_setzero_ps();       \
                         for (int t = 0; t < TPR; t++) {                                                 \
-                            __m512 kr[NF];                                                              \
-                            for (int i = 0; i < NF; i++)                                                \
-                                kr[i] = t < m ? LD16(kbase + row[t0 + t] + 16 * i) : _mm512_setzero_ps(); \
+                            WAY##_qv kr[NQ];                                                            \
+                            for (int i = 0; i < NQ; i++)                                                \
+                                kr[i] = t < m ? WAY##_ld(kbase + row[t0 + t] + WAY##_PER * i) : WAY##_zero(); \
                             for (int h = 0; h < GB; h++) {                                              \
-                                __m512 a = _mm512_mul_ps(qv[h][0], kr[0]);                              \
-                                for (int i = 1; i < NF; i++) a = _mm512_fmadd_ps(qv[h][i], kr[i], a);   \
+                                __m512 a = _mm512_setzero_ps();                                         \
+                                for (int i = 0; i < NQ; i++) a = WAY##_dot(a, qv[h][i], kr[i]);         \
                                 acc[PERM16[h * TPR + t]] = a;                                           \
                             }                                                                           \
                         }                                                                               \
@@ -295,186 +336,68 @@ static inline void st16_bf16(uint16_t* dst, __m512 x) {
                             const T* nr = nk + (ntb[t / BS] * BS + t % BS) * D;                         \
                             for (int c = 0; c < D; c += LINE) _mm_prefetch((const char*)(nr + c), _MM_HINT_T1); \
                         }                                                                               \
-                        const T* vr = vbase + row[t];                                                   \
                         __m512 vv[NF];                                                                  \
-                        for (int i = 0; i < NF; i++) vv[i] = LD16(vr + 16 * i);                         \
+                        WAY##_ldv(vv, vbase + row[t], NF);                                              \
                         for (int h = 0; h < GB; h++) {                                                  \
                             if (h >= hb) break;                                                         \
                             const __m512 p = _mm512_set1_ps(sc[h * LP + t]);                            \
                             for (int i = 0; i < NF; i++) o[h][i] = _mm512_fmadd_ps(p, vv[i], o[h][i]);  \
                         }                                                                               \
                     }                                                                                   \
-                    for (int h = 0; h < hb; h++) {                                                      \
-                        T* og = out + ((int64_t)b * H + kh * G + g0 + h) * D;                           \
-                        const __m512 ih = _mm512_set1_ps(inv[h]);                                       \
-                        for (int i = 0; i < NF; i++) ST16(og + 16 * i, _mm512_mul_ps(o[h][i], ih));     \
-                    }                                                                                   \
+                    for (int h = 0; h < hb; h++)                                                        \
+                        WAY##_sto(out + ((int64_t)b * H + kh * G + g0 + h) * D, o[h], _mm512_set1_ps(inv[h]), NF); \
                 }                                                                                       \
                 free(sc);                                                                               \
             }                                                                                           \
         }                                                                                               \
     }
 
-PAGED_DECODE_AVX512F(decode_f32_avx512_d64, float, ld16_f32, st16_f32, 4, 4)
-PAGED_DECODE_AVX512F(decode_f32_avx512_d64_g3, float, ld16_f32, st16_f32, 4, 3)
-PAGED_DECODE_AVX512F(decode_f32_avx512_d128, float, ld16_f32, st16_f32, 8, 2)
-PAGED_DECODE_AVX512F(decode_f32_avx512_d64_mha, float, ld16_f32, st16_f32, 4, 1)
-PAGED_DECODE_AVX512F(decode_f32_avx512_d128_mha, float, ld16_f32, st16_f32, 8, 1)
-PAGED_DECODE_AVX512F(decode_bf16_avx512f_d64, uint16_t, bf16x16_to_f32, st16_bf16, 4, 4)
-PAGED_DECODE_AVX512F(decode_bf16_avx512f_d64_g3, uint16_t, bf16x16_to_f32, st16_bf16, 4, 3)
-PAGED_DECODE_AVX512F(decode_bf16_avx512f_d128, uint16_t, bf16x16_to_f32, st16_bf16, 8, 2)
-PAGED_DECODE_AVX512F(decode_bf16_avx512f_d64_mha, uint16_t, bf16x16_to_f32, st16_bf16, 4, 1)
-PAGED_DECODE_AVX512F(decode_bf16_avx512f_d128_mha, uint16_t, bf16x16_to_f32, st16_bf16, 8, 1)
+PAGED_DECODE_AVX512(decode_f32_avx512_d64, f32w, 4, 4)
+PAGED_DECODE_AVX512(decode_f32_avx512_d64_g3, f32w, 4, 3)
+PAGED_DECODE_AVX512(decode_f32_avx512_d128, f32w, 8, 2)
+PAGED_DECODE_AVX512(decode_f32_avx512_d64_mha, f32w, 4, 1)
+PAGED_DECODE_AVX512(decode_f32_avx512_d128_mha, f32w, 8, 1)
+PAGED_DECODE_AVX512(decode_bf16_avx512f_d64, bf16w, 4, 4)
+PAGED_DECODE_AVX512(decode_bf16_avx512f_d64_g3, bf16w, 4, 3)
+PAGED_DECODE_AVX512(decode_bf16_avx512f_d128, bf16w, 8, 2)
+PAGED_DECODE_AVX512(decode_bf16_avx512f_d64_mha, bf16w, 4, 1)
+PAGED_DECODE_AVX512(decode_bf16_avx512f_d128_mha, bf16w, 8, 1)
 #endif
 
 #if defined(HAVE_AVX512) && defined(__AVX512BF16__)
-/* bf16 with AVX-512 BF16: scores 16 at a time with bf16 dot products (fp32 accumulation, no horizontal
- * sum per token: one transposing reduction per 16), a vector exp, and P·V in fp32 with the
- * accumulators in registers. D = 16 * NF. */
+/* bf16 with AVX-512 BF16: PAGED_DECODE_AVX512 with scores from bf16 dot products (fp32 accumulation, two
+ * products a lane), so a key row is read as it is stored. V's bf16 pairs are widened in place (even dims by a
+ * shift, odd ones by a mask: no cross-lane shuffle), so vector 2i holds dims 32i, 32i + 2, ... and 2i + 1 the
+ * odd ones, interleaved back when stored. */
 #define HAVE_AVX512_BF16 1
 
-/* Query heads are taken GB at a time (grouped queries: 4 at D = 64, or 3 where the group is a multiple
- * of 3 but not of 4; 2 at D = 128; one without grouping): each K and V row is read once for all of them.
- * Scores: TPR = 16 / GB tokens x GB heads fill the slots of one transposing reduction (lane h * TPR + t:
- * head h, token t). P.V: GB x NF accumulators, V's bf16 pairs widened in place (even dims by a shift, odd
- * ones by a mask: no cross-lane shuffle), so accumulator 2i holds dims 32i, 32i + 2, ... and 2i + 1 the
- * odd ones, interleaved back when stored. Each thread runs a contiguous range of tasks (`task_range`)
- * and, while it sums the last head group's values, prefetches its next task's keys. */
-#define PAGED_DECODE_AVX512(NAME, NF, HEADS)                                                            \
-    static void NAME(const uint16_t* q, const uint16_t* k_new, const uint16_t* v_new,                  \
-                     const int64_t* slots, uint16_t* k, uint16_t* v, const int64_t* tables,             \
-                     const int64_t* ctx, uint16_t* out, int B, int H, int KVH, int NB, int BS,          \
-                     int MAXNB, float scale, int nthreads) {                                            \
-        enum { D = 16 * (NF), NQ = (NF) / 2, GB = (HEADS), TPR = 16 / GB };                             \
-        const int G = H / KVH;                                                                          \
-        _Pragma("omp parallel num_threads(nthreads)")                                                   \
-        {                                                                                               \
-            int lo, hi;                                                                                 \
-            task_range(ctx, B, KVH, omp_get_num_threads(), omp_get_thread_num(), &lo, &hi);             \
-            for (int task = lo; task < hi; task++) {                                                    \
-                const int b = task / KVH, kh = task % KVH;                                              \
-                const int L = (int)ctx[b], LP = (L + TPR + 15) & ~15;                                   \
-                const int64_t dst = ((int64_t)kh * NB * BS + slots[b]) * D;                             \
-                memcpy(k + dst, k_new + ((int64_t)kh * B + b) * D, sizeof(uint16_t) * D);               \
-                memcpy(v + dst, v_new + ((int64_t)kh * B + b) * D, sizeof(uint16_t) * D);               \
-                const int64_t* tb = tables + (int64_t)b * MAXNB;                                        \
-                const uint16_t* kbase = k + (int64_t)kh * NB * BS * D;                                  \
-                const uint16_t* vbase = v + (int64_t)kh * NB * BS * D;                                  \
-                /* the next task's keys, prefetched while this one finishes (none past the range) */   \
-                const int nb = (task + 1) / KVH, nL = task + 1 < hi ? (int)ctx[nb] : 0;                 \
-                const int64_t* ntb = tables + (int64_t)nb * MAXNB;                                      \
-                const uint16_t* nk = k + (int64_t)((task + 1) % KVH) * NB * BS * D;                     \
-                float* sc = (float*)malloc(sizeof(float) * (size_t)(GB * LP) + sizeof(int64_t) * (size_t)L); \
-                int64_t* row = (int64_t*)(sc + GB * LP); /* element offset of token t's row */          \
-                for (int t = 0, bi = 0, o = 0; t < L; t++) {                                            \
-                    row[t] = (tb[bi] * BS + o) * D;                                                     \
-                    if (++o == BS) o = 0, bi++;                                                         \
-                }                                                                                       \
-                for (int g0 = 0; g0 < G; g0 += GB) {                                                    \
-                    const int hb = G - g0 < GB ? G - g0 : GB; /* heads in this block */                 \
-                    __m512bh qv[GB][NQ];                                                                \
-                    for (int h = 0; h < GB; h++)                                                        \
-                        for (int i = 0; i < NQ; i++)                                                    \
-                            qv[h][i] = (__m512bh)(h < hb ? _mm512_loadu_si512(                          \
-                                q + ((int64_t)b * H + kh * G + g0 + h) * D + 32 * i) : _mm512_setzero_si512()); \
-                    __mmask16 heads = 0; /* lanes of the block's real heads */                           \
-                    for (int h = 0; h < hb; h++) heads |= (__mmask16)(((1u << TPR) - 1u) << (h * TPR)); \
-                    __m512 vmax = _mm512_set1_ps(-INFINITY);                                            \
-                    for (int t0 = 0; t0 < L; t0 += TPR) {                                               \
-                        const int m = L - t0 < TPR ? L - t0 : TPR;                                      \
-                        const int c16 = (t0 + 15) & ~15; /* a 16-token chunk starts in this slice */     \
-                        if (g0 == 0 && c16 < t0 + TPR && c16 < L) { /* the next chunk's K rows, this V */ \
-                            const int m2 = L - c16 - 16 < 16 ? L - c16 - 16 : 16;                       \
-                            for (int j = 0; j < m2; j++)                                                \
-                                for (int c = 0; c < D; c += 32)                                         \
-                                    _mm_prefetch((const char*)(kbase + row[c16 + 16 + j] + c), _MM_HINT_T0); \
-                            const int m1 = L - c16 < 16 ? L - c16 : 16;                                 \
-                            for (int j = 0; j < m1; j++)                                                \
-                                for (int c = 0; c < D; c += 32)                                         \
-                                    _mm_prefetch((const char*)(vbase + row[c16 + j] + c), _MM_HINT_T1); \
-                        }                                                                               \
-                        __m512 acc[16];                                                                 \
-                        for (int j = GB * TPR; j < 16; j++) acc[PERM16[j]] = _mm512_setzero_ps();       \
-                        for (int t = 0; t < TPR; t++) {                                                 \
-                            __m512bh kr[NQ];                                                            \
-                            for (int i = 0; i < NQ; i++)                                                \
-                                kr[i] = (__m512bh)(t < m ? _mm512_loadu_si512(kbase + row[t0 + t] + 32 * i) \
-                                                         : _mm512_setzero_si512());                     \
-                            for (int h = 0; h < GB; h++) {                                              \
-                                __m512 a = _mm512_setzero_ps();                                         \
-                                for (int i = 0; i < NQ; i++) a = _mm512_dpbf16_ps(a, qv[h][i], kr[i]);  \
-                                acc[PERM16[h * TPR + t]] = a;                                           \
-                            }                                                                           \
-                        }                                                                               \
-                        const __m512 s = _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale));           \
-                        float lanes[16];                                                                \
-                        _mm512_storeu_ps(lanes, s);                                                     \
-                        for (int h = 0; h < hb; h++) memcpy(sc + h * LP + t0, lanes + h * TPR, sizeof(float) * TPR); \
-                        __mmask16 valid = 0;                                                            \
-                        for (int h = 0; h < GB; h++) valid |= (__mmask16)(((1u << m) - 1u) << (h * TPR)); \
-                        vmax = _mm512_mask_max_ps(vmax, valid & heads, vmax, s);                        \
-                    }                                                                                   \
-                    float maxes[16], inv[GB];                                                           \
-                    _mm512_storeu_ps(maxes, vmax);                                                      \
-                    for (int h = 0; h < hb; h++) {                                                      \
-                        float mh = -INFINITY;                                                           \
-                        for (int t = 0; t < TPR; t++) mh = maxes[h * TPR + t] > mh ? maxes[h * TPR + t] : mh; \
-                        const __m512 mx = _mm512_set1_ps(mh);                                           \
-                        __m512 z = _mm512_setzero_ps();                                                 \
-                        for (int t0 = 0; t0 < L; t0 += 16) {                                            \
-                            const int m = L - t0 < 16 ? L - t0 : 16;                                    \
-                            const __mmask16 mask = (__mmask16)((1u << m) - 1u);                         \
-                            const __m512 e = _mm512_maskz_mov_ps(mask, exp512(_mm512_sub_ps(           \
-                                _mm512_loadu_ps(sc + h * LP + t0), mx)));                               \
-                            _mm512_storeu_ps(sc + h * LP + t0, e);                                      \
-                            z = _mm512_add_ps(z, e);                                                    \
-                        }                                                                               \
-                        inv[h] = 1.f / _mm512_reduce_add_ps(z);                                         \
-                    }                                                                                   \
-                    __m512 o[GB][NF];                                                                   \
-                    for (int h = 0; h < GB; h++)                                                        \
-                        for (int i = 0; i < NF; i++) o[h][i] = _mm512_setzero_ps();                     \
-                    const int last = g0 + GB >= G;                                                      \
-                    for (int t = 0; t < L; t++) {                                                       \
-                        if (last && t < nL) {                                                           \
-                            const uint16_t* nr = nk + (ntb[t / BS] * BS + t % BS) * D;                  \
-                            for (int c = 0; c < D; c += 32) _mm_prefetch((const char*)(nr + c), _MM_HINT_T1); \
-                        }                                                                               \
-                        const uint16_t* vr = vbase + row[t];                                            \
-                        __m512 vv[NF];                                                                  \
-                        for (int i = 0; i < NQ; i++) {                                                  \
-                            const __m512i x = _mm512_loadu_si512(vr + 32 * i);                          \
-                            vv[2 * i] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));                  \
-                            vv[2 * i + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xFFFF0000u))); \
-                        }                                                                               \
-                        for (int h = 0; h < GB; h++) {                                                  \
-                            if (h >= hb) break;                                                         \
-                            const __m512 p = _mm512_set1_ps(sc[h * LP + t]);                            \
-                            for (int i = 0; i < NF; i++) o[h][i] = _mm512_fmadd_ps(p, vv[i], o[h][i]);  \
-                        }                                                                               \
-                    }                                                                                   \
-                    for (int h = 0; h < hb; h++) {                                                      \
-                        uint16_t* og = out + ((int64_t)b * H + kh * G + g0 + h) * D;                    \
-                        const __m512 ih = _mm512_set1_ps(inv[h]);                                       \
-                        for (int i = 0; i < NQ; i++) {                                                  \
-                            const __m512 ev = _mm512_mul_ps(o[h][2 * i], ih), od = _mm512_mul_ps(o[h][2 * i + 1], ih); \
-                            _mm256_storeu_si256((__m256i*)(og + 32 * i), (__m256i)_mm512_cvtneps_pbh(   \
-                                _mm512_permutex2var_ps(ev, INTERLEAVE_LO, od)));                        \
-                            _mm256_storeu_si256((__m256i*)(og + 32 * i + 16), (__m256i)_mm512_cvtneps_pbh( \
-                                _mm512_permutex2var_ps(ev, INTERLEAVE_HI, od)));                        \
-                        }                                                                               \
-                    }                                                                                   \
-                }                                                                                       \
-                free(sc);                                                                               \
-            }                                                                                           \
-        }                                                                                               \
+#define bf16dp_PER 32
+typedef uint16_t bf16dp_T;
+typedef __m512bh bf16dp_qv;
+AVX512_INLINE __m512bh bf16dp_ld(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+AVX512_INLINE __m512bh bf16dp_zero(void) { return (__m512bh)_mm512_setzero_si512(); }
+AVX512_INLINE __m512 bf16dp_dot(__m512 a, __m512bh q, __m512bh k) { return _mm512_dpbf16_ps(a, q, k); }
+AVX512_INLINE void bf16dp_ldv(__m512* vv, const uint16_t* p, int nf) {
+    for (int i = 0; i < nf / 2; i++) {
+        const __m512i x = _mm512_loadu_si512(p + 32 * i);
+        vv[2 * i] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+        vv[2 * i + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xFFFF0000u)));
     }
+}
+AVX512_INLINE void bf16dp_sto(uint16_t* p, const __m512* o, __m512 s, int nf) {
+    for (int i = 0; i < nf / 2; i++) {
+        const __m512 ev = _mm512_mul_ps(o[2 * i], s), od = _mm512_mul_ps(o[2 * i + 1], s);
+        _mm256_storeu_si256((__m256i*)(p + 32 * i), (__m256i)_mm512_cvtneps_pbh(_mm512_permutex2var_ps(ev, INTERLEAVE_LO, od)));
+        _mm256_storeu_si256((__m256i*)(p + 32 * i + 16),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_permutex2var_ps(ev, INTERLEAVE_HI, od)));
+    }
+}
 
-PAGED_DECODE_AVX512(decode_bf16_avx512_d64, 4, 4)
-PAGED_DECODE_AVX512(decode_bf16_avx512_d64_g3, 4, 3)
-PAGED_DECODE_AVX512(decode_bf16_avx512_d128, 8, 2)
-PAGED_DECODE_AVX512(decode_bf16_avx512_d64_mha, 4, 1)
-PAGED_DECODE_AVX512(decode_bf16_avx512_d128_mha, 8, 1)
+PAGED_DECODE_AVX512(decode_bf16_avx512_d64, bf16dp, 4, 4)
+PAGED_DECODE_AVX512(decode_bf16_avx512_d64_g3, bf16dp, 4, 3)
+PAGED_DECODE_AVX512(decode_bf16_avx512_d128, bf16dp, 8, 2)
+PAGED_DECODE_AVX512(decode_bf16_avx512_d64_mha, bf16dp, 4, 1)
+PAGED_DECODE_AVX512(decode_bf16_avx512_d128_mha, bf16dp, 8, 1)
 #endif
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -641,7 +564,7 @@ PAGED_DECODE_AVX2(decode_bf16_avx2_any, uint16_t, ld8_bf16, st8_bf16, bf16_load,
         else PREFIX##_any(ARGS);                                                                        \
     } while (0)
 
-/* Head dims 64 and 128 on AVX-512 by the head grouping (PAGED_DECODE_AVX512F's HEADS); 0 where none fits. */
+/* Head dims 64 and 128 on AVX-512 by the head grouping (PAGED_DECODE_AVX512's HEADS); 0 where none fits. */
 #define BY_GROUPING(PREFIX)                                                                             \
     do {                                                                                                \
         const int G = H / KVH;                                                                          \
