@@ -58,6 +58,10 @@ class ServeConfig:
             started again with the same name and cluster adopts them (no new workers, no
             calibration: the cost model is kept with them); `pdserve stop` ends them. Needs
             `address` (a local Ray ends with the router).
+        cost_model: start from this measured cost model instead of calibrating: a JSON file of one (as
+            `GET /pdserve/cost_model` answers) or a running pdserve's address (http://HOST:PORT), e.g. the
+            first replica of a fleet; measured on the same model, dtype and kind of machine (the router
+            corrects its figures online from served requests). It wins over a deployment's kept one.
     """
 
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(compile=True))  # a server runs long: it pays
@@ -84,6 +88,10 @@ class ServeConfig:
     deployment: str | None = field(default=None, metadata={
         "help": "name the workers' deployment: they outlive this router and a router started again with the "
         "same name adopts them (needs --address; `pdserve stop` ends them)"})
+    cost_model: str | None = field(default=None, metadata={
+        "help": "start from this measured cost model, skipping the start-up calibration: a JSON file of "
+        "one (GET /pdserve/cost_model) or a running pdserve's http://HOST:PORT, measured on the same model, "
+        "dtype and kind of machine"})
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_prefill, int) or self.num_prefill < 0:
@@ -248,7 +256,7 @@ async def serve(cfg: ServeConfig, ready: asyncio.Event | None = None, stop: asyn
     from engine.model_loader import load_tokenizer
     from engine.model_store import resolve_model
     from router.calibrate import calibrate
-    from router.cost_model import CostModel
+    from router.cost_model import CostModel, load_cost_model
     from router.grpc_server import start_grpc_server
     from router.http_server import start_http_server
     from router.pools import replace_worker
@@ -256,6 +264,7 @@ async def serve(cfg: ServeConfig, ready: asyncio.Event | None = None, stop: asyn
 
     if cfg.tls is not None:
         cfg.tls.http_context()  # a bad certificate or key is refused before anything starts
+    given = load_cost_model(cfg.cost_model) if cfg.cost_model is not None else None  # refused before any worker
     model_dir = resolve_model(cfg.engine.model)
     tokenizer = load_tokenizer(model_dir)
     if cfg.engine.chat_template is not None:  # a bad one fails here, before any worker starts
@@ -272,7 +281,11 @@ async def serve(cfg: ServeConfig, ready: asyncio.Event | None = None, stop: asyn
         pools, p_infos, d_infos, transfer, kept = await _unless_stopped(stop, _on_own_thread(_start_pools, cfg))
         up = (f"[pdserve] {len(pools.prefill)} prefill + {len(pools.decode)} decode workers up in "
               f"{time.perf_counter() - t0:.1f} s")
-        if isinstance(kept, CostModel):
+        if given is not None:
+            d = d_infos[0]
+            cost = given.for_workers(d.kv_bytes_per_token, d.num_layers, d.prefill_chunk_tokens)
+            print(f"{up}; the cost model of {cfg.cost_model} (no calibration)", file=sys.stderr, flush=True)
+        elif isinstance(kept, CostModel):
             cost = kept
             print(f"{up}; the deployment's cost model kept", file=sys.stderr, flush=True)
         else:

@@ -23,11 +23,10 @@ from __future__ import annotations
 
 import json
 import math
-import urllib.request
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
-from router.cost_model import CostModel, LinearFit
+from router.cost_model import CostModel, LinearFit, load_cost_model  # noqa: F401  (planner's API too)
 
 GiB = 1 << 30
 KINDS = ("gpu", "cpu")
@@ -345,21 +344,3 @@ def kv_memory_gib(shape: ModelShape, dev: DeviceSpec, utilization: float = 0.9) 
         raise ValueError(f"the model's weights ({shape.stored_bytes / GiB:.1f} GiB) do not fit in {utilization:.0%} "
                          f"of a {dev.name}'s {dev.memory_gib:g} GiB")
     return left
-
-
-def load_cost_model(source: str, timeout_s: float = 10.0) -> CostModel:
-    """A measured cost model. Args: source: a pdserve HTTP address (http://HOST:PORT; its
-    `/pdserve/cost_model` is read) or a JSON file of `CostModel.to_dict()`. Raises: ValueError."""
-    if source.startswith(("http://", "https://")):
-        url = source.rstrip("/") + "/pdserve/cost_model"
-        try:
-            with urllib.request.urlopen(url, timeout=timeout_s) as r:
-                data = json.loads(r.read())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"cannot read the cost model from {url}: {e}") from None
-    else:
-        try:
-            data = json.loads(Path(source).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"cannot read the cost model file {source}: {e}") from None
-    return CostModel.from_dict(data)

@@ -1,16 +1,20 @@
 """What a request will cost, for the placement policy: measured phase costs and expected output length.
 
 `CostModel`: prefill, decode step, KV transfer and extra round trips, calibrated at start-up (each pool
-times a few prompts, decode batches and transfers) and fitted here; nothing guessed; JSON round trip.
+times a few prompts, decode batches and transfers) and fitted here; nothing guessed; JSON round trip
+(`load_cost_model`: one saved to a file, or a running pdserve's).
 `OutputLengthEstimator`: tightens max_tokens from the lengths of recent finished requests.
 `Correction`: online actual / predicted factors for TTFT (per path) and TPOT, from served requests.
 """
 from __future__ import annotations
 
 import itertools
+import json
 import math
+import urllib.request
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 
 def _check_nonneg(name: str, value: float) -> None:
@@ -263,6 +267,16 @@ class CostModel:
             "prefill_beside_decode": self.prefill_beside_decode,
         }
 
+    def for_workers(self, kv_bytes_per_token: int, num_layers: int, prefill_chunk_tokens: int | None) -> CostModel:
+        """This cost model for workers whose KV takes `kv_bytes_per_token` over `num_layers` layers and whose
+        prompts go in chunks of `prefill_chunk_tokens` (their setting, not a measurement: theirs is kept).
+        Raises: ValueError naming the field when the workers run another model or dtype than it was measured on."""
+        for name, theirs in (("kv_bytes_per_token", kv_bytes_per_token), ("num_layers", num_layers)):
+            if getattr(self, name) != theirs:
+                raise ValueError(f"cost_model: measured on another model or dtype ({name} {getattr(self, name)}; "
+                                 f"these workers' {theirs})")
+        return replace(self, prefill_chunk_tokens=prefill_chunk_tokens)
+
     @classmethod
     def from_dict(cls, d: dict) -> CostModel:
         """Args: d: as written by `to_dict`. Returns: the cost model (validated)."""
@@ -289,6 +303,26 @@ class CostModel:
             decode_beside_prefill=float(d.get("decode_beside_prefill", 1.0)),  # absent: measured apart, never
             prefill_beside_decode=float(d.get("prefill_beside_decode", 1.0)),
         )
+
+
+def load_cost_model(source: str, timeout_s: float = 10.0) -> CostModel:
+    """A measured cost model (the `--cost-model` of `pdserve serve` and `pdserve plan`). Args: source: a
+    pdserve HTTP address (http://HOST:PORT; its `/pdserve/cost_model` is read) or a JSON file of
+    `CostModel.to_dict()`. Raises: ValueError naming the flag and what is wrong."""
+    remote = source.startswith(("http://", "https://"))
+    where = source.rstrip("/") + "/pdserve/cost_model" if remote else source
+    try:
+        if remote:
+            with urllib.request.urlopen(where, timeout=timeout_s) as r:
+                data = json.loads(r.read())
+        else:
+            data = json.loads(Path(source).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cost_model: cannot read {where}: {e}") from None
+    try:
+        return CostModel.from_dict(data)
+    except (TypeError, ValueError) as e:  # a field of the wrong type, or a value out of range
+        raise ValueError(f"cost_model: {where} holds no valid cost model: {e}") from None
 
 
 class OutputLengthEstimator:

@@ -87,6 +87,18 @@ def server():
 
 
 @pytest.fixture(scope="session")
+def cost_model_file(server, tmp_path_factory) -> str:
+    """The session server's calibrated cost model (`GET /pdserve/cost_model`) saved to a file: `--cost-model`
+    starts a server of the same model and dtype without calibrating, for tests about other things."""
+    import urllib.request
+
+    path = tmp_path_factory.mktemp("cost") / "cost_model.json"
+    with urllib.request.urlopen(f"{server.http}/pdserve/cost_model", timeout=10) as r:
+        path.write_bytes(r.read())
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def oracle():
     """(model, tokenizer) of the embedded model in fp32, for greedy references."""
     from engine.model_loader import load_model

@@ -36,10 +36,10 @@ PROMPTS = ["Describe a person as JSON.", "Invent a character for a story.", "Tel
 
 
 @pytest.fixture(scope="module")
-def alternating():
-    # the grammar path, not the compiled step or loans: a server that starts without them (a minute sooner)
+def alternating(cost_model_file):
+    # the grammar path, not the compiled step, loans or calibration: a server that starts without them
     srv = start_server(["--prefill", "1", "--decode", "1", "--policy", "round_robin", "--no-compile",
-                        "--no-lend-threads"])
+                        "--no-lend-threads", "--cost-model", cost_model_file])
     yield srv
     assert stop_server(srv.proc, log=srv.log) == 0, "".join(srv.log[-40:])
 

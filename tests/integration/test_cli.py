@@ -1,4 +1,4 @@
-"""`pdserve generate` and `pdserve model` as a user runs them."""
+"""`pdserve generate`, `pdserve model` and `pdserve serve`'s refusals as a user runs them."""
 from __future__ import annotations
 
 import subprocess
@@ -43,3 +43,14 @@ def test_model_path_prints_cache_location(tmp_path):
                          text=True, env={"PDSERVE_CACHE": str(tmp_path), "PATH": "/usr/bin:/bin"})
     assert res.returncode == 2
     assert "pdserve model fetch" in res.stderr
+
+
+@pytest.mark.parametrize("content", [None, "{not json", '{"prefill": {"fixed_s": 0.1}}'])
+def test_serve_refuses_a_cost_model_it_cannot_use_before_starting_anything(tmp_path, content):
+    path = tmp_path / "cost.json"
+    if content is not None:
+        path.write_text(content)
+    res = run_cli("serve", "--cost-model", str(path), "--http-port", "0", "--grpc-port", "0")
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert f"cost_model: cannot read {path}" in res.stderr or f"cost_model: {path} holds no valid" in res.stderr
+    assert "Traceback" not in res.stderr and "Ray" not in res.stderr  # refused before Ray started

@@ -160,8 +160,14 @@ def test_the_device_table_is_complete_and_lookups_name_the_known_ones():
 def test_a_measured_cost_model_loads_from_its_json(tmp_path: Path):
     (tmp_path / "cm.json").write_text(json.dumps(COST.to_dict()))
     assert load_cost_model(str(tmp_path / "cm.json")) == COST
-    with pytest.raises(ValueError, match="cannot read"):
+    with pytest.raises(ValueError, match="cost_model: cannot read .*none.json"):
         load_cost_model(str(tmp_path / "none.json"))
+    (tmp_path / "bad.json").write_text(json.dumps({**COST.to_dict(), "hop_s": -1}))
+    with pytest.raises(ValueError, match="cost_model: .*bad.json holds no valid cost model: hop_s"):
+        load_cost_model(str(tmp_path / "bad.json"))
+    (tmp_path / "other.json").write_text(json.dumps({"policy": "ratio"}))
+    with pytest.raises(ValueError, match="no valid cost model: .*missing the field 'decode_step'"):
+        load_cost_model(str(tmp_path / "other.json"))
 
 
 # -- SLOs and the sweep -----------------------------------------------------------------------------

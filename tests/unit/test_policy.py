@@ -193,6 +193,16 @@ def test_a_cost_model_written_before_chunking_reads_as_whole_prompts() -> None:
     assert old.decode_beside_prefill == old.prefill_beside_decode == 1.0  # and workers never slow each other
 
 
+def test_a_saved_cost_model_serves_workers_of_its_model_and_dtype_at_their_chunk_size() -> None:
+    """`pdserve serve --cost-model`: the measured figures carry over; the chunk size is the workers' setting."""
+    assert COST.for_workers(KV_BYTES, 30, 512) == replace(COST, prefill_chunk_tokens=512)
+    assert COST.for_workers(KV_BYTES, 30, None).prefill_chunk_tokens is None
+    with pytest.raises(ValueError, match=r"cost_model: .*kv_bytes_per_token 23040; these workers' 11520"):
+        COST.for_workers(KV_BYTES // 2, 30, 256)  # bf16 workers, an fp32 measurement
+    with pytest.raises(ValueError, match="num_layers 30; these workers' 24"):
+        COST.for_workers(KV_BYTES, 24, 256)
+
+
 def test_a_decode_step_pays_for_the_context_its_sequences_hold_beyond_the_calibrated_one() -> None:
     cost = replace(measured_cost(), decode_context=64, decode_context_s=2e-6)
     assert CostModel.from_dict(cost.to_dict()) == cost
