@@ -14,7 +14,7 @@ from tests.e2e.conftest import spawn_server, stop_server
 @pytest.mark.parametrize("phase,sig", [("starting workers", signal.SIGINT),  # the workers start in a thread
                                        ("[pdserve] calibrating [1/", signal.SIGTERM)])  # calibration, a coroutine
 def test_a_signal_while_the_server_starts_stops_it(phase, sig):
-    srv = spawn_server(["--prefill", "1", "--decode", "1"], until=phase)
+    srv = spawn_server(["--prefill", "1", "--decode", "1", "--no-compile"], until=phase)  # the phases, not the compile
     srv.proc.send_signal(sig)
     try:
         code = srv.proc.wait(90)
