@@ -28,7 +28,8 @@ ENGINE: tuple[Path, ...] = (
 SERVE: tuple[Path, ...] = (
     ("engine", "max_num_seqs"), ("engine", "max_num_batched_tokens"), ("engine", "prefill_chunk_tokens"),
     ("engine", "cache", "enable_prefix_caching"),
-    ("engine", "seed"), ("engine", "max_model_len"), ("address",), ("deployment",), ("cost_model",), ("num_prefill",), ("num_decode",),
+    ("engine", "seed"), ("engine", "max_model_len"), ("address",), ("deployment",), ("cost_model",),
+    ("num_prefill",), ("num_decode",),
     ("cpus_per_worker",), ("lend_threads",), ("transfer", "backend"), ("transfer", "timeout_s"), ("host",),
     ("http_port",),
     ("grpc_port",), ("router", "policy"), ("router", "ttft_target_s"), ("router", "tpot_target_s"),

@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
-from router.cost_model import CostModel, LinearFit, load_cost_model  # noqa: F401  (planner's API too)
+from router.cost_model import CostModel, LinearFit, load_cost_model  # noqa: F401  (the planner's callers read it here)
 
 GiB = 1 << 30
 KINDS = ("gpu", "cpu")
