@@ -2,6 +2,7 @@
 and transformers' greedy `generate` on the same model as the oracle."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass
 
 import pytest
@@ -86,15 +88,18 @@ def server():
     assert code == 0, "".join(srv.log[-40:])
 
 
+def cost_model_of(server: Server) -> dict:
+    """What a server's `GET /pdserve/cost_model` answers: the cost model it places requests with."""
+    with urllib.request.urlopen(f"{server.http}/pdserve/cost_model", timeout=10) as r:
+        return json.loads(r.read())
+
+
 @pytest.fixture(scope="session")
 def cost_model_file(server, tmp_path_factory) -> str:
-    """The session server's calibrated cost model (`GET /pdserve/cost_model`) saved to a file: `--cost-model`
-    starts a server of the same model and dtype without calibrating, for tests about other things."""
-    import urllib.request
-
+    """The session server's calibrated cost model saved to a file: `--cost-model` starts a server of the same
+    model and dtype without calibrating, for tests about other things."""
     path = tmp_path_factory.mktemp("cost") / "cost_model.json"
-    with urllib.request.urlopen(f"{server.http}/pdserve/cost_model", timeout=10) as r:
-        path.write_bytes(r.read())
+    path.write_text(json.dumps(cost_model_of(server)))
     return str(path)
 
 

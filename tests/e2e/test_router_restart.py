@@ -20,7 +20,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.conftest import chat_ids, greedy_ids, start_server, stop_server, text_of
+from tests.e2e.conftest import chat_ids, cost_model_of, greedy_ids, start_server, stop_server, text_of
 from tests.integration.ray_nodes import ENV, free_port, start_node, stop_group
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
@@ -41,13 +41,6 @@ def head():
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def cost_model(server) -> dict:
-    import urllib.request
-
-    with urllib.request.urlopen(f"{server.http}/pdserve/cost_model", timeout=10) as r:
-        return json.loads(r.read())
-
-
 def free_blocks(server) -> list[tuple[float, float]]:
     """(free, total) KV blocks of every worker, from the router's metrics."""
     import urllib.request
@@ -65,7 +58,7 @@ def test_a_killed_router_comes_back_and_adopts_its_workers(head, oracle, cost_mo
     first = start_server([*flags, "--cost-model", cost_model_file])  # a saved one: no calibration
     assert "(no calibration)" in "".join(first.log) and "calibrating" not in "".join(first.log)
     given = json.loads(Path(cost_model_file).read_text())
-    assert cost_model(first) == given
+    assert cost_model_of(first) == given
     client = openai.OpenAI(base_url=f"{first.http}/v1", api_key="none", max_retries=0, timeout=60)
     chunks, failed = [], []
 
@@ -90,7 +83,7 @@ def test_a_killed_router_comes_back_and_adopts_its_workers(head, oracle, cost_mo
         assert "adopted deployment 'restart-test': 1 prefill + 1 decode workers running" in log, log[-3000:]
         assert "requests of the last router dropped" in log and "the deployment's cost model kept" in log
         assert "calibrating" not in log
-        assert cost_model(second) == given  # the one the first router started from, kept with the workers
+        assert cost_model_of(second) == given  # the one the first router started from, kept with the workers
         prompt = chat_ids(oracle, MESSAGES)
         client = openai.OpenAI(base_url=f"{second.http}/v1", api_key="none", max_retries=0, timeout=120)
         out = client.chat.completions.create(model=second.model, messages=MESSAGES, max_tokens=24, temperature=0)
