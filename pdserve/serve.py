@@ -59,9 +59,10 @@ class ServeConfig:
             calibration: the cost model is kept with them); `pdserve stop` ends them. Needs
             `address` (a local Ray ends with the router).
         cost_model: start from this measured cost model instead of calibrating: a JSON file of one (as
-            `GET /pdserve/cost_model` answers) or a running pdserve's address (http://HOST:PORT), e.g. the
-            first replica of a fleet; measured on the same model, dtype and kind of machine (the router
-            corrects its figures online from served requests). It wins over a deployment's kept one.
+            `GET /pdserve/cost_model` answers) or a running pdserve's address (http://HOST:PORT, without API
+            keys), e.g. the first replica of a fleet; measured on the same model, dtype, kind of machine and
+            with prefill workers if these have them (the router corrects its figures online from served
+            requests). Read at every start; adopted workers (`deployment`) keep the one they have.
     """
 
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(compile=True))  # a server runs long: it pays
@@ -281,13 +282,13 @@ async def serve(cfg: ServeConfig, ready: asyncio.Event | None = None, stop: asyn
         pools, p_infos, d_infos, transfer, kept = await _unless_stopped(stop, _on_own_thread(_start_pools, cfg))
         up = (f"[pdserve] {len(pools.prefill)} prefill + {len(pools.decode)} decode workers up in "
               f"{time.perf_counter() - t0:.1f} s")
-        if given is not None:
-            d = d_infos[0]
-            cost = given.for_workers(d.kv_bytes_per_token, d.num_layers, d.prefill_chunk_tokens)
-            print(f"{up}; the cost model of {cfg.cost_model} (no calibration)", file=sys.stderr, flush=True)
-        elif isinstance(kept, CostModel):
+        if isinstance(kept, CostModel):  # adopted workers go on with theirs, whatever a restart is given
             cost = kept
             print(f"{up}; the deployment's cost model kept", file=sys.stderr, flush=True)
+        elif given is not None:
+            d = d_infos[0]
+            cost = given.for_workers(d.kv_bytes_per_token, d.num_layers, d.prefill_chunk_tokens, bool(pools.prefill))
+            print(f"{up}; the cost model of {cfg.cost_model} (no calibration)", file=sys.stderr, flush=True)
         else:
             print(f"{up}; calibrating the cost model ...", file=sys.stderr, flush=True)
             cost = await _unless_stopped(stop, calibrate(

@@ -8,6 +8,7 @@ times a few prompts, decode batches and transfers) and fitted here; nothing gues
 """
 from __future__ import annotations
 
+import http.client
 import itertools
 import json
 import math
@@ -267,14 +268,19 @@ class CostModel:
             "prefill_beside_decode": self.prefill_beside_decode,
         }
 
-    def for_workers(self, kv_bytes_per_token: int, num_layers: int, prefill_chunk_tokens: int | None) -> CostModel:
-        """This cost model for workers whose KV takes `kv_bytes_per_token` over `num_layers` layers and whose
-        prompts go in chunks of `prefill_chunk_tokens` (their setting, not a measurement: theirs is kept).
-        Raises: ValueError naming the field when the workers run another model or dtype than it was measured on."""
+    def for_workers(self, kv_bytes_per_token: int, num_layers: int, prefill_chunk_tokens: int | None,
+                    prefill_workers: bool) -> CostModel:
+        """This cost model for workers whose KV takes `kv_bytes_per_token` over `num_layers` layers, whose prompts
+        go in chunks of `prefill_chunk_tokens` (their setting, not a measurement: theirs is kept), with or without
+        `prefill_workers`. Raises: ValueError naming the field when the workers' KV geometry differs (another
+        model or dtype), or when they have prefill workers and it was measured without (no transfer timed)."""
         for name, theirs in (("kv_bytes_per_token", kv_bytes_per_token), ("num_layers", num_layers)):
             if getattr(self, name) != theirs:
                 raise ValueError(f"cost_model: measured on another model or dtype ({name} {getattr(self, name)}; "
                                  f"these workers' {theirs})")
+        if prefill_workers and self.transfer == LinearFit(0.0, 0.0):  # calibrated without: remote costs copied
+            raise ValueError("cost_model: measured without prefill workers (transfer 0 s: no KV transfer timed); "
+                             "this deployment has them: calibrate it, or give a cost model of one that had")
         return replace(self, prefill_chunk_tokens=prefill_chunk_tokens)
 
     @classmethod
@@ -317,11 +323,13 @@ def load_cost_model(source: str, timeout_s: float = 10.0) -> CostModel:
                 data = json.loads(r.read())
         else:
             data = json.loads(Path(source).read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    # OSError: no such file, refused or timed out; ValueError: not UTF-8 or JSON, a malformed URL; HTTPException:
+    # an answer that is no HTTP (another service's port)
+    except (OSError, ValueError, http.client.HTTPException) as e:
         raise ValueError(f"cost_model: cannot read {where}: {e}") from None
     try:
         return CostModel.from_dict(data)
-    except (TypeError, ValueError) as e:  # a field of the wrong type, or a value out of range
+    except (TypeError, ValueError, OverflowError) as e:  # a field of the wrong type, out of range, or infinite
         raise ValueError(f"cost_model: {where} holds no valid cost model: {e}") from None
 
 

@@ -168,6 +168,14 @@ def test_a_measured_cost_model_loads_from_its_json(tmp_path: Path):
     (tmp_path / "other.json").write_text(json.dumps({"policy": "ratio"}))
     with pytest.raises(ValueError, match="no valid cost model: .*missing the field 'decode_step'"):
         load_cost_model(str(tmp_path / "other.json"))
+    (tmp_path / "huge.json").write_text(json.dumps(COST.to_dict()).replace('"num_layers": 2', '"num_layers": 1e999'))
+    with pytest.raises(ValueError, match="huge.json holds no valid cost model"):
+        load_cost_model(str(tmp_path / "huge.json"))
+    (tmp_path / "bytes.json").write_bytes(b"\xff\xfe\x00binary")
+    with pytest.raises(ValueError, match="cost_model: cannot read .*bytes.json"):
+        load_cost_model(str(tmp_path / "bytes.json"))
+    with pytest.raises(ValueError, match="cost_model: cannot read http://127.0.0.1:abc"):
+        load_cost_model("http://127.0.0.1:abc")
 
 
 # -- SLOs and the sweep -----------------------------------------------------------------------------

@@ -195,12 +195,16 @@ def test_a_cost_model_written_before_chunking_reads_as_whole_prompts() -> None:
 
 def test_a_saved_cost_model_serves_workers_of_its_model_and_dtype_at_their_chunk_size() -> None:
     """`pdserve serve --cost-model`: the measured figures carry over; the chunk size is the workers' setting."""
-    assert COST.for_workers(KV_BYTES, 30, 512) == replace(COST, prefill_chunk_tokens=512)
-    assert COST.for_workers(KV_BYTES, 30, None).prefill_chunk_tokens is None
+    assert COST.for_workers(KV_BYTES, 30, 512, True) == replace(COST, prefill_chunk_tokens=512)
+    assert COST.for_workers(KV_BYTES, 30, None, True).prefill_chunk_tokens is None
     with pytest.raises(ValueError, match=r"cost_model: .*kv_bytes_per_token 23040; these workers' 11520"):
-        COST.for_workers(KV_BYTES // 2, 30, 256)  # bf16 workers, an fp32 measurement
+        COST.for_workers(KV_BYTES // 2, 30, 256, True)  # bf16 workers, an fp32 measurement
     with pytest.raises(ValueError, match="num_layers 30; these workers' 24"):
-        COST.for_workers(KV_BYTES, 24, 256)
+        COST.for_workers(KV_BYTES, 24, 256, True)
+    alone = replace(COST, transfer=LinearFit(0.0, 0.0))  # as calibrated without prefill workers
+    assert alone.for_workers(KV_BYTES, 30, 256, False) == alone
+    with pytest.raises(ValueError, match="cost_model: measured without prefill workers"):
+        alone.for_workers(KV_BYTES, 30, 256, True)
 
 
 def test_a_decode_step_pays_for_the_context_its_sequences_hold_beyond_the_calibrated_one() -> None:

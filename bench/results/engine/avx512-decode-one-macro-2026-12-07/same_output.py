@@ -11,7 +11,7 @@ def call(lib, entry, q, kn, vn, slots, kp, vp, tables, ctx, scale):
 for build in ("avx512", "avx512_bf16"):
     libs = {v: ctypes.CDLL(f"/tmp/pdserve-ab/{v}-{build}.so") for v in ("old", "new")}
     for DT, entry in ((torch.float32, "paged_decode_f32"), (torch.bfloat16, "paged_decode_bf16")):
-        for H, KVH, D in ((9, 3, 64), (12, 3, 64), (6, 6, 64), (8, 2, 128), (4, 4, 128), (15, 5, 64), (7, 1, 64)):
+        for H, KVH, D in ((9, 3, 64), (12, 3, 64), (6, 6, 64), (8, 2, 128), (4, 4, 128), (15, 5, 64), (7, 1, 64), (6, 2, 128), (10, 2, 128)):
             B, BS = 5, 16
             NB = 80
             ctx = torch.tensor([1, 17, 33, 100, 200])
