@@ -87,6 +87,9 @@ def _kernel_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
     if query.is_cuda:
         out = triton_attention.paged_decode(*args, kv_layer[0], kv_layer[1], meta.decode_blocks, meta.ctx_lens, scale)
     else:
+        # contiguous here, not in the operator: a compiled step then lays them out so in the kernels that
+        # compute them (RoPE) instead of copying each one per layer through the dispatcher
+        args = tuple(t.contiguous() for t in args)
         op = kernels.active().op or paged_decode_step  # the C++ operator, or the Python one over ctypes
         out = op(*args, kv_layer, meta.decode_blocks, meta.ctx_lens, scale)
     return out.unsqueeze(0)

@@ -28,6 +28,7 @@ import random
 
 import torch
 
+from engine import kernels
 from engine.errors import SamplingError
 from engine.grammar import Grammars
 from engine.logprobs import TokenLogprob
@@ -49,7 +50,7 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int | SamplingError]:
         """One token per row of `logits` [B, V], or the `SamplingError` of a row that has none."""
-        tokens: list[int | SamplingError] = logits.max(dim=-1).indices.tolist()  # first maximum, like argmax
+        tokens: list[int | SamplingError] = kernels.argmax(logits).tolist()  # first maximum, like argmax
         for i, seq in enumerate(seqs):
             sp = seq.sampling
             if sp.greedy and not sp.adjusts_logits:

@@ -203,6 +203,32 @@ def test_every_build_binds_its_torch_operator(build):
 PREFILL_BUILDS = [b for b in BUILDS if b.name in ("amx_bf16", "avx512_bf16")]  # bf16 prefill attention
 
 
+@pytest.mark.parametrize("build", BUILDS, ids=[b.name for b in BUILDS])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_picks_what_torch_max_picks(build, dtype):
+    """Greedy picks: a vocabulary's rows (and odd widths whose last lanes are a tail), ties, NaN, -inf, rows a
+    stride apart; the builds with vectors hold it, the portable one leaves it to torch."""
+    kernel = _loaded(build)
+    assert kernel.has_argmax(dtype) == (build.name != "portable")
+    if not kernel.has_argmax(dtype):
+        assert kernels.argmax(torch.zeros(2, 3, dtype=dtype)).tolist() == [0, 0]  # torch's, whatever is active
+        return
+    g = torch.Generator().manual_seed(1)
+    for cols in (49152, 151936, 1, 7, 8, 15, 16, 17, 33):
+        x = torch.randn(9, cols, generator=g).to(dtype)
+        last = cols - 1
+        x[1, last] = x[1].max() + 1  # the last column
+        x[2, 0] = x[2].max() + 1  # the first
+        x[3, last // 2] = x[3, last] = x[3].max() + 1  # a tie: the first of them
+        x[4] = x[4, 0]  # one value everywhere: 0
+        x[5] = float("-inf")
+        x[6, last] = float("nan")  # a NaN beats every number
+        x[7, last // 3] = x[7, last] = float("nan")  # the first NaN
+        x[8, last] = float("inf")
+        for rows in (x, x[::2], x[:, : max(1, cols - 1)]):
+            assert torch.equal(kernel.argmax(rows), rows.max(dim=-1).indices), (cols, rows.shape)
+
+
 def _holds_prefill(build: hardware.KernelBuild, dtype: torch.dtype) -> bool:
     """bf16: the builds with AVX-512 BF16; fp32: every build with AVX2 + FMA (8 lanes, or 16 with AVX-512)."""
     return build in PREFILL_BUILDS if dtype == torch.bfloat16 else {"avx2", "fma"} <= build.needs
