@@ -557,8 +557,8 @@ def supports(dtype: torch.dtype, device: torch.device, group: int) -> bool:
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """Each row's first maximum (`Kernel.argmax`) on this process's kernel; torch's `max` where that has none,
     or the logits [B, V] are not an fp32 / bf16 matrix in CPU memory."""
-    kernel = active().kernel
-    if kernel is None or logits.device.type != "cpu" or logits.dim() != 2 or not kernel.has_argmax(logits.dtype):
+    kernel = active().kernel if logits.device.type == "cpu" else None
+    if kernel is None or logits.dim() != 2 or not kernel.has_argmax(logits.dtype):
         return logits.max(dim=-1).indices
     return kernel.argmax(logits)
 

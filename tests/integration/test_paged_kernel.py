@@ -229,6 +229,13 @@ def test_argmax_picks_what_torch_max_picks(build, dtype):
             assert torch.equal(kernel.argmax(rows), rows.max(dim=-1).indices), (cols, rows.shape)
 
 
+def test_argmax_leaves_what_no_kernel_takes_to_torch():
+    """fp16 logits, and a batch of matrices: torch's pick, the same one."""
+    g = torch.Generator().manual_seed(2)
+    for x in (torch.randn(3, 50, generator=g).half(), torch.randn(2, 3, 50, generator=g)):
+        assert torch.equal(kernels.argmax(x), x.max(dim=-1).indices)
+
+
 def _holds_prefill(build: hardware.KernelBuild, dtype: torch.dtype) -> bool:
     """bf16: the builds with AVX-512 BF16; fp32: every build with AVX2 + FMA (8 lanes, or 16 with AVX-512)."""
     return build in PREFILL_BUILDS if dtype == torch.bfloat16 else {"avx2", "fma"} <= build.needs
