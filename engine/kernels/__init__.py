@@ -140,8 +140,8 @@ class Kernel:
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """The index of each row's first maximum, as `x.max(dim=-1).indices` gives it (a NaN, the first, wins):
-        greedy decoding's pick, at vector speed where torch's reduction with indices is not (a 49k-logit row
-        took it ~15-30 us on a 2-core AVX-512 EPYC).
+        greedy decoding's pick, at vector speed where torch's reduction with indices is not (32 rows of 49,152
+        logits: 0.1 ms here, 0.8-0.9 ms in torch, on a 2-core AVX-512 EPYC, bf16 and fp32).
 
         Args:
             x: [B, V] fp32 or bf16, unit stride along V (made so where it is not).

@@ -1943,89 +1943,74 @@ void pdserve_linear_bf16_blocked(const uint16_t* x, const uint16_t* wb, const ui
 /* Greedy decoding's pick: the index of each row's first maximum, as torch.max(x, dim=-1) gives it (a NaN, the
  * first one, beats every number). Two passes over a row: its maximum (NaNs noted on the way), then the first lane
  * equal to it; a row is a vocabulary of logits, in L2 after the LM head wrote it. The builds with AVX2 or AVX-512
- * (the portable build has none: a scalar loop is no faster than torch's). */
-#if defined(HAVE_AVX512) || defined(HAVE_AVX2)
-#define ARGMAX_FIRST_NAN(NAME, T, LOAD)                                                                    \
-    static int64_t NAME##_first_nan(const T* x, int64_t n) {                                               \
-        for (int64_t i = 0; i < n; i++)                                                                    \
-            if (LOAD(x[i]) != LOAD(x[i])) return i;                                                        \
-        return 0;                                                                                          \
-    }
-ARGMAX_FIRST_NAN(argmax_f32, float, f32_load)
-ARGMAX_FIRST_NAN(argmax_bf16, uint16_t, bf16_load)
+ * (the portable build has none: a scalar loop is no faster than torch's), on the widest vectors the build has:
+ * AM_W lanes of am_vec; am_nan / am_eq give a bit per lane. */
+#if defined(HAVE_AVX512)
+#define AM_W 16
+typedef __m512 am_vec;
+static inline am_vec am_splat(float x) { return _mm512_set1_ps(x); }
+static inline am_vec am_max(am_vec a, am_vec b) { return _mm512_max_ps(a, b); }
+static inline unsigned am_nan(am_vec v) { return _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q); }
+static inline unsigned am_eq(am_vec a, am_vec b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
+static inline float am_hmax(am_vec v) { return _mm512_reduce_max_ps(v); }
+#define am_ld_f32 _mm512_loadu_ps
+#define am_ld_bf16 bf16x16_to_f32
+#elif defined(HAVE_AVX2)
+#define AM_W 8
+typedef __m256 am_vec;
+static inline am_vec am_splat(float x) { return _mm256_set1_ps(x); }
+static inline am_vec am_max(am_vec a, am_vec b) { return _mm256_max_ps(a, b); }
+static inline unsigned am_nan(am_vec v) { return (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)); }
+static inline unsigned am_eq(am_vec a, am_vec b) {
+    return (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_EQ_OQ));
+}
+static inline float am_hmax(am_vec v) {
+    float lanes[8];
+    _mm256_storeu_ps(lanes, v);
+    float m = lanes[0];
+    for (int j = 1; j < 8; j++) m = lanes[j] > m ? lanes[j] : m;
+    return m;
+}
+#define am_ld_f32 _mm256_loadu_ps
+#define am_ld_bf16 ld8_bf16
 #endif
 
-#if defined(HAVE_AVX512)
-#define ARGMAX_VEC(NAME, T, LOAD, LDV)                                                                     \
+#ifdef AM_W
+#define ARGMAX_ROWS(NAME, T, LOAD, LDV)                                                                    \
     static int64_t NAME##_row(const T* x, int64_t n) {                                                     \
-        __m512 m = _mm512_set1_ps(-INFINITY);                                                              \
-        __mmask16 nan = 0;                                                                                 \
+        am_vec m = am_splat(-INFINITY);                                                                    \
+        unsigned nan = 0;                                                                                  \
         int64_t i = 0;                                                                                     \
-        for (; i + 16 <= n; i += 16) {                                                                     \
-            const __m512 v = LDV(x + i);                                                                   \
-            nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);                                                 \
-            m = _mm512_max_ps(m, v);                                                                       \
+        for (; i + AM_W <= n; i += AM_W) {                                                                 \
+            const am_vec v = LDV(x + i);                                                                   \
+            nan |= am_nan(v);                                                                              \
+            m = am_max(m, v); /* a NaN lane may come through: the NaN path below then decides */           \
         }                                                                                                  \
-        float mx = _mm512_reduce_max_ps(m);                                                                \
+        float mx = am_hmax(m);                                                                             \
         for (int64_t j = i; j < n; j++) {                                                                  \
             const float v = LOAD(x[j]);                                                                    \
             if (v != v) nan = 1;                                                                           \
             else if (v > mx) mx = v;                                                                       \
         }                                                                                                  \
-        if (nan) return NAME##_first_nan(x, n);                                                            \
-        const __m512 t = _mm512_set1_ps(mx);                                                               \
-        for (i = 0; i + 16 <= n; i += 16) {                                                                \
-            const __mmask16 k = _mm512_cmp_ps_mask(LDV(x + i), t, _CMP_EQ_OQ);                            \
+        if (nan) {                                                                                         \
+            for (i = 0; i < n; i++)                                                                        \
+                if (LOAD(x[i]) != LOAD(x[i])) return i;                                                    \
+        }                                                                                                  \
+        const am_vec t = am_splat(mx);                                                                     \
+        for (i = 0; i + AM_W <= n; i += AM_W) {                                                            \
+            const unsigned k = am_eq(LDV(x + i), t);                                                       \
             if (k) return i + __builtin_ctz(k);                                                            \
         }                                                                                                  \
         for (; i < n; i++)                                                                                 \
             if (LOAD(x[i]) == mx) return i;                                                                \
         return 0; /* every lane -inf: the first */                                                         \
+    }                                                                                                      \
+    /* out[r]: the first maximum's index in row r (`rows` rows of `cols` logits, `stride` elements apart) */ \
+    void pdserve_##NAME(const T* x, int64_t rows, int64_t cols, int64_t stride, int64_t* out) {            \
+        for (int64_t r = 0; r < rows; r++) out[r] = NAME##_row(x + r * stride, cols);                      \
     }
-ARGMAX_VEC(argmax_f32, float, f32_load, _mm512_loadu_ps)
-ARGMAX_VEC(argmax_bf16, uint16_t, bf16_load, bf16x16_to_f32)
-#elif defined(HAVE_AVX2)
-#define ARGMAX_VEC(NAME, T, LOAD, LDV)                                                                     \
-    static int64_t NAME##_row(const T* x, int64_t n) {                                                     \
-        __m256 m = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();                                   \
-        int64_t i = 0;                                                                                     \
-        for (; i + 8 <= n; i += 8) {                                                                       \
-            const __m256 v = LDV(x + i);                                                                   \
-            nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));                                    \
-            m = _mm256_max_ps(m, v);                                                                       \
-        }                                                                                                  \
-        float lanes[8], mx = -INFINITY;                                                                    \
-        _mm256_storeu_ps(lanes, m);                                                                        \
-        for (int j = 0; j < 8; j++) mx = lanes[j] > mx ? lanes[j] : mx;                                    \
-        int any_nan = _mm256_movemask_ps(nan) != 0;                                                        \
-        for (int64_t j = i; j < n; j++) {                                                                  \
-            const float v = LOAD(x[j]);                                                                    \
-            if (v != v) any_nan = 1;                                                                       \
-            else if (v > mx) mx = v;                                                                       \
-        }                                                                                                  \
-        if (any_nan) return NAME##_first_nan(x, n);                                                        \
-        const __m256 t = _mm256_set1_ps(mx);                                                               \
-        for (i = 0; i + 8 <= n; i += 8) {                                                                  \
-            const int k = _mm256_movemask_ps(_mm256_cmp_ps(LDV(x + i), t, _CMP_EQ_OQ));                   \
-            if (k) return i + __builtin_ctz(k);                                                            \
-        }                                                                                                  \
-        for (; i < n; i++)                                                                                 \
-            if (LOAD(x[i]) == mx) return i;                                                                \
-        return 0; /* every lane -inf: the first */                                                         \
-    }
-ARGMAX_VEC(argmax_f32, float, f32_load, _mm256_loadu_ps)
-ARGMAX_VEC(argmax_bf16, uint16_t, bf16_load, ld8_bf16)
-#endif
-
-#if defined(HAVE_AVX512) || defined(HAVE_AVX2)
-/* out[r] = the first maximum's index in row r: `rows` rows of `cols` logits, each `stride` elements after the last. */
-void pdserve_argmax_f32(const float* x, int64_t rows, int64_t cols, int64_t stride, int64_t* out) {
-    for (int64_t r = 0; r < rows; r++) out[r] = argmax_f32_row(x + r * stride, cols);
-}
-
-void pdserve_argmax_bf16(const uint16_t* x, int64_t rows, int64_t cols, int64_t stride, int64_t* out) {
-    for (int64_t r = 0; r < rows; r++) out[r] = argmax_bf16_row(x + r * stride, cols);
-}
+ARGMAX_ROWS(argmax_f32, float, f32_load, am_ld_f32)
+ARGMAX_ROWS(argmax_bf16, uint16_t, bf16_load, am_ld_bf16)
 #endif
 
 /* The widest vector path compiled into this build: the loader checks it is the build it asked for. */
