@@ -18,10 +18,11 @@ from pathlib import Path
 
 from engine.config import EngineConfig
 from planner.plan import Slo
-from planner.profiles import ServingFactors, load_cost_model
+from planner.profiles import ServingFactors
 from planner.traces import load_trace
 from planner.validate import ServedSteps, server_layout, simulate_server
 from router.config import RouterConfig
+from router.cost_model import load_cost_model
 
 FIELDS = ("ttft_p50_s", "tpot_p50_s", "goodput_rps")
 WORKLOADS = ("decode", "prompt", "mixed")

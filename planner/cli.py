@@ -28,11 +28,11 @@ from planner.profiles import (
     ServingFactors,
     device,
     kv_memory_gib,
-    load_cost_model,
     roofline_cost_model,
 )
 from planner.traces import MOONCAKE_BLOCK_TOKENS, Trace, load_trace
 from router.config import RouterConfig
+from router.cost_model import load_cost_model
 from router.policy import POLICIES
 
 if TYPE_CHECKING:

@@ -3,7 +3,7 @@
 A simulated request's every step costs what the profile's cost model says (see `planner.sim`), so the
 profile is where a plan's hardware comes from:
 (a) measured: the cost model a running pdserve calibrated at start-up (`GET /pdserve/cost_model`), or
-    that JSON saved to a file (`load_cost_model`): the same numbers its router places requests with;
+    that JSON saved to a file (`router.cost_model.load_cost_model`): the same numbers its router places requests with;
 (b) roofline: from a model's `config.json` and a device's peak FLOP/s, memory bandwidth and link
     bandwidth (`DEVICES`: A100, H100, H200, L4 and two CPUs), scaled by efficiency factors
     (`Efficiency`, overridable; the defaults are typical shares of peak, not measured by pdserve):
@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
-from router.cost_model import CostModel, LinearFit, load_cost_model  # noqa: F401  (the planner's callers read it here)
+from router.cost_model import CostModel, LinearFit
 
 GiB = 1 << 30
 KINDS = ("gpu", "cpu")

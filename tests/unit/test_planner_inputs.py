@@ -24,12 +24,11 @@ from planner.profiles import (
     ModelShape,
     device,
     kv_memory_gib,
-    load_cost_model,
     roofline_cost_model,
 )
 from planner.sim import Layout, WorkerSpec
 from planner.traces import Trace, TraceRequest, from_jsonl, from_results, from_workload, load_trace
-from router.cost_model import CostModel, LinearFit
+from router.cost_model import CostModel, LinearFit, load_cost_model
 
 ROOT = Path(__file__).resolve().parents[2]
 COST = CostModel(prefill=LinearFit(0.01, 0.001), local_prefill=LinearFit(0.02, 0.002),
