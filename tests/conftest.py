@@ -31,9 +31,8 @@ TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_la
 
 @pytest.fixture(autouse=True, scope="module")
 def _fresh_compiled_steps():
-    """Each test module starts without the compiled decode steps of the modules before it: torch keeps
-    every engine's compiled graphs on the one `step` function they share, and past 8 it stops compiling
-    it (a serving worker holds one engine, which compiles 2: one for each thread count it runs at)."""
+    """Each test module starts without the compiled decode steps of the modules before it (each engine's step is
+    a code object of its own, `model_runner._compile_decode`; Dynamo's other caches go too)."""
     yield
     torch.compiler.reset()
 
