@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -22,36 +21,34 @@ import torch
 STARTUP_S = 540
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class Server:
-    http: str  # base URL
-    grpc: str  # host:port
+    http: str  # base URL ("" until the server printed READY)
+    grpc: str  # host:port ("" until then)
     model: str
     proc: subprocess.Popen
     log: list[str]
 
 
 def spawn_server(extra: list[str], until: str = "READY ") -> Server:
-    """`pdserve serve` with `extra` flags, once a line of its output starts with `until`."""
-    http_port, grpc_port = free_port(), free_port()
+    """`pdserve serve` with `extra` flags, once a line of its output starts with `until`.
+
+    The server picks its own free ports (0) and names them on its READY line: a port picked here and bound
+    there later can be taken in between (an outgoing connection of its Ray workers took one)."""
     cmd = [sys.executable, "-m", "pdserve", "serve", "--dtype", "float32", "--kv-memory-gib", "0.25",
-           "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--served-model-name", "smollm2",
-           *extra]
+           "--http-port", "0", "--grpc-port", "0", "--served-model-name", "smollm2", *extra]
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
     log: list[str] = []
+    ports: dict[str, str] = {}
     reached = threading.Event()
 
     def pump() -> None:
         for line in proc.stdout:
             log.append(line)
+            if line.startswith("READY "):
+                ports.update(kv.split("=", 1) for kv in line.split()[1:])
             if line.startswith(until):
                 reached.set()
     threading.Thread(target=pump, daemon=True).start()
@@ -60,7 +57,9 @@ def spawn_server(extra: list[str], until: str = "READY ") -> Server:
         if proc.poll() is not None or time.monotonic() > deadline:
             stop_server(proc)
             raise RuntimeError(f"pdserve serve never printed {until!r}:\n" + "".join(log[-60:]))
-    return Server(f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}", "smollm2", proc, log)
+    if not ports:
+        return Server("", "", "smollm2", proc, log)
+    return Server(f"http://127.0.0.1:{ports['http']}", f"127.0.0.1:{ports['grpc']}", "smollm2", proc, log)
 
 
 def start_server(extra: list[str]) -> Server:
