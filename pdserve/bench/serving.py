@@ -68,10 +68,28 @@ def _specs(w: Workload, n: int, seed: int, vocab_size: int) -> list[RequestSpec]
     return [replace(per[k][i], index=i) for i, k in enumerate(picks)]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port() -> int:
+    """A port free now, for a server started next with it on its command line. From between Ray's worker
+    ports (10002-19999) and the kernel's ephemeral range: a port the kernel hands out (bind to 0) can be
+    taken by any outgoing connection (a Ray worker's) before the server binds it; one below that range only
+    by a process that names it."""
+    low, high = 20000, max(20001, _ephemeral_low())
+    for _ in range(200):
+        port = random.randrange(low, high)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {low}-{high - 1}")
 
 
 def _wait_http(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
@@ -209,7 +227,7 @@ def served(kind: str, args: argparse.Namespace, out: Path, slo: Slo | None = Non
     """Server `kind` (a `PDSERVE_LAYOUTS` name or "vllm") up on a free port, its log in `out` (as
     `log_name`.log, default `kind`); yields its base URL and command line, and stops it on the way out.
     `slo`: a pdserve server's placement targets (default: its own)."""
-    port = _free_port()
+    port = free_port()
     cmd, env = _server_cmd(kind, args.model_dir, port, args, slo)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / f"{log_name or kind}.log", "w") as log:

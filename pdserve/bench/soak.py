@@ -191,13 +191,13 @@ def machine() -> str:
 
 
 def run_soak(args: argparse.Namespace) -> int:
-    from pdserve.bench.serving import _free_port, _stop, _wait_http
+    from pdserve.bench.serving import _stop, _wait_http, free_port
 
     faults = tuple(args.faults)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    gcs, http = _free_port(), _free_port()
+    gcs, http = free_port(), free_port()
     ray_cli = str(Path(sys.executable).parent / "ray")
     head = subprocess.Popen([ray_cli, "start", "--head", "--block", f"--port={gcs}", "--num-cpus=4",
                              "--disable-usage-stats", f"--temp-dir=/tmp/pdserve-soak-{gcs}",

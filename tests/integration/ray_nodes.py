@@ -4,40 +4,17 @@ the machine (the e2e session's server among them)."""
 from __future__ import annotations
 
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from pdserve.bench.serving import free_port
+
 RAY = str(Path(sys.executable).with_name("ray"))
 # Token auth is Ray's default for local clusters; the drivers of these tests run without it.
 ENV = {**os.environ, "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
-
-
-def _ephemeral_low() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def free_port() -> int:
-    """A port free now for a `ray start` flag, from between Ray's worker ports (10002-19999) and the kernel's
-    ephemeral range: a port the kernel handed out (bind to 0) can be taken by any outgoing connection before
-    Ray binds it; one below that range can be taken only by a process that names it."""
-    low, high = 20000, max(20001, _ephemeral_low())
-    for _ in range(200):
-        port = random.randrange(low, high)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port in {low}-{high - 1}")
 
 
 def start_node(flags: list[str], log: Path) -> subprocess.Popen:

@@ -1,0 +1,27 @@
+"""`free_port`: a port that is free and outside the kernel's ephemeral range (where an outgoing connection
+could take it before the server it is meant for binds it) and Ray's worker ports."""
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+from pdserve.bench.serving import free_port
+
+
+def test_free_port_is_bindable_and_below_the_ephemeral_range() -> None:
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(20):
+        port = free_port()
+        assert 20000 <= port < max(20001, low)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+
+
+def test_free_port_passes_over_a_port_in_use(monkeypatch) -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        taken = held.getsockname()[1]
+        picks = iter([taken, taken, 20001])
+        monkeypatch.setattr("pdserve.bench.serving.random.randrange", lambda lo, hi: next(picks))
+        monkeypatch.setattr("pdserve.bench.serving._ephemeral_low", lambda: 65535)
+        assert free_port() == 20001
