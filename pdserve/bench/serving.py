@@ -68,6 +68,9 @@ def _specs(w: Workload, n: int, seed: int, vocab_size: int) -> list[RequestSpec]
     return [replace(per[k][i], index=i) for i, k in enumerate(picks)]
 
 
+_PORT_PICKS = random.Random()  # its own generator: a caller's `random.seed` does not make two runs pick alike
+
+
 def _ephemeral_low() -> int:
     try:
         return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
@@ -82,7 +85,7 @@ def free_port() -> int:
     by a process that names it."""
     low, high = 20000, max(20001, _ephemeral_low())
     for _ in range(200):
-        port = random.randrange(low, high)
+        port = _PORT_PICKS.randrange(low, high)
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))

@@ -22,6 +22,10 @@ def test_free_port_passes_over_a_port_in_use(monkeypatch) -> None:
         held.bind(("127.0.0.1", 0))
         taken = held.getsockname()[1]
         picks = iter([taken, taken, 20001])
-        monkeypatch.setattr("pdserve.bench.serving.random.randrange", lambda lo, hi: next(picks))
+
+        class Picks:
+            def randrange(self, lo: int, hi: int) -> int:
+                return next(picks)
+        monkeypatch.setattr("pdserve.bench.serving._PORT_PICKS", Picks())
         monkeypatch.setattr("pdserve.bench.serving._ephemeral_low", lambda: 65535)
         assert free_port() == 20001

@@ -2,7 +2,6 @@
 gate/up concatenated (two). Usage, from the repository root: PYTHONPATH=. python kernel_calls.py bfloat16|float32"""
 import time, torch, sys
 from engine import kernels
-from engine import hardware
 
 sel = kernels.active()
 DT = getattr(torch, sys.argv[1])
@@ -14,7 +13,6 @@ for threads in (2,):
     torch.set_num_threads(threads)
     for M in (1, 8, 32):
         x = torch.randn(M, K, dtype=DT)
-        xi = torch.randn(M, 1536, dtype=DT)
         # 30 layers of weights, cold-ish like a real step
         L = 30
         q = [mk(576) for _ in range(L)]; k_ = [mk(192) for _ in range(L)]; v = [mk(192) for _ in range(L)]
