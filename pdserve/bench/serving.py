@@ -82,8 +82,9 @@ def free_port() -> int:
     """A port free now, for a server started next with it on its command line. From between Ray's worker
     ports (10002-19999) and the kernel's ephemeral range: a port the kernel hands out (bind to 0) can be
     taken by any outgoing connection (a Ray worker's) before the server binds it; one below that range only
-    by a process that names it."""
-    low, high = 20000, max(20001, _ephemeral_low())
+    by a process that names it. Where the ephemeral range starts lower, 20000-29999 (free now, no more)."""
+    ephemeral = _ephemeral_low()
+    low, high = 20000, ephemeral if ephemeral > 21000 else 30000
     for _ in range(200):
         port = _PORT_PICKS.randrange(low, high)
         with socket.socket() as s:
