@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from engine import packed_linear
+from engine import fused_layers, packed_linear
 from engine.allocator import keep_large_allocations
 from engine.auto_dtype import load_for
 from engine.block_manager import BlockManager
@@ -120,6 +120,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.stop_checker, config.prefill_chunk_tokens)
         self.linear_choice = packed_linear.apply(model, config.linear, config.device)
+        fused_layers.fuse(model)
         self.runner = ModelRunner(model, self.layout, compile=config.compile)
         self.grammars = Grammars(tokenizer, self.vocab_size, eos_ids) if tokenizer is not None else None
         self.sampler = Sampler(config.seed, eos_ids, self.grammars)

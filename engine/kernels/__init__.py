@@ -46,6 +46,10 @@ _BF16_BLOCK = (16, 2)
 # Prefill attention, by dtype: bf16 in the builds with AVX-512 BF16 (AMX tiles in amx_bf16), fp32 in those with
 # AVX2 + FMA (16 lanes wide with AVX-512); and whether each takes whole prompts too (the build says:
 # `pdserve_prefill_attn_*whole`).
+# The pointwise kernels of an eager step's decoder layers (RMSNorm; a gated MLP's SiLU(gate) * up): both dtypes in
+# the builds with AVX2 or AVX-512 (`engine.fused_layers`).
+_NORM_ENTRY = {torch.float32: "pdserve_rms_norm_f32", torch.bfloat16: "pdserve_rms_norm_bf16"}
+_SILU_MUL_ENTRY = {torch.float32: "pdserve_silu_mul_f32", torch.bfloat16: "pdserve_silu_mul_bf16"}
 _PREFILL_ENTRY = {torch.bfloat16: "pdserve_prefill_attn_bf16", torch.float32: "pdserve_prefill_attn_f32"}
 _PREFILL_WHOLE = {torch.bfloat16: "pdserve_prefill_attn_whole", torch.float32: "pdserve_prefill_attn_f32_whole"}
 PREFILL_HEAD_DIMS, PREFILL_BLOCK_MULTIPLE = (64, 128), 16
@@ -199,6 +203,11 @@ class Kernel:
     def block_weight(self, weight: torch.Tensor) -> torch.Tensor:
         """`weight` laid out for this build's blocked kernel (`block_weight` with its `block_shape`)."""
         return block_weight(weight, self.block_shape(weight.dtype))
+
+    def has_pointwise(self, dtype: torch.dtype) -> bool:
+        """Whether this build holds the pointwise kernels (RMSNorm, SiLU * up) for `dtype` (the builds with AVX2 or
+        AVX-512, fp32 and bf16)."""
+        return dtype in _NORM_ENTRY and hasattr(self.lib, _NORM_ENTRY[dtype]) and hasattr(self.lib, _SILU_MUL_ENTRY[dtype])
 
     def has_blocked(self, dtype: torch.dtype) -> bool:
         """Whether this build computes linear layers of `dtype` on a blocked weight (`block_weight`;
@@ -434,6 +443,14 @@ def _fake_blocked_linear(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Ten
     return x.new_empty((*x.shape[:-1], out_features))
 
 
+def _fake_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _fake_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(gate, memory_format=torch.contiguous_format)
+
+
 def _load_ops() -> Path:
     """Build (once, ~15 s, cached on disk) and load the operator library (loading it again is a no-op).
     Raises KernelError, OSError or RuntimeError where it does not build or load."""
@@ -455,10 +472,14 @@ def _torch_op(kernel: Kernel) -> tuple[object | None, str]:
         blocked = [ctypes.cast(getattr(kernel.lib, _BLOCKED_ENTRY[t]), ctypes.c_void_p) if kernel.has_blocked(t)
                    else None for t in _LINEAR_ENTRY]
         f32_cols = ctypes.c_int64(kernel.block_shape(torch.float32)[0] if kernel.has_blocked(torch.float32) else 0)
-        ctypes.CDLL(str(path)).pdserve_bind(*entry, *linear, *rows, *blocked, f32_cols)
+        pointwise = [ctypes.cast(getattr(kernel.lib, names[t]), ctypes.c_void_p) if kernel.has_pointwise(t) else None
+                     for names in (_NORM_ENTRY, _SILU_MUL_ENTRY) for t in names]
+        ctypes.CDLL(str(path)).pdserve_bind(*entry, *linear, *rows, *blocked, f32_cols, *pointwise)
         torch.library.register_fake("pdserve_cpu::paged_decode")(_fake_decode)
         torch.library.register_fake("pdserve_cpu::linear")(_fake_linear)
         torch.library.register_fake("pdserve_cpu::blocked_linear")(_fake_blocked_linear)
+        torch.library.register_fake("pdserve_cpu::rms_norm")(_fake_rms_norm)
+        torch.library.register_fake("pdserve_cpu::silu_mul")(_fake_silu_mul)
     except (KernelError, OSError, RuntimeError) as e:
         return None, f"ctypes calls: the torch operator did not build ({e})"
     return torch.ops.pdserve_cpu.paged_decode.default, "a torch operator"
@@ -504,6 +525,12 @@ class Selection:
         if self.op is None or self.kernel is None or not self.kernel.has_blocked(dtype):
             return None
         return torch.ops.pdserve_cpu.blocked_linear.default
+
+    def pointwise_ops(self, dtype: torch.dtype) -> tuple[object, object] | None:
+        """The torch operators `rms_norm` and `silu_mul` (None: not built, or none for `dtype` in the build)."""
+        if self.op is None or self.kernel is None or not self.kernel.has_pointwise(dtype):
+            return None
+        return torch.ops.pdserve_cpu.rms_norm.default, torch.ops.pdserve_cpu.silu_mul.default
 
     @property
     def name(self) -> str:

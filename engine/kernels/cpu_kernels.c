@@ -2013,6 +2013,110 @@ ARGMAX_ROWS(argmax_f32, float, f32_load, am_ld_f32)
 ARGMAX_ROWS(argmax_bf16, uint16_t, bf16_load, am_ld_bf16)
 #endif
 
+/* The pointwise parts of a decoder layer that torch runs as several operators each, one pass apiece: RMSNorm
+ * (transformers' Llama form: y = w * round(x * rsqrt(mean(x^2) + eps)), the statistics in fp32, `round` to the
+ * tensor's dtype) and a gated MLP's SiLU(gate) * up (SiLU rounded to the dtype before the product, as torch's two
+ * operators round). Eager steps (prompts, prompt chunks, mixed steps) call them; a compiled decode step fuses its
+ * own. Rows (RMSNorm) or PW_CHUNK elements (SiLU * up) split over the threads. The builds with AVX2 or AVX-512,
+ * on their widest vectors: PW_W lanes of pw_vec; a scalar loop takes what is left of a row. */
+#define PW_EXP_MAX 88.3f /* the largest x whose e^x the vector exps build (2^127 at most): e^x > 2.2e38 past it */
+#if defined(HAVE_AVX512)
+#define PW_W 16
+typedef __m512 pw_vec;
+static inline pw_vec pw_splat(float x) { return _mm512_set1_ps(x); }
+static inline pw_vec pw_mul(pw_vec a, pw_vec b) { return _mm512_mul_ps(a, b); }
+static inline pw_vec pw_fmadd(pw_vec a, pw_vec b, pw_vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline float pw_hsum(pw_vec v) { return _mm512_reduce_add_ps(v); }
+static inline pw_vec pw_silu(pw_vec a) { /* a / (1 + e^-a); 0 where e^-a passes fp32 (torch's a / inf) */
+    const pw_vec e = exp512(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), a), _mm512_set1_ps(PW_EXP_MAX)));
+    const pw_vec s = _mm512_div_ps(a, _mm512_add_ps(_mm512_set1_ps(1.f), e));
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a, _mm512_set1_ps(-PW_EXP_MAX), _CMP_NLT_UQ), s);
+}
+static inline pw_vec pw_rnd_bf16(pw_vec x) { /* x rounded to bf16 (nearest even), kept in fp32; NaN kept */
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_and_si512(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))),
+                                       _mm512_set1_epi32((int)0xffff0000u));
+    return _mm512_mask_mov_ps(_mm512_castsi512_ps(r), _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);
+}
+#define pw_ld_f32 _mm512_loadu_ps
+#define pw_st_f32 _mm512_storeu_ps
+#define pw_ld_bf16 bf16x16_to_f32
+#define pw_st_bf16 st16_bf16
+#elif defined(HAVE_AVX2)
+#define PW_W 8
+typedef __m256 pw_vec;
+static inline pw_vec pw_splat(float x) { return _mm256_set1_ps(x); }
+static inline pw_vec pw_mul(pw_vec a, pw_vec b) { return _mm256_mul_ps(a, b); }
+static inline pw_vec pw_fmadd(pw_vec a, pw_vec b, pw_vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline float pw_hsum(pw_vec v) {
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+static inline pw_vec pw_silu(pw_vec a) {
+    const pw_vec e = exp256(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), a), _mm256_set1_ps(PW_EXP_MAX)));
+    const pw_vec s = _mm256_div_ps(a, _mm256_add_ps(_mm256_set1_ps(1.f), e));
+    return _mm256_and_ps(s, _mm256_cmp_ps(a, _mm256_set1_ps(-PW_EXP_MAX), _CMP_NLT_UQ));
+}
+static inline pw_vec pw_rnd_bf16(pw_vec x) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_and_si256(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))),
+                                       _mm256_set1_epi32((int)0xffff0000u));
+    return _mm256_blendv_ps(_mm256_castsi256_ps(r), x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+}
+#define pw_ld_f32 ld8_f32
+#define pw_st_f32 st8_f32
+#define pw_ld_bf16 ld8_bf16
+#define pw_st_bf16 st8_bf16
+#endif
+
+#ifdef PW_W
+#define PW_CHUNK 4096 /* SiLU * up: elements a thread takes at a time */
+static inline pw_vec pw_rnd_f32(pw_vec x) { return x; }
+static inline float rnd_f32(float x) { return x; }
+static inline float rnd_bf16(float x) { return bf16_load(bf16_store(x)); }
+#define POINTWISE(SFX, T, LOAD, STORE)                                                                     \
+    void pdserve_rms_norm_##SFX(const T* x, const T* w, T* y, int64_t rows, int64_t cols, float eps,       \
+                                int nthreads) {                                                            \
+        _Pragma("omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && rows > 1)")   \
+        for (int64_t r = 0; r < rows; r++) {                                                               \
+            const T* xr = x + r * cols;                                                                    \
+            T* yr = y + r * cols;                                                                          \
+            pw_vec acc = pw_splat(0.f);                                                                    \
+            int64_t i = 0;                                                                                 \
+            for (; i + PW_W <= cols; i += PW_W) {                                                          \
+                const pw_vec v = pw_ld_##SFX(xr + i);                                                      \
+                acc = pw_fmadd(v, v, acc);                                                                 \
+            }                                                                                              \
+            float ss = pw_hsum(acc);                                                                       \
+            for (; i < cols; i++) ss += LOAD(xr[i]) * LOAD(xr[i]);                                         \
+            const float inv = 1.0f / sqrtf(ss / (float)cols + eps);                                        \
+            const pw_vec vinv = pw_splat(inv);                                                             \
+            for (i = 0; i + PW_W <= cols; i += PW_W)                                                       \
+                pw_st_##SFX(yr + i, pw_mul(pw_ld_##SFX(w + i), pw_rnd_##SFX(pw_mul(pw_ld_##SFX(xr + i), vinv)))); \
+            for (; i < cols; i++) yr[i] = STORE(LOAD(w[i]) * rnd_##SFX(LOAD(xr[i]) * inv));                \
+        }                                                                                                  \
+    }                                                                                                      \
+    void pdserve_silu_mul_##SFX(const T* gate, const T* up, T* y, int64_t n, int nthreads) {              \
+        const int64_t chunks = (n + PW_CHUNK - 1) / PW_CHUNK;                                              \
+        _Pragma("omp parallel for num_threads(nthreads) schedule(static) if (nthreads > 1 && chunks > 1)") \
+        for (int64_t c = 0; c < chunks; c++) {                                                             \
+            const int64_t hi = (c + 1) * PW_CHUNK < n ? (c + 1) * PW_CHUNK : n;                            \
+            int64_t i = c * PW_CHUNK;                                                                      \
+            for (; i + PW_W <= hi; i += PW_W)                                                              \
+                pw_st_##SFX(y + i, pw_mul(pw_rnd_##SFX(pw_silu(pw_ld_##SFX(gate + i))), pw_ld_##SFX(up + i))); \
+            for (; i < hi; i++) {                                                                          \
+                const float a = LOAD(gate[i]);                                                             \
+                y[i] = STORE(rnd_##SFX(a / (1.f + expf(-a))) * LOAD(up[i]));                               \
+            }                                                                                              \
+        }                                                                                                  \
+    }
+POINTWISE(f32, float, f32_load, f32_store)
+POINTWISE(bf16, uint16_t, bf16_load, bf16_store)
+#endif
+
 /* The widest vector path compiled into this build: the loader checks it is the build it asked for. */
 const char* pdserve_kernel_isa(void) {
 #if defined(HAVE_AMX)

@@ -3,6 +3,7 @@
 // the dispatcher with no Python in between. One library per process; `pdserve_bind` points it at the
 // loaded kernel build's entry points (see __init__.py).
 // `torch.ops.pdserve_cpu.blocked_linear`: the linear kernel on a weight's blocked copy (any number of rows).
+// `torch.ops.pdserve_cpu.rms_norm` and `silu_mul`: the pointwise kernels of an eager step's decoder layers.
 // `torch.ops.pdserve_cpu.packed_linear`: a linear layer whose weight oneDNN holds packed (an opaque
 // tensor a compiled graph cannot take as an input): the graph passes a handle, `hold_packed` gave it.
 // Like the Python op it replaces, it writes the new K/V into `kv_layer` without declaring the
@@ -116,6 +117,36 @@ at::Tensor blocked_linear(const at::Tensor& x, const at::Tensor& blocked, const 
     return out.view(sizes);
 }
 
+using NormFn = void (*)(const void*, const void*, void*, int64_t, int64_t, float, int);
+using SiluMulFn = void (*)(const void*, const void*, void*, int64_t, int);
+NormFn norm_f32_fn = nullptr, norm_bf16_fn = nullptr;
+SiluMulFn silu_mul_f32_fn = nullptr, silu_mul_bf16_fn = nullptr;
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+    const bool f32 = x.scalar_type() == at::kFloat;
+    const NormFn fn = f32 ? norm_f32_fn : x.scalar_type() == at::kBFloat16 ? norm_bf16_fn : nullptr;
+    TORCH_CHECK(fn != nullptr, "no ", x.scalar_type(), " rms_norm kernel bound (a build with AVX2 or AVX-512)");
+    const int64_t k = x.dim() > 0 ? x.size(-1) : 0;
+    TORCH_CHECK(k > 0 && weight.dim() == 1 && weight.size(0) == k && weight.scalar_type() == x.scalar_type(),
+                "rms_norm: weight must be [x.size(-1)] of x's dtype, got ", weight.sizes(), " for x ", x.sizes());
+    const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
+    at::Tensor out = at::empty_like(xc);
+    fn(xc.data_ptr(), wc.data_ptr(), out.data_ptr(), xc.numel() / k, k, static_cast<float>(eps), at::get_num_threads());
+    return out;
+}
+
+at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
+    const bool f32 = gate.scalar_type() == at::kFloat;
+    const SiluMulFn fn = f32 ? silu_mul_f32_fn : gate.scalar_type() == at::kBFloat16 ? silu_mul_bf16_fn : nullptr;
+    TORCH_CHECK(fn != nullptr, "no ", gate.scalar_type(), " silu_mul kernel bound (a build with AVX2 or AVX-512)");
+    TORCH_CHECK(gate.sizes() == up.sizes() && gate.scalar_type() == up.scalar_type(),
+                "silu_mul: gate and up must have one shape and dtype, got ", gate.sizes(), " and ", up.sizes());
+    const at::Tensor gc = gate.contiguous(), uc = up.contiguous();
+    at::Tensor out = at::empty_like(gc);
+    fn(gc.data_ptr(), uc.data_ptr(), out.data_ptr(), gc.numel(), at::get_num_threads());
+    return out;
+}
+
 std::mutex packed_mu;
 std::vector<at::Tensor> packed_weights;  // by handle; a dropped one is undefined
 
@@ -168,7 +199,8 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& handle, const st
 }  // namespace
 
 extern "C" void pdserve_bind(void* f32, void* bf16, void* lin_f32, void* lin_bf16, int64_t lin_f32_max_rows,
-                             int64_t lin_bf16_max_rows, void* blk_f32, void* blk_bf16, int64_t blk_f32_cols) {
+                             int64_t lin_bf16_max_rows, void* blk_f32, void* blk_bf16, int64_t blk_f32_cols,
+                             void* norm_f32, void* norm_bf16, void* silu_f32, void* silu_bf16) {
     f32_fn = reinterpret_cast<DecodeFn>(f32);
     bf16_fn = reinterpret_cast<DecodeFn>(bf16);
     linear_f32_fn = reinterpret_cast<LinearFn>(lin_f32);
@@ -178,6 +210,10 @@ extern "C" void pdserve_bind(void* f32, void* bf16, void* lin_f32, void* lin_bf1
     blocked_f32_fn = reinterpret_cast<LinearFn>(blk_f32);
     blocked_bf16_fn = reinterpret_cast<LinearFn>(blk_bf16);
     blocked_f32_cols = blk_f32_cols;
+    norm_f32_fn = reinterpret_cast<NormFn>(norm_f32);
+    norm_bf16_fn = reinterpret_cast<NormFn>(norm_bf16);
+    silu_mul_f32_fn = reinterpret_cast<SiluMulFn>(silu_f32);
+    silu_mul_bf16_fn = reinterpret_cast<SiluMulFn>(silu_bf16);
 }
 
 TORCH_LIBRARY(pdserve_cpu, m) {
@@ -186,6 +222,8 @@ TORCH_LIBRARY(pdserve_cpu, m) {
     m.def("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
     m.def("packed_linear(Tensor x, Tensor handle, Tensor? bias, int out_features) -> Tensor");
     m.def("blocked_linear(Tensor x, Tensor blocked, Tensor? bias, int out_features) -> Tensor");
+    m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+    m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
     // Catch-all kernels: the packed weight is an opaque (MKLDNN-layout) tensor.
     m.def("hold_packed(Tensor packed) -> int", &hold_packed);
     m.def("drop_packed(int handle) -> ()", &drop_packed);
@@ -197,4 +235,6 @@ TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
     m.impl("linear", &linear);
     m.impl("packed_linear", &packed_linear);
     m.impl("blocked_linear", &blocked_linear);
+    m.impl("rms_norm", &rms_norm);
+    m.impl("silu_mul", &silu_mul);
 }
