@@ -5,7 +5,7 @@ in the compiled graph where the engine compiles one. In an eager step every deco
 modules operator by operator: an RMSNorm is nine of them (a copy to fp32, a square, a sum, a division, an add, a
 reciprocal square root, two products, a copy back), a gated MLP's activation two. `fuse` swaps each such module of
 a known architecture for one that calls pdserve's CPU kernel (`torch.ops.pdserve_cpu.rms_norm` / `silu_mul`,
-one pass over the rows), 4-5% of a prompt's time on a 2-core AVX-512 BF16 EPYC (BENCHMARKS.md). Inside a
+one pass over the rows): a prompt's steps take 5-10% less time on a 2-core AVX-512 BF16 EPYC (BENCHMARKS.md). Inside a
 compiled graph the swapped modules compute transformers' own formula, which inductor fuses with its neighbours.
 
 Boundary: never imports Ray; the kernels come from `engine.kernels` (the builds with AVX2 or AVX-512; elsewhere
@@ -13,6 +13,7 @@ nothing is swapped).
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 
@@ -30,6 +31,7 @@ _ARCHITECTURES = {"llama": ("LlamaRMSNorm", "LlamaMLP"), "mistral": ("MistralRMS
                   "qwen2": ("Qwen2RMSNorm", "Qwen2MLP"), "qwen3": ("Qwen3RMSNorm", "Qwen3MLP")}
 
 
+@functools.cache
 def _classes() -> tuple[tuple[type, ...], tuple[type, ...]]:
     norms, mlps = [], []
     for arch, (norm, mlp) in _ARCHITECTURES.items():
