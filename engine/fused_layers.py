@@ -58,7 +58,7 @@ class FusedRMSNorm(nn.Module):
         self._op = op
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or x.dtype != self.weight.dtype:  # the kernel takes one dtype
             return reference_rms_norm(x, self.weight, self.variance_epsilon)
         return self._op(x, self.weight, self.variance_epsilon)
 
@@ -96,7 +96,7 @@ def fuse(model: nn.Module) -> int:
         for name, child in list(parent.named_children()):
             if isinstance(child, (FusedRMSNorm, FusedGatedMLP)):
                 fused += 1
-            elif isinstance(child, norms) and child.weight.dim() == 1:
+            elif isinstance(child, norms) and child.weight.dim() == 1 and child.weight.dtype == param.dtype:
                 setattr(parent, name, FusedRMSNorm(child, norm_op))
                 swapped += 1
             elif isinstance(child, mlps) and isinstance(child.act_fn, (SiLUActivation, nn.SiLU)):

@@ -43,13 +43,13 @@ _BLOCKED_ENTRY = {torch.float32: "pdserve_linear_f32_blocked", torch.bfloat16: "
 # kernel: 16 bf16 pairs for a pair dot product; fp32, one lane per column for an FMA: 16 columns in the builds
 # with AVX-512, 8 in the AVX2 build, as the build says (`Kernel.block_shape`)). The C++ operator is told the same.
 _BF16_BLOCK = (16, 2)
-# Prefill attention, by dtype: bf16 in the builds with AVX-512 BF16 (AMX tiles in amx_bf16), fp32 in those with
-# AVX2 + FMA (16 lanes wide with AVX-512); and whether each takes whole prompts too (the build says:
-# `pdserve_prefill_attn_*whole`).
 # The pointwise kernels of an eager step's decoder layers (RMSNorm; a gated MLP's SiLU(gate) * up): both dtypes in
 # the builds with AVX2 or AVX-512 (`engine.fused_layers`).
 _NORM_ENTRY = {torch.float32: "pdserve_rms_norm_f32", torch.bfloat16: "pdserve_rms_norm_bf16"}
 _SILU_MUL_ENTRY = {torch.float32: "pdserve_silu_mul_f32", torch.bfloat16: "pdserve_silu_mul_bf16"}
+# Prefill attention, by dtype: bf16 in the builds with AVX-512 BF16 (AMX tiles in amx_bf16), fp32 in those with
+# AVX2 + FMA (16 lanes wide with AVX-512); and whether each takes whole prompts too (the build says:
+# `pdserve_prefill_attn_*whole`).
 _PREFILL_ENTRY = {torch.bfloat16: "pdserve_prefill_attn_bf16", torch.float32: "pdserve_prefill_attn_f32"}
 _PREFILL_WHOLE = {torch.bfloat16: "pdserve_prefill_attn_whole", torch.float32: "pdserve_prefill_attn_f32_whole"}
 PREFILL_HEAD_DIMS, PREFILL_BLOCK_MULTIPLE = (64, 128), 16

@@ -118,3 +118,6 @@ def test_fuse_swaps_only_what_it_computes_the_same():
     ids = torch.tensor([random_prompt(30, seed=1)])
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, original(ids).logits, rtol=1e-5, atol=1e-5)
+        norm = model.model.norm
+        x = torch.randn(4, TINY["hidden_size"], dtype=torch.bfloat16)  # not the weight's dtype: transformers' formula
+        torch.testing.assert_close(norm(x), reference_rms_norm(x, norm.weight, norm.variance_epsilon))
