@@ -2,8 +2,8 @@
 
 A request's prompt runs in eager steps (its chunks, alone or next to decoding sequences); its decode steps run
 in the compiled graph where the engine compiles one. In an eager step every decoder layer runs transformers'
-modules operator by operator: an RMSNorm is nine of them (a copy to fp32, a square, a sum, a division, an add, a
-reciprocal square root, two products, a copy back), a gated MLP's activation two. `fuse` swaps each such module of
+modules operator by operator: an RMSNorm is six of them (a square, a mean, an add, a reciprocal square root, two
+products) and in bf16 two copies (to fp32 and back), a gated MLP's activation two. `fuse` swaps each such module of
 a known architecture for one that calls pdserve's CPU kernel (`torch.ops.pdserve_cpu.rms_norm` / `silu_mul`,
 one pass over the rows): a prompt's steps take 5-10% less time on a 2-core AVX-512 BF16 EPYC (BENCHMARKS.md). Inside a
 compiled graph the swapped modules compute transformers' own formula, which inductor fuses with its neighbours.
@@ -33,6 +33,7 @@ _ARCHITECTURES = {"llama": ("LlamaRMSNorm", "LlamaMLP"), "mistral": ("MistralRMS
 
 @functools.cache
 def _classes() -> tuple[tuple[type, ...], tuple[type, ...]]:
+    """transformers' norm classes and MLP classes of `_ARCHITECTURES`."""
     norms, mlps = [], []
     for arch, (norm, mlp) in _ARCHITECTURES.items():
         module = importlib.import_module(f"transformers.models.{arch}.modeling_{arch}")
@@ -58,7 +59,7 @@ class FusedRMSNorm(nn.Module):
         self._op = op
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling() or x.dtype != self.weight.dtype:  # the kernel takes one dtype
+        if torch.compiler.is_compiling() or not _on_kernel(self.weight.dtype, x):
             return reference_rms_norm(x, self.weight, self.variance_epsilon)
         return self._op(x, self.weight, self.variance_epsilon)
 
@@ -69,21 +70,28 @@ class FusedRMSNorm(nn.Module):
 class FusedGatedMLP(nn.Module):
     """A gated SiLU MLP (the same three projections) whose SiLU(gate) * up is one kernel call in eager steps."""
 
-    def __init__(self, mlp: nn.Module, op: object) -> None:
+    def __init__(self, mlp: nn.Module, op: object, dtype: torch.dtype) -> None:
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
         self._op = op
+        self._dtype = dtype  # the dtype the kernel was chosen for
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or not _on_kernel(self._dtype, gate, up):
             return self.down_proj(nn.functional.silu(gate) * up)
         return self.down_proj(self._op(gate, up))
 
 
+def _on_kernel(dtype: torch.dtype, *xs: torch.Tensor) -> bool:
+    """Whether the kernel takes `xs`: on the CPU, in the dtype it was chosen for (else transformers' formula)."""
+    return all(x.dtype == dtype and x.device.type == "cpu" for x in xs)
+
+
 def fuse(model: nn.Module) -> int:
-    """Swap the RMSNorms and gated SiLU MLPs of `model` (on the CPU, fp32 or bf16, a known architecture) for
-    fused ones, in place, where the kernel build holds them. Returns how many modules are fused (those a
+    """Swap the RMSNorms and gated SiLU MLPs of `model` (on the CPU, fp32 or bf16, a known architecture: its
+    classes exactly, not a subclass that may compute otherwise) for fused ones, in place, where the kernel build
+    holds them. Returns how many modules are fused (those a
     previous call swapped included; 0: none, the model runs as transformers wrote it)."""
     param = next(model.parameters())
     ops = kernels.active().pointwise_ops(param.dtype) if param.device.type == "cpu" else None
@@ -96,11 +104,11 @@ def fuse(model: nn.Module) -> int:
         for name, child in list(parent.named_children()):
             if isinstance(child, (FusedRMSNorm, FusedGatedMLP)):
                 fused += 1
-            elif isinstance(child, norms) and child.weight.dim() == 1 and child.weight.dtype == param.dtype:
+            elif type(child) in norms and child.weight.dim() == 1 and child.weight.dtype == param.dtype:
                 setattr(parent, name, FusedRMSNorm(child, norm_op))
                 swapped += 1
-            elif isinstance(child, mlps) and isinstance(child.act_fn, (SiLUActivation, nn.SiLU)):
-                setattr(parent, name, FusedGatedMLP(child, silu_mul_op))
+            elif type(child) in mlps and type(child.act_fn) in (SiLUActivation, nn.SiLU):
+                setattr(parent, name, FusedGatedMLP(child, silu_mul_op, param.dtype))
                 swapped += 1
     if swapped:
         log.info("RMSNorm and SiLU * up of eager steps on pdserve's kernel (%d modules)", swapped)

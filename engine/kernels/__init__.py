@@ -204,11 +204,6 @@ class Kernel:
         """`weight` laid out for this build's blocked kernel (`block_weight` with its `block_shape`)."""
         return block_weight(weight, self.block_shape(weight.dtype))
 
-    def has_pointwise(self, dtype: torch.dtype) -> bool:
-        """Whether this build holds the pointwise kernels (RMSNorm, SiLU * up) for `dtype` (the builds with AVX2 or
-        AVX-512, fp32 and bf16)."""
-        return dtype in _NORM_ENTRY and hasattr(self.lib, _NORM_ENTRY[dtype]) and hasattr(self.lib, _SILU_MUL_ENTRY[dtype])
-
     def has_blocked(self, dtype: torch.dtype) -> bool:
         """Whether this build computes linear layers of `dtype` on a blocked weight (`block_weight`;
         fp32: the builds with AVX2 + FMA; bf16: those with AVX-512 BF16)."""
@@ -236,6 +231,31 @@ class Kernel:
         getattr(self.lib, _BLOCKED_ENTRY[x.dtype])(p(x.data_ptr()), p(blocked.data_ptr()),
                                                    None if bias is None else p(bias.data_ptr()), p(out.data_ptr()),
                                                    x.shape[0], out_features, x.shape[1], torch.get_num_threads())
+        return out
+
+    def has_pointwise(self, dtype: torch.dtype) -> bool:
+        """Whether this build holds the pointwise kernels (RMSNorm, SiLU * up) for `dtype` (the builds with AVX2 or
+        AVX-512, fp32 and bf16)."""
+        return all(dtype in e and hasattr(self.lib, e[dtype]) for e in (_NORM_ENTRY, _SILU_MUL_ENTRY))
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """transformers' RMSNorm of each row of x [..., K] with weight [K] (one dtype), in one pass (the torch
+        operator `pdserve_cpu::rms_norm` calls the same kernel)."""
+        x, weight = x.contiguous(), weight.contiguous()
+        out = torch.empty_like(x)
+        getattr(self.lib, _NORM_ENTRY[x.dtype])(
+            ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(weight.data_ptr()), ctypes.c_void_p(out.data_ptr()),
+            ctypes.c_int64(x.numel() // x.shape[-1]), ctypes.c_int64(x.shape[-1]), ctypes.c_float(eps),
+            torch.get_num_threads())
+        return out
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """SiLU(gate) * up (one shape and dtype), in one pass (as the torch operator `pdserve_cpu::silu_mul`)."""
+        gate, up = gate.contiguous(), up.contiguous()
+        out = torch.empty_like(gate)
+        getattr(self.lib, _SILU_MUL_ENTRY[gate.dtype])(
+            ctypes.c_void_p(gate.data_ptr()), ctypes.c_void_p(up.data_ptr()), ctypes.c_void_p(out.data_ptr()),
+            ctypes.c_int64(gate.numel()), torch.get_num_threads())
         return out
 
 
@@ -355,6 +375,27 @@ def _self_check(kernel: Kernel) -> None:
                 if not err <= tol:
                     raise KernelError(f"its {dtype} blocked linear kernel differs from torch's (relative error "
                                       f"{err:.3g})")
+    for dtype in _NORM_ENTRY:
+        if kernel.has_pointwise(dtype):
+            _check_pointwise(kernel, g, dtype)
+
+
+def _check_pointwise(kernel: Kernel, g: torch.Generator, dtype: torch.dtype) -> None:
+    """RMSNorm over rows shorter than a vector, with and without a tail, and SiLU * up over more than one thread's
+    chunk of elements with a tail, against torch's operators."""
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for rows, cols in ((1, 5), (3, 37), (2, 576)):
+        x, w = torch.randn(rows, cols, generator=g).to(dtype), torch.randn(cols, generator=g).to(dtype)
+        h = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+        want = w.float() * h.to(dtype).float()
+        err = float((kernel.rms_norm(x, w, 1e-6).float() - want).abs().max() / want.abs().max())
+        if not err <= tol:
+            raise KernelError(f"its {dtype} RMSNorm kernel differs from torch's (relative error {err:.3g})")
+    gate, up = (torch.randn(2, 4099, generator=g).mul(6).to(dtype) for _ in range(2))
+    want = torch.nn.functional.silu(gate.float()).to(dtype).float() * up.float()
+    err = float((kernel.silu_mul(gate, up).float() - want).abs().max() / want.abs().max())
+    if not err <= tol:
+        raise KernelError(f"its {dtype} SiLU * up kernel differs from torch's (relative error {err:.3g})")
 
 
 def _check_argmax(kernel: Kernel, g: torch.Generator) -> None:
@@ -461,8 +502,8 @@ def _load_ops() -> Path:
 
 def _torch_op(kernel: Kernel) -> tuple[object | None, str]:
     """`torch.ops.pdserve_cpu.paged_decode` bound to `kernel`, or None and why not (the ctypes path
-    then serves, a little slower per call). `torch.ops.pdserve_cpu.linear` and `blocked_linear` come
-    with it where the build holds those kernels."""
+    then serves, a little slower per call). `torch.ops.pdserve_cpu.linear`, `blocked_linear`, `rms_norm` and
+    `silu_mul` come with it where the build holds those kernels."""
     try:
         path = _load_ops()
         entry = [ctypes.cast(getattr(kernel.lib, _ENTRY[t]), ctypes.c_void_p) for t in _ENTRY]

@@ -3,7 +3,8 @@
  * chunks over their cached context in place in the pool (`pdserve_prefill_attn_f32` with AVX2 + FMA,
  * `pdserve_prefill_attn_bf16` with AVX-512 BF16, on AMX tiles in the AMX build) and linear layers on a
  * blocked copy of the weight (`pdserve_linear_f32_blocked` with AVX2 + FMA, `pdserve_linear_bf16_blocked`
- * with AVX-512 BF16).
+ * with AVX-512 BF16), greedy picks (`pdserve_argmax_*`), and the pointwise parts of an eager step's decoder layers
+ * (`pdserve_rms_norm_*`, `pdserve_silu_mul_*`, with AVX2 or AVX-512).
  *
  * One layer of a decode step straight over the paged KV pool: write each sequence's new
  * key and value at its slot, then attend its one query token over its blocks, read in
@@ -165,7 +166,9 @@ static inline __m512 reduce16(const __m512* a) {
     return _mm512_add_ps(_mm512_shuffle_ps(r2[0], r2[1], 0x88), _mm512_shuffle_ps(r2[0], r2[1], 0xDD));
 }
 
-/* exp(x) for x <= 0: 2^(x log2 e) as 2^n * 2^f, |f| <= 1/2, degree-6 Taylor (rel. error < 2e-7). */
+/* exp(x) for -87 <= x <= 88.3 (x clamped up to -87; past 88.3, n passes 127, where exp256 builds no 2^n): 2^(x
+ * log2 e) as 2^n * 2^f, |f| <= 1/2, degree-6 Taylor (rel. error < 2e-7 for |x| of a few units; x log2 e rounds in
+ * fp32, so ~3e-6 near |x| = 88). Softmax calls it for x <= 0, SiLU for -e^-a up to 88.3 (PW_EXP_MAX). */
 static inline __m512 exp512(__m512 x) {
     const __m512 t = _mm512_mul_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(1.4426950408889634f));
     const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -425,7 +428,7 @@ static inline __m256 reduce8(const __m256* a) {
     return _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31));
 }
 
-/* exp(x) for x <= 0, as exp512: 2^n * 2^f with the same polynomial; 2^n built in the exponent bits. */
+/* exp(x) as exp512 (the same domain and polynomial): 2^n * 2^f, 2^n built in the exponent bits. */
 static inline __m256 exp256(__m256 x) {
     const __m256 t = _mm256_mul_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(1.4426950408889634f));
     const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -2019,7 +2022,8 @@ ARGMAX_ROWS(argmax_bf16, uint16_t, bf16_load, am_ld_bf16)
  * operators round). Eager steps (prompts, prompt chunks, mixed steps) call them; a compiled decode step fuses its
  * own. Rows (RMSNorm) or PW_CHUNK elements (SiLU * up) split over the threads. The builds with AVX2 or AVX-512,
  * on their widest vectors: PW_W lanes of pw_vec; a scalar loop takes what is left of a row. */
-#define PW_EXP_MAX 88.3f /* the largest x whose e^x the vector exps build (2^127 at most): e^x > 2.2e38 past it */
+#define PW_EXP_MAX 88.3f /* the largest x whose e^x both vector exps build (2^127 at most) */
+static inline float silu1(float a) { return a / (1.f + expf(-a)); } /* torch's: -0 where e^-a passes fp32 */
 #if defined(HAVE_AVX512)
 #define PW_W 16
 typedef __m512 pw_vec;
@@ -2027,10 +2031,17 @@ static inline pw_vec pw_splat(float x) { return _mm512_set1_ps(x); }
 static inline pw_vec pw_mul(pw_vec a, pw_vec b) { return _mm512_mul_ps(a, b); }
 static inline pw_vec pw_fmadd(pw_vec a, pw_vec b, pw_vec c) { return _mm512_fmadd_ps(a, b, c); }
 static inline float pw_hsum(pw_vec v) { return _mm512_reduce_add_ps(v); }
-static inline pw_vec pw_silu(pw_vec a) { /* a / (1 + e^-a); 0 where e^-a passes fp32 (torch's a / inf) */
+static inline pw_vec pw_silu(pw_vec a) { /* a / (1 + e^-a); lanes below -PW_EXP_MAX (rare) as silu1 */
     const pw_vec e = exp512(_mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), a), _mm512_set1_ps(PW_EXP_MAX)));
     const pw_vec s = _mm512_div_ps(a, _mm512_add_ps(_mm512_set1_ps(1.f), e));
-    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a, _mm512_set1_ps(-PW_EXP_MAX), _CMP_NLT_UQ), s);
+    const unsigned far = _mm512_cmp_ps_mask(a, _mm512_set1_ps(-PW_EXP_MAX), _CMP_LT_OQ);
+    if (!far) return s;
+    float av[16], sv[16];
+    _mm512_storeu_ps(av, a);
+    _mm512_storeu_ps(sv, s);
+    for (int j = 0; j < 16; j++)
+        if (far >> j & 1u) sv[j] = silu1(av[j]);
+    return _mm512_loadu_ps(sv);
 }
 static inline pw_vec pw_rnd_bf16(pw_vec x) { /* x rounded to bf16 (nearest even), kept in fp32; NaN kept */
     const __m512i u = _mm512_castps_si512(x);
@@ -2057,7 +2068,14 @@ static inline float pw_hsum(pw_vec v) {
 static inline pw_vec pw_silu(pw_vec a) {
     const pw_vec e = exp256(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), a), _mm256_set1_ps(PW_EXP_MAX)));
     const pw_vec s = _mm256_div_ps(a, _mm256_add_ps(_mm256_set1_ps(1.f), e));
-    return _mm256_and_ps(s, _mm256_cmp_ps(a, _mm256_set1_ps(-PW_EXP_MAX), _CMP_NLT_UQ));
+    const unsigned far = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(a, _mm256_set1_ps(-PW_EXP_MAX), _CMP_LT_OQ));
+    if (!far) return s;
+    float av[8], sv[8];
+    _mm256_storeu_ps(av, a);
+    _mm256_storeu_ps(sv, s);
+    for (int j = 0; j < 8; j++)
+        if (far >> j & 1u) sv[j] = silu1(av[j]);
+    return _mm256_loadu_ps(sv);
 }
 static inline pw_vec pw_rnd_bf16(pw_vec x) {
     const __m256i u = _mm256_castps_si256(x);
@@ -2107,10 +2125,7 @@ static inline float rnd_bf16(float x) { return bf16_load(bf16_store(x)); }
             int64_t i = c * PW_CHUNK;                                                                      \
             for (; i + PW_W <= hi; i += PW_W)                                                              \
                 pw_st_##SFX(y + i, pw_mul(pw_rnd_##SFX(pw_silu(pw_ld_##SFX(gate + i))), pw_ld_##SFX(up + i))); \
-            for (; i < hi; i++) {                                                                          \
-                const float a = LOAD(gate[i]);                                                             \
-                y[i] = STORE(rnd_##SFX(a / (1.f + expf(-a))) * LOAD(up[i]));                               \
-            }                                                                                              \
+            for (; i < hi; i++) y[i] = STORE(rnd_##SFX(silu1(LOAD(gate[i]))) * LOAD(up[i]));               \
         }                                                                                                  \
     }
 POINTWISE(f32, float, f32_load, f32_store)
