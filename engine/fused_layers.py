@@ -91,8 +91,8 @@ def _on_kernel(dtype: torch.dtype, *xs: torch.Tensor) -> bool:
 def fuse(model: nn.Module) -> int:
     """Swap the RMSNorms and gated SiLU MLPs of `model` (on the CPU, fp32 or bf16, a known architecture: its
     classes exactly, not a subclass that may compute otherwise) for fused ones, in place, where the kernel build
-    holds them. Returns how many modules are fused (those a
-    previous call swapped included; 0: none, the model runs as transformers wrote it)."""
+    holds them. Returns how many modules are fused, those a previous call swapped included (0: none, the model
+    runs as transformers wrote it)."""
     param = next(model.parameters())
     ops = kernels.active().pointwise_ops(param.dtype) if param.device.type == "cpu" else None
     if ops is None:
