@@ -2024,6 +2024,11 @@ ARGMAX_ROWS(argmax_bf16, uint16_t, bf16_load, am_ld_bf16)
  * on their widest vectors: PW_W lanes of pw_vec; a scalar loop takes what is left of a row. */
 #define PW_EXP_MAX 88.3f /* the largest x whose e^x both vector exps build (2^127 at most) */
 static inline float silu1(float a) { return a / (1.f + expf(-a)); } /* torch's: -0 where e^-a passes fp32 */
+/* s[j] = silu1(a[j]) for the lanes j set in `far` (those below -PW_EXP_MAX: rare), of a vector of w stored in s, a */
+static inline void silu_far(float* s, const float* a, unsigned far, int w) {
+    for (int j = 0; j < w; j++)
+        if (far >> j & 1u) s[j] = silu1(a[j]);
+}
 #if defined(HAVE_AVX512)
 #define PW_W 16
 typedef __m512 pw_vec;
@@ -2039,8 +2044,7 @@ static inline pw_vec pw_silu(pw_vec a) { /* a / (1 + e^-a); lanes below -PW_EXP_
     float av[16], sv[16];
     _mm512_storeu_ps(av, a);
     _mm512_storeu_ps(sv, s);
-    for (int j = 0; j < 16; j++)
-        if (far >> j & 1u) sv[j] = silu1(av[j]);
+    silu_far(sv, av, far, 16);
     return _mm512_loadu_ps(sv);
 }
 static inline pw_vec pw_rnd_bf16(pw_vec x) { /* x rounded to bf16 (nearest even), kept in fp32; NaN kept */
@@ -2073,8 +2077,7 @@ static inline pw_vec pw_silu(pw_vec a) {
     float av[8], sv[8];
     _mm256_storeu_ps(av, a);
     _mm256_storeu_ps(sv, s);
-    for (int j = 0; j < 8; j++)
-        if (far >> j & 1u) sv[j] = silu1(av[j]);
+    silu_far(sv, av, far, 8);
     return _mm256_loadu_ps(sv);
 }
 static inline pw_vec pw_rnd_bf16(pw_vec x) {
