@@ -40,7 +40,7 @@ class Plan:
     long_in: int = 200
     long_out: int = 1000
     reps: int = 5  # micro-benchmark repetitions (median)
-    decode_reps: int = 3  # runs of each decode workload and its bound (engines: median; bound: best)
+    decode_reps: int = 3  # runs of each decode workload and its bound, interleaved (see `decode_workload`)
 
 
 FULL, QUICK = Plan(), Plan(prompt_len=32, new_tokens=8, prefill_lens=(32, 256), long_in=32, long_out=48, reps=3,
@@ -231,9 +231,11 @@ def median_run(runs: list[Stats], key: str) -> Stats:
 
 
 def decode_workload(bn: Bench, b: int) -> dict[str, Stats]:
-    """pdserve, transformers and the overhead-free bound at batch `b`. Each is measured
-    `decode_reps` times, interleaved, so a slow spell of the machine hits all three alike: the
-    engines report their median run, the bound its best."""
+    """pdserve, transformers and the overhead-free bound at batch `b`, each measured `decode_reps` times,
+    interleaved (bound, pdserve, transformers, then again): the engines report their median run, the bound
+    its best. The ratios the targets read (`paired`) are the medians of each round's own: pdserve over the
+    bound and over transformers measured beside it, so a slow spell of a shared machine, which takes all
+    three of a round alike, cancels out of them (one round's bound 25% faster than the next's has been seen)."""
     p = bn.plan
     bounds, pd_runs, tf_runs = [], [], []
     for _ in range(p.decode_reps):
@@ -241,11 +243,28 @@ def decode_workload(bn: Bench, b: int) -> dict[str, Stats]:
         pd_runs.append(bn.mon.run(lambda: pd_run(bn, b, p.prompt_len, p.new_tokens)))
         tf_runs.append(bn.mon.run(lambda: hf_run(bn, b, p.prompt_len, p.new_tokens)))
     pd, tf = median_run(pd_runs, "decode_tok_s"), median_run(tf_runs, "decode_tok_s")
+    paired = paired_ratios([r["decode_tok_s"] for r in pd_runs], [r["tok_s"] for r in bounds],
+                           [r["decode_tok_s"] for r in tf_runs])
     log(f"decode B={b}: pdserve {pd['decode_tok_s']:.1f} tok/s (wall {pd['wall_s']:.1f} s), "
-        f"transformers {tf['decode_tok_s']:.1f} tok/s (wall {tf['wall_s']:.1f} s)")
+        f"transformers {tf['decode_tok_s']:.1f} tok/s (wall {tf['wall_s']:.1f} s); round by round "
+        f"{paired['of_bound']:.0%} of the bound, {paired['x_transformers']:.2f}x transformers")
     best = max(bounds, key=lambda r: r["tok_s"])  # a bound is the best the linears did, not a typical run
-    return {"pdserve": pd, "transformers": tf,
+    return {"pdserve": pd, "transformers": tf, "paired": paired,
             "bound": {**best, "reps": len(bounds), "tok_s_runs": [r["tok_s"] for r in bounds]}}
+
+
+def paired_ratios(pd: list[float], bound: list[float], tf: list[float]) -> dict[str, Any]:
+    """Round i's pdserve tok/s over its bound and over its transformers (NaN, from noise, where a figure
+    is not finite), and the median of each: what `decode_workload` reports the targets with."""
+    def ratios(den: list[float]) -> list[float]:
+        return [a / d if d > 0 and np.isfinite(a) and np.isfinite(d) else float("nan") for a, d in zip(pd, den)]
+
+    def median(xs: list[float]) -> float:
+        ok = [x for x in xs if not np.isnan(x)]
+        return statistics.median(ok) if ok else float("nan")
+    of_bound, x_tf = ratios(bound), ratios(tf)
+    return {"of_bound": median(of_bound), "x_transformers": median(x_tf), "of_bound_runs": of_bound,
+            "x_transformers_runs": x_tf}
 
 
 def prefill_workload(bn: Bench, n: int) -> dict[str, Stats]:
