@@ -63,6 +63,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _rounds(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+    return n
+
+
 def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Adds `bench` and its sub-commands to the `pdserve` sub-parsers `sub`."""
     from engine.config import DTYPES, EngineConfig
@@ -85,6 +95,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                      help="auto: what `pdserve serve` would choose here (default: %(default)s)")
     eng.add_argument("--quick", action="store_true", help="smaller workloads (a smoke run)")
     eng.add_argument("--no-compile", action="store_true", help="measure the eager decode path instead")
+    eng.add_argument("--decode-rounds", type=_rounds, default=None,
+                     help="rounds of each decode workload and its bound, interleaved; the targets read the median of "
+                     "the rounds' ratios, so more rounds steady them on a noisy machine (default: 3, 1 with --quick)")
     eng.add_argument("--out", default=None, help="JSON results (default: bench/results/engine-CLASS.json, CLASS "
                      "this machine's class, e.g. avx2-fma)")
     eng.add_argument("--report", default="BENCHMARKS.md")

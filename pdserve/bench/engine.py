@@ -377,6 +377,8 @@ def run_engine_bench(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(THREADS)
     transformers.logging.set_verbosity_error()
     plan = QUICK if args.quick else FULL
+    if args.decode_rounds is not None:
+        plan = dataclasses.replace(plan, decode_reps=args.decode_rounds)
     log(f"plan: {plan}")
     res: dict[str, Any] = {"dtype": args.dtype, "quick": bool(args.quick), "compile": not args.no_compile,
                            "plan": dataclasses.asdict(plan),

@@ -209,3 +209,15 @@ def test_decode_ratios_are_taken_round_by_round_so_a_slow_spell_cancels_out():
     assert "91% (≥ 80% ✅ met) [77%]" in row and "4.92× (≥ 1.50× ✅ met) [4.46×]" in row
     assert "77% (≥ 80% ❌ missed) |" in run(None).splitlines()[2]  # a JSON from before: the median run, best bound
     assert "[" not in run(paired_ratios([77.2], [100.2], [17.3]), reps=1).splitlines()[2]  # one round: one figure
+
+
+def test_decode_rounds_are_a_whole_number_of_at_least_one(capsys):
+    from pdserve.cli import build_parser
+
+    p = build_parser()
+    assert p.parse_args(["bench", "engine", "--decode-rounds", "5"]).decode_rounds == 5
+    assert p.parse_args(["bench", "engine"]).decode_rounds is None  # the plan's own (3; 1 with --quick)
+    for bad in ("0", "-2", "2.5", "many"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["bench", "engine", "--decode-rounds", bad])
+        assert f"--decode-rounds: must be a whole number >= 1, got {bad!r}" in capsys.readouterr().err
