@@ -47,7 +47,8 @@ from loadtest.workload import (
 API_KEY_ENV = "PDSERVE_API_KEY"
 
 
-def _positive_float(text: str) -> float:
+def positive_float(text: str) -> float:
+    """argparse type: a number > 0 (inf allowed: a rate of inf sends all at once)."""
     try:
         v = float(text)
     except ValueError:
@@ -93,7 +94,7 @@ def _percentile_metrics(text: str) -> tuple[str, ...]:
 
 
 def _rates(text: str) -> list[float]:
-    return [_positive_float(t.strip()) for t in text.split(",") if t.strip()] or _rates("x")
+    return [positive_float(t.strip()) for t in text.split(",") if t.strip()] or _rates("x")
 
 
 def _token_range(text: str) -> tuple[int, int]:
@@ -125,11 +126,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "requests as conversations; rates are conversations/s), prefix:K:P:S:O (K shared prefixes), "
                    "or a JSONL file (default: decode-heavy)")
     load = p.add_mutually_exclusive_group(required=True)
-    load.add_argument("--rate", "--request-rate", type=_positive_float, help="open loop: Poisson arrivals "
+    load.add_argument("--rate", "--request-rate", type=positive_float, help="open loop: Poisson arrivals "
                       "(gamma with --burstiness), requests/s (inf: all at once)")
     load.add_argument("--rates", type=_rates, help="open-loop sweep: comma-separated rates, one run each")
     load.add_argument("--concurrency", type=int, help="closed loop: requests kept in flight")
-    p.add_argument("--burstiness", type=_positive_float, default=1.0, help="open loop: shape of the gamma "
+    p.add_argument("--burstiness", type=positive_float, default=1.0, help="open loop: shape of the gamma "
                    "distribution of the gaps between arrivals, mean 1/rate: 1 is Poisson, < 1 burstier, > 1 more "
                    "uniform, inf constant gaps (default: %(default)g)")
     p.add_argument("--num-requests", "--num-prompts", type=int, default=50, help="requests per run (default: 50)")
@@ -142,11 +143,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "workload's seeded stand-ins, the same prompts for every server (stand-in, the default), or the "
                    "server's own answers, as a chat client resends them (answered; a token-id prompt resends their "
                    "ids, asked with return_token_ids)")
-    p.add_argument("--max-duration", type=_positive_float, default=600.0, help="seconds per run; then in-flight "
+    p.add_argument("--max-duration", type=positive_float, default=600.0, help="seconds per run; then in-flight "
                    "requests are cancelled (default: 600)")
-    p.add_argument("--timeout", type=_positive_float, default=300.0, help="per-request timeout, s (default: 300)")
-    p.add_argument("--ttft-target", type=_positive_float, default=2.0, help="goodput: TTFT target, s (default: 2)")
-    p.add_argument("--tpot-target", type=_positive_float, default=0.15,
+    p.add_argument("--timeout", type=positive_float, default=300.0, help="per-request timeout, s (default: 300)")
+    p.add_argument("--ttft-target", type=positive_float, default=2.0, help="goodput: TTFT target, s (default: 2)")
+    p.add_argument("--tpot-target", type=positive_float, default=0.15,
                    help="goodput: TPOT target, s (default: 0.15)")
     p.add_argument("--metric-percentiles", "--percentiles", type=_percentiles, default=None, help="comma-"
                    "separated percentiles in [0, 100] to report (e.g. 50,90,99,99.9); the results JSON keeps p50, "

@@ -4,8 +4,9 @@ One run on this machine, one server after the other (`pdserve.bench.serving.serv
 starts by default (`ratio`: prefix-aware placement, delta KV transfer), pdserve prefix-blind with
 whole prompts shipped (`blind`, `--no-prefix-aware`), and vLLM's CPU build (automatic prefix caching);
 on request also pdserve with no prefix cache at all (`cold`: each turn's whole history computed again).
-Each gets the same conversations (`loadtest` workload `multi-turn`, seeded): all start at once, and
-each sends its next turn a think time after the last one ended. Per server: TTFT of first and of
+Each gets the same conversations (`loadtest` workload `multi-turn`, seeded): all start at once (or at
+`--rate` conversations a second, seeded Poisson arrivals), and each sends its next turn a think time
+after the last one ended. Per server: TTFT of first and of
 later turns, TPOT, prompt tokens served from cache (`usage`), and for pdserve the KV bytes its
 remote prefills moved (its `/metrics`, kept whole as `<server>.metrics`). JSON per server and a Markdown
 table into the results folder.
@@ -14,11 +15,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import subprocess
 import urllib.request
 from pathlib import Path
 from typing import Any
 
+from loadtest.cli import positive_float
 from loadtest.clients import make_client
 from loadtest.report import results_document, write_results
 from loadtest.runner import ANSWERED, REPLIES, STAND_IN, RunResult, run_conversations
@@ -65,6 +68,11 @@ async def _converse(base: str, args: argparse.Namespace) -> RunResult:
         await client.aclose()
 
 
+def started(rate: float) -> str:
+    """How the conversations of a run start, in words: `rate` conversations a second (inf: all at once)."""
+    return "all started at once" if math.isinf(rate) else f"started at {rate:g} a second (Poisson arrivals)"
+
+
 def _row(kind: str, doc: dict[str, Any]) -> str:
     s = doc["runs"][0]["summary"]
     first, later, pc = s["turns"]["first_ttft_s"], s["turns"]["later_ttft_s"], s["prefix_cache"]
@@ -94,13 +102,14 @@ def run_turns(args: argparse.Namespace) -> int:
             meta = {"server": kind, "workload": "multi-turn", "dtype": args.dtype, "command": " ".join(cmd),
                     "conversations": args.conversations, "turns": args.turns, "system": args.system,
                     "user": args.user, "output": args.output, "think_s": args.think_time, "replies": args.replies,
+                    "rate": args.rate,
                     "metrics": parse_metrics(page)}
         doc = results_document(kind, meta, [run], None, None)
         write_results(out / f"{kind}--turns.json", doc)
         rows.append(_row(kind, doc))
         print(rows[-1], flush=True)
     table = "\n".join([
-        (f"{args.conversations} conversations × {args.turns} turns, all started at once, {args.system}-token shared "
+        (f"{args.conversations} conversations × {args.turns} turns, {started(args.rate)}, {args.system}-token shared "
         f"system prompt, {args.user}-token user messages, {args.output}-token replies ({REPLY_WORDS[args.replies]}), "
         f"think time {args.think_time:g} s, {args.dtype}."), "",
         ("| server | ok / sent | TTFT p50, turn 1 (s) | TTFT p50 / p90, turns 2+ (s) | TPOT p50 (s) | prompt tokens "
@@ -113,7 +122,7 @@ def run_turns(args: argparse.Namespace) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_server_arguments(p, servers=f"ratio,blind,{PEER}")
-    p.add_argument("--conversations", type=int, default=8, help="conversations, all started at once (default: 8)")
+    p.add_argument("--conversations", type=int, default=8, help="conversations (default: 8; all started at once unless --rate)")
     p.add_argument("--turns", type=int, default=6, help="turns per conversation (default: 6)")
     p.add_argument("--system", type=int, default=1000, help="shared system prompt, tokens (default: 1000)")
     p.add_argument("--user", type=int, default=64, help="each user message, tokens (default: 64)")
@@ -123,7 +132,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the history's replies: each server's own answers, resent as their token ids, as a chat "
                         "client resends them (answered, the default), or the workload's seeded stand-ins, the same "
                         "prompts for every server (stand-in)")
-    p.add_argument("--rate", type=float, default=float("inf"),
+    p.add_argument("--rate", type=positive_float, default=float("inf"),
                    help="conversations started per second (default: inf, all at once)")
     p.add_argument("--max-duration", type=float, default=1800.0, help="longest run per server, s (default: 1800)")
     p.add_argument("--request-timeout", type=float, default=600.0)

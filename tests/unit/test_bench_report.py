@@ -87,6 +87,21 @@ def test_the_turns_benchmark_reads_pdserve_s_transfer_and_cache_counters():
                                    "pdserve_prefix_cache_hit_tokens_total": 96.0}
 
 
+def test_the_turns_benchmark_starts_conversations_at_a_rate_or_all_at_once(capsys):
+    from pdserve.bench.turns import started
+    from pdserve.cli import build_parser
+
+    p = build_parser()
+    assert p.parse_args(["bench", "turns"]).rate == float("inf")
+    assert p.parse_args(["bench", "turns", "--rate", "0.5"]).rate == 0.5
+    assert started(float("inf")) == "all started at once"
+    assert started(0.5) == "started at 0.5 a second (Poisson arrivals)"
+    for bad in ("0", "-1", "nan", "fast"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["bench", "turns", "--rate", bad])
+        assert f"--rate: expected a number > 0, got {bad!r}" in capsys.readouterr().err
+
+
 def test_the_linear_table_compares_each_batch_and_names_what_auto_packed():
     from pdserve.bench.linear import render
 
