@@ -23,7 +23,8 @@ from typing import Any
 
 from loadtest.cli import positive_float
 from loadtest.clients import make_client
-from loadtest.report import results_document, write_results
+from loadtest.records import RequestRecord
+from loadtest.report import results_document, run_records, write_results
 from loadtest.runner import ANSWERED, REPLIES, STAND_IN, RunResult, run_conversations
 from loadtest.workload import build_workload
 from pdserve.bench.serving import PEER, add_server_arguments, resolve_model_and_dtype, served
@@ -73,6 +74,14 @@ def started(rate: float) -> str:
     return "all started at once" if math.isinf(rate) else f"started at {rate:g} a second (Poisson arrivals)"
 
 
+def later_remote(records: list[RequestRecord]) -> str:
+    """How many later turns (turn 2 on) pdserve placed on a prefill worker, "k of n" over those whose
+    placement the server reported (`usage.pdserve_timings`); "–" where none was (another server)."""
+    paths = [(r.timings or {}).get("path") for r in records if r.turn]
+    placed = [p for p in paths if p is not None]
+    return f"{placed.count('remote')} of {len(placed)}" if placed else "–"
+
+
 def _row(kind: str, doc: dict[str, Any]) -> str:
     s = doc["runs"][0]["summary"]
     first, later, pc = s["turns"]["first_ttft_s"], s["turns"]["later_ttft_s"], s["prefix_cache"]
@@ -84,7 +93,8 @@ def _row(kind: str, doc: dict[str, Any]) -> str:
         return "–" if v is None else fmt.format(v)
     return (f"| {LABELS.get(kind, kind)} | {s['requests']['ok']} / {s['requests']['total']} | {f(first['p50'])} | "
             f"{f(later['p50'])} / {f(later['p90'])} | {f(s['tpot_s']['p50'], '{:.3f}')} | "
-            f"{f(pc and 100 * pc['fraction'], '{:.0f}%')} | {f(moved, '{:.1f}')} | {s['wall_time_s']:.0f} |")
+            f"{f(pc and 100 * pc['fraction'], '{:.0f}%')} | {f(moved, '{:.1f}')} | "
+            f"{later_remote(run_records(doc['runs'][0]))} | {s['wall_time_s']:.0f} |")
 
 
 def run_turns(args: argparse.Namespace) -> int:
@@ -113,8 +123,8 @@ def run_turns(args: argparse.Namespace) -> int:
         f"system prompt, {args.user}-token user messages, {args.output}-token replies ({REPLY_WORDS[args.replies]}), "
         f"think time {args.think_time:g} s, {args.dtype}."), "",
         ("| server | ok / sent | TTFT p50, turn 1 (s) | TTFT p50 / p90, turns 2+ (s) | TPOT p50 (s) | prompt tokens "
-        "from cache | KV moved per remote prefill (MB) | wall (s) |"),
-        "|---|---:|---:|---:|---:|---:|---:|---:|", *rows])
+        "from cache | KV moved per remote prefill (MB) | later turns remote | wall (s) |"),
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|", *rows])
     (out / "table.md").write_text(table + "\n")
     print("\n" + table)
     return 0

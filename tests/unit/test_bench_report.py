@@ -102,6 +102,18 @@ def test_the_turns_benchmark_starts_conversations_at_a_rate_or_all_at_once(capsy
         assert f"--rate: expected a number > 0, got {bad!r}" in capsys.readouterr().err
 
 
+def test_the_turns_table_counts_the_later_turns_placed_remote():
+    from loadtest.records import RequestRecord
+    from pdserve.bench.turns import later_remote
+
+    def rec(turn: int, path: str | None) -> RequestRecord:
+        return RequestRecord(index=turn, prompt_tokens=8, requested_output_tokens=4, start_s=0.0, turn=turn,
+                             timings=None if path is None else {"path": path})
+    assert later_remote([rec(0, "remote"), rec(1, "remote"), rec(2, "local"), rec(3, "remote")]) == "2 of 3"
+    assert later_remote([rec(0, "remote"), rec(1, None), rec(2, "local")]) == "0 of 1"  # one reported no timings
+    assert later_remote([rec(0, None), rec(1, None)]) == "–"  # a server that reports no placement
+
+
 def test_the_linear_table_compares_each_batch_and_names_what_auto_packed():
     from pdserve.bench.linear import render
 
