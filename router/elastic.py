@@ -19,7 +19,12 @@ threads to the other):
    with both). A decode worker that runs out of work while its prefill worker has prompts queued
    lends at once, without waiting for polls (`nudge`, as the book changes): under prompt-heavy load
    each prompt's short decode would otherwise leave the next prompt prefilling on half the threads
-   for two polls.
+   for two polls. The other way, a prefill worker with nothing queued offers its threads to its decode
+   worker's next local prompt (`offers`: the policy prices that prompt with them) and lends them the
+   moment one is booked there (`lend_for`), not two polls later: otherwise, while turns keep reaching
+   the prefill worker within two polls of each other, it never lends, a local prompt is priced on the
+   decode worker's own threads, and the placements settle remote although both paths would serve
+   better local with the loan (BENCHMARKS.md, "conversations that arrive over time").
 3. The lender takes them back the moment it has work: `reclaim` (the placer books a prompt on the
    prefill worker) and `occupy` (a request starts computing on the decode worker: its local
    prefill is booked, or its remote prefill is done). The borrower returns to its own threads at
@@ -100,6 +105,15 @@ class Elastic(Protocol):
 
     def loans(self) -> dict[int, Loan]:
         """The loans standing now, by prefill worker index (for the policy's view)."""
+
+    def offers(self, queued_tokens: list[int]) -> dict[int, Loan]:
+        """The loans a prefill worker would make at once for a local prompt on its decode worker
+        (`lend_for`), by prefill worker index, with the book's prompt tokens queued on each (for the
+        policy's view, where no loan stands)."""
+
+    def lend_for(self, decode: int, queued_tokens: list[int]) -> None:
+        """A local prompt was booked on decode worker `decode` (after `occupy`): what `offers` showed for
+        it is lent now."""
 
     @property
     def moved(self) -> int:
@@ -189,8 +203,26 @@ class ThreadLender:
         return any(x.borrowed and x.prefill == prefill for x in self._pairs)
 
     def loans(self) -> dict[int, Loan]:
-        return {x.prefill: Loan(x.decode, x.speedup.decode, x.speedup.prefill, self.relend_s, to_decode=x.lent)
-                for x in self._pairs if x.lent or x.borrowed}
+        return {x.prefill: self._loan(x, to_decode=x.lent) for x in self._pairs if x.lent or x.borrowed}
+
+    def offers(self, queued_tokens: list[int]) -> dict[int, Loan]:
+        """Pairs with no loan either way, a step compiled for the lent count, and nothing queued on the
+        prefill worker: its threads, for the decode worker's next local prompt. A prompt booked there
+        instead reclaims nothing; the policy prices it as taking them back (what the decode worker's
+        streams lose until they are lent again) as for a standing loan."""
+        return {x.prefill: self._loan(x, to_decode=True) for x in self._pairs
+                if x.ready and not (x.lent or x.borrowed) and queued_tokens[x.prefill] == 0}
+
+    def lend_for(self, decode: int, queued_tokens: list[int]) -> None:
+        """A local prompt was booked on decode worker `decode`: the prefill worker paired with it lends its
+        threads now if it has nothing queued (the prompt prefills with them from the decode worker's next
+        step, as `offers` priced it)."""
+        for x in self._pairs:
+            if x.decode == decode and x.ready and not x.lent and queued_tokens[x.prefill] == 0:
+                self._lend(x)
+
+    def _loan(self, x: _Pair, to_decode: bool) -> Loan:
+        return Loan(x.decode, x.speedup.decode, x.speedup.prefill, self.relend_s, to_decode=to_decode)
 
     def rebalance(self, queued_tokens: list[int], decoding: list[int]) -> None:
         """After a poll: a pair whose decode worker has computed nothing for `IDLE_POLLS` polls lends its
@@ -202,10 +234,7 @@ class ThreadLender:
             if x.quiet_polls >= IDLE_POLLS or (x.quiet_polls and queued_tokens[x.prefill]):
                 self._borrow(x)
             elif x.idle_polls >= IDLE_POLLS and x.ready and not x.lent:
-                self._end_borrow(x)
-                x.lent = True
-                self.lent_count += 1
-                self._set("decode", x.decode, 2 * self._threads)
+                self._lend(x)
 
     def reclaim(self, prefill: int) -> None:
         """A prompt is being sent to prefill worker `prefill`: threads it lent come back now."""
@@ -229,6 +258,12 @@ class ThreadLender:
             if decoding[x.decode] == 0 and queued_tokens[x.prefill]:
                 x.quiet_polls = max(x.quiet_polls, 1)
                 self._borrow(x)
+
+    def _lend(self, x: _Pair) -> None:
+        self._end_borrow(x)
+        x.lent = True
+        self.lent_count += 1
+        self._set("decode", x.decode, 2 * self._threads)
 
     def _borrow(self, x: _Pair) -> None:
         if not x.borrowed:
@@ -339,6 +374,12 @@ class RoleFlipper:
 
     def loans(self) -> dict[int, Loan]:
         return {}  # a flipped worker's compute shows as its flex slot instead
+
+    def offers(self, queued_tokens: list[int]) -> dict[int, Loan]:
+        return {}  # a flipped worker computes for decode through its flex slot: no threads move
+
+    def lend_for(self, decode: int, queued_tokens: list[int]) -> None:
+        pass
 
     def flipped(self, prefill: int) -> bool:
         """Whether prefill worker `prefill` takes decode requests now."""

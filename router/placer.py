@@ -140,10 +140,13 @@ class Placer:
 
     def _state(self, avoid: frozenset[str] | set[str], keys: list[int], unflipped: bool = False) -> PoolState:
         """The book's view for one request: workers in `avoid` unhealthy, the tokens of the prompt
-        (`keys`: its `prefix_keys`) each worker's cache holds, and the threads lent now. A flex slot is
-        its prefill worker's engine."""
+        (`keys`: its `prefix_keys`) each worker's cache holds, and the threads lent now (or, where no loan
+        stands, those an idle prefill worker would lend a local prompt at once). A flex slot is its prefill
+        worker's engine."""
         state, bs = self.book.state(unflipped), self._block_size
-        loans = self.elastic.loans() if self.elastic is not None else {}
+        loans = {}
+        if self.elastic is not None:
+            loans = {**self.elastic.offers(self.computing()[0]), **self.elastic.loans()}
 
         def held(pool: str, index: int) -> int:
             return self.prefix.matched(pool, index, keys) * bs if keys else 0
@@ -172,6 +175,8 @@ class Placer:
         booking = self.book.admit(placement, prompt_tokens, max_tokens, arriving)
         if self.elastic is not None and placement.prefill is not None:
             self.elastic.nudge(*self.computing())
+        elif self.elastic is not None and not arriving:  # what an idle prefill worker offered it (`_state`)
+            self.elastic.lend_for(placement.decode, self.computing()[0])
         if keys:  # the workers computing and receiving the prompt hold its prefix from now on, as the next prompt sees it
             engine = self._engine(placement.decode)
             if placement.prefill is not None:

@@ -87,7 +87,8 @@ class PrefillLoad:
     """Args: worker_id: the worker. queued_tokens: prompt tokens waiting on it (>= 0). healthy: usable.
     decoding: requests it runs whole (flipped to decode), whose decode rows ride in its prefill steps.
     cached_tokens: leading tokens of the request's prompt its prefix cache holds (it computes the rest).
-    loan: threads lent between it and a decode worker now, either way (None: each computes with its own)."""
+    loan: threads lent between it and a decode worker now, either way, or offered to that decode worker's next
+    local prompt, which gets them at once (`router.elastic.ThreadLender.offers`; None: each computes with its own)."""
 
     worker_id: str
     queued_tokens: int

@@ -136,6 +136,46 @@ def test_a_busy_worker_keeps_its_threads() -> None:
     asyncio.run(main())
 
 
+def test_an_idle_prefill_worker_offers_its_threads_to_a_local_prompt_and_lends_them_once_one_is_booked() -> None:
+    """Turns that reach the prefill worker within two polls of each other never let it lend after two idle
+    polls; a local prompt is priced with its threads wherever it has nothing queued (`offers`) and gets them
+    as it is booked (`lend_for`). Not while prompts are queued there, not to an unpaired decode worker, not
+    before the decode step is compiled for the lent count; a decode worker lending the other way is offered
+    them once its own came back (`occupy`)."""
+    async def main():
+        lend, calls, pools = lender(pairs=((0, 0),), prefill=1, decode=2)
+        offer = Loan(0, 1.5, 1.8, 2.0, to_decode=True)
+        assert lend.offers([0]) == {0: offer} and lend.offers([300]) == {} and lend.loans() == {}
+        lend.lend_for(0, [300])  # a prompt waits on the prefill worker: it keeps its threads
+        lend.lend_for(1, [0])  # decode worker 1 has no partner
+        await settle()
+        assert calls == [] and not lend.lent_to(0)
+        lend.lend_for(0, [0])
+        await settle()
+        assert calls == [("decode", 0, 2)] and lend.lent_to(0) and lend.lent_count == 1
+        assert lend.loans() == {0: offer} and lend.offers([0]) == {}  # it stands now: nothing more to offer
+        lend.lend_for(0, [0])  # lent once
+        lend.reclaim(0)  # a prompt for the prefill worker
+        await settle()
+        assert calls == [("decode", 0, 2), ("decode", 0, 1)] and lend.offers([0]) == {0: offer}
+        for _ in range(2):  # the decode worker computes nothing: it lends to the prefill worker
+            lend.rebalance([0], [0, 0])
+        await settle()
+        assert lend.borrowing(0) and lend.offers([0]) == {}  # a loan stands, the other way
+        lend.occupy(0)  # a local prompt is booked: the decode worker's threads come back, and it gets the other's
+        lend.lend_for(0, [0])
+        await settle()
+        assert calls[2:] == [("prefill", 0, 2), ("prefill", 0, 1), ("decode", 0, 2)] and lend.lent_to(0)
+        lend.reset("decode", 0)  # a fresh decode worker: nothing offered before its step is compiled for the loan
+        lend.lend_for(0, [0])
+        await settle()
+        assert lend.offers([0]) == {} and not lend.lent_to(0) and len(calls) == 5  # the new one has its own
+        pools.decode[0].compiled.set()
+        await settle()
+        assert lend.offers([0]) == {0: offer}
+    asyncio.run(main())
+
+
 def test_only_paired_workers_lend_and_a_replacement_starts_over() -> None:
     async def main():
         lend, calls, pools = lender(pairs=((1, 0),), prefill=2, decode=2)  # prefill 1 shares a node with decode 0

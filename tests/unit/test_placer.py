@@ -44,6 +44,12 @@ class Recorder:
     def loans(self) -> dict:
         return {}
 
+    def offers(self, queued_tokens: list[int]) -> dict:
+        return {}
+
+    def lend_for(self, decode: int, queued_tokens: list[int]) -> None:
+        self.calls.append(("lend_for", decode, queued_tokens))
+
     moved = moved_to_prefill = 0
 
 
@@ -73,8 +79,8 @@ def test_a_remote_prompt_is_promised_to_its_decode_worker_and_a_local_one_waitin
     """The n choices of one prompt: the first goes remote and its prefix is promised to the prefill worker
     computing it and to the decode worker receiving it; the second, placed local on that decode worker,
     waits there for the KV in flight, so it takes no threads back from the prefill worker computing it
-    (they come back when the first is prefilled); an unrelated local prompt takes them back at once. The
-    promises end with the requests."""
+    (they come back when the first is prefilled) and borrows none; an unrelated local prompt takes them
+    back at once, and asks for the prefill worker's. The promises end with the requests."""
     async def main():
         prefill, decode = [info("p0")], [info("d0")]
         elastic = Recorder()
@@ -93,7 +99,8 @@ def test_a_remote_prompt_is_promised_to_its_decode_worker_and_a_local_one_waitin
         assert third.placement.path == "remote"
         elastic.calls.clear()
         fourth = await placer.place(RequestFeatures(40, 8, 8), None, list(range(900, 940)))
-        assert fourth.placement.path == "local" and elastic.calls == [("occupy", 0)]
+        # it takes D's threads back, and is offered the prefill worker's (not lent: 250 prompt tokens queued there)
+        assert fourth.placement.path == "local" and elastic.calls == [("occupy", 0), ("lend_for", 0, [250])]
         assert not fourth.awaits_kv
         placer.prefilled(first)
         assert elastic.calls[-1] == ("occupy", 0)
@@ -140,4 +147,34 @@ def test_a_local_prompt_waiting_for_kv_starts_once_its_decode_worker_reserved_th
         for b in (*choices, other, alone):
             placer.release(b, 8, "length")
         assert not placer._unreserved and not placer._waits
+    asyncio.run(main())
+
+
+def test_a_local_prompt_is_priced_with_an_idle_prefill_worker_s_threads_and_gets_them() -> None:
+    """With the prefill worker idle and no loan standing yet (it lends after two idle polls), the ratio policy
+    prices a short prompt on the decode worker with the prefill worker's threads, which a booking there takes
+    at once: it goes local and the decode worker computes with both workers' threads. Told of no such offer,
+    the same placer sends it remote. A prompt booked on the prefill worker takes them back."""
+    from router.elastic import ThreadLender
+    from tests.unit.test_elastic import fake_pools
+    from worker_core.protocol import ThreadSpeedup
+
+    async def main():
+        prefill, decode = [info("p0")], [info("d0")]
+
+        def placer(elastic) -> Placer:
+            return Placer(prefill, decode, ModelLimits.from_infos(prefill, decode), RouterConfig(policy="ratio"),
+                          COST, Metrics(model_name="m"), OutputLengthEstimator(), lender=elastic)
+        blind = await placer(Recorder()).place(RequestFeatures(64, 64, 64), None, list(range(64)))
+        assert blind.placement.path == "remote"
+        pools, calls = fake_pools(1, 1)
+        lender = ThreadLender(pools, [(0, 0, ThreadSpeedup(1.3, 1.8))], threads=1, poll_s=1.0)
+        offered = placer(lender)
+        first = await offered.place(RequestFeatures(64, 64, 64), None, list(range(64)))
+        await asyncio.sleep(0)
+        assert first.placement.path == "local" and first.placement.est_ttft_s < blind.placement.est_ttft_s
+        assert lender.lent_to(0) and calls == [("decode", 0, 2)]
+        long = await offered.place(RequestFeatures(1500, 8, 8), None, list(range(1000, 2500)))
+        await asyncio.sleep(0)
+        assert long.placement.path == "remote" and not lender.lent_to(0) and calls[-1] == ("decode", 0, 1)
     asyncio.run(main())
