@@ -207,9 +207,9 @@ class ThreadLender:
 
     def offers(self, queued_tokens: list[int]) -> dict[int, Loan]:
         """Pairs with no loan either way, a step compiled for the lent count, and nothing queued on the
-        prefill worker: its threads, for the decode worker's next local prompt. A prompt booked there
-        instead reclaims nothing; the policy prices it as taking them back (what the decode worker's
-        streams lose until they are lent again) as for a standing loan."""
+        prefill worker: its threads, for the decode worker's next local prompt. A prompt sent to the prefill
+        worker instead has nothing to reclaim, but the policy prices it as for a standing loan: what the
+        decode worker's streams go without, for its prefill and until the threads are lent again."""
         return {x.prefill: self._loan(x, to_decode=True) for x in self._pairs
                 if x.ready and not (x.lent or x.borrowed) and queued_tokens[x.prefill] == 0}
 
